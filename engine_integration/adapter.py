@@ -1,0 +1,305 @@
+"""VllmAdapter: the EngineAdapter for vLLM 0.32, running inside EngineCore.
+
+Block hashes on the wire are vLLM's *external* hashes, exactly as vLLM's own
+KV events publish them: with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1 (vLLM's
+default) the 64-bit integer `int.from_bytes(digest, "big") & (2**64 - 1)`,
+sent as its 8-byte big-endian encoding (= the digest's last 8 bytes);
+otherwise the raw digest. Only KV-cache group 0 is tracked (standard
+attention models have one group).
+
+Thread model: everything here runs on the engine thread, except `info()` and
+`request_wakeup()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import vllm
+from vllm import envs
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, make_block_hash_with_group_id, resolve_block_hashes
+from vllm.v1.engine import EngineCoreRequestType
+
+from kvhint_server.adapter import EvictReport, TierTask
+from kvhint_server.core import KvHintCore
+from kvhint_server.model import (
+    Action,
+    ActionSupport,
+    BlockState,
+    EngineInfo,
+    RemovalCause,
+    RetentionView,
+    SelectorKind,
+    Tier,
+    TierInfo,
+)
+
+from .coords import request_coords
+
+log = logging.getLogger("kvhint.vllm")
+
+ALL_SELECTORS = (SelectorKind.SESSION, SelectorKind.CONTINUATION, SelectorKind.BLOCK_HASHES)
+MEDIUM_TIER = {"GPU": Tier.DEVICE, "CPU": Tier.HOST, "STORAGE": Tier.DISK}
+_GROUP0 = (0).to_bytes(4, "big")
+
+
+def device_actions() -> tuple[ActionSupport, ...]:
+    """Actions of an engine without lower tiers."""
+    local = tuple(ActionSupport(a, True, ALL_SELECTORS, supports_range=True) for a in (Action.RETAIN, Action.PIN, Action.RELEASE, Action.EVICT))
+    remote = tuple(
+        ActionSupport(a, False, notes="no lower KV tier configured (start the engine with tiers enabled)")
+        for a in (Action.DEMOTE, Action.PREFETCH, Action.SHARE)
+    )
+    return local + remote
+
+
+class VllmAdapter:
+    def __init__(self, core: KvHintCore, scheduler: Any, engine_core: Any | None) -> None:
+        self.core = core
+        self.scheduler = scheduler
+        self.pool: Any = None  # KvHintBlockPool, set by attach_pool
+        self._engine_core = engine_core
+        self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+        self._ext_to_key: dict[bytes, bytes] = {}
+        self._wake_pending = False
+        self._wake_lock = threading.Lock()
+        self._max_id = core.config.max_id_length
+        self.tiers: Any = None  # engine_integration.tiers.runtime.TierRuntime when tiers are enabled
+
+    def attach_pool(self, pool: Any) -> None:
+        self.pool = pool
+
+    # ------------------------------------------------------------ hashes
+
+    def external(self, block_hash: bytes) -> bytes:
+        return block_hash[-8:] if self._int_hashes else block_hash
+
+    def _key(self, ext: bytes) -> bytes | None:
+        if self._int_hashes:
+            return self._ext_to_key.get(ext)
+        return ext + _GROUP0
+
+    def _copies(self, ext: bytes) -> list[Any]:
+        key = self._key(ext)
+        if key is None:
+            return []
+        entry = self.pool.cached_block_hash_to_block._cache.get(key)
+        if entry is None:
+            return []
+        return [entry] if not isinstance(entry, dict) else list(entry.values())
+
+    # ------------------------------------------------------------ EngineAdapter: static
+
+    def info(self) -> EngineInfo:
+        cache_config = self.scheduler.cache_config
+        tiers: tuple[TierInfo, ...] = (TierInfo(Tier.DEVICE, self.pool.medium, self.pool.num_gpu_blocks),)
+        actions = device_actions()
+        destinations: tuple[str, ...] = ()
+        if self.tiers is not None:
+            tiers += self.tiers.tier_infos()
+            actions = self.tiers.actions(actions)
+            destinations = self.tiers.share_destinations()
+        return EngineInfo(
+            engine="vllm",
+            engine_version=vllm.__version__,
+            block_size=self.scheduler.block_size,
+            num_device_blocks=self.pool.num_gpu_blocks,
+            block_hash_encoding="int64" if self._int_hashes else cache_config.prefix_caching_hash_algo,
+            tiers=tiers,
+            actions=actions,
+            share_destinations=destinations,
+        )
+
+    def request_wakeup(self) -> None:
+        """Wake an idle EngineCore so it runs `core.run_pending()` now.
+
+        Busy engines run it at the next `schedule()`. Idle ones sit in
+        `input_queue.get()`; a WAKEUP message returns them to the idle loop,
+        which runs `_idle_state_callbacks` on the engine thread.
+        """
+        engine = self._engine_core
+        queue = getattr(engine, "input_queue", None)
+        callbacks = getattr(engine, "_idle_state_callbacks", None)
+        if queue is None or callbacks is None:
+            return  # in-process engine without a busy loop: next step() applies
+        with self._wake_lock:
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        callbacks.append(self._on_idle)
+        queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    def _on_idle(self, _engine: Any) -> None:
+        with self._wake_lock:
+            self._wake_pending = False
+        self.core.run_pending()
+
+    # ------------------------------------------------------------ EngineAdapter: engine thread
+
+    def lookup(self, hashes: Sequence[bytes]) -> dict[bytes, BlockState]:
+        out: dict[bytes, BlockState] = {}
+        for h in hashes:
+            copies = self._copies(h)
+            mask = Tier.DEVICE.bit if copies else 0
+            if self.tiers is not None:
+                mask |= self.tiers.lower_tiers_of(h)
+            if mask:
+                out[h] = BlockState(h, mask, in_use=any(b.ref_cnt > 0 for b in copies))
+        return out
+
+    def device_blocks(self) -> Iterable[BlockState]:
+        seen = set()
+        for key, entry in self.pool.cached_block_hash_to_block._cache.items():
+            if get_group_id(key) != 0:
+                continue
+            ext = self.external(get_block_hash(key))
+            if ext in seen:
+                continue
+            seen.add(ext)
+            copies = [entry] if not isinstance(entry, dict) else list(entry.values())
+            yield BlockState(ext, Tier.DEVICE.bit, in_use=any(b.ref_cnt > 0 for b in copies))
+
+    def refile(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            for block in self._copies(h):
+                self.pool.kvh_refile_block(block)
+
+    def demote_first(self, hashes: Iterable[bytes]) -> int:
+        moved = 0
+        # Chain order in, so the chain's tail ends up at the queue head.
+        for h in hashes:
+            for block in self._copies(h):
+                if block.ref_cnt == 0:
+                    self.pool.kvh_to_queue_head(block)
+                    moved += 1
+        return moved
+
+    def evict(self, hashes: Sequence[bytes]) -> EvictReport:
+        evicted, in_use = [], []
+        for h in hashes:
+            copies = self._copies(h)
+            if not copies:
+                continue
+            if any(b.ref_cnt > 0 for b in copies):
+                in_use.append(h)
+                continue
+            for block in copies:
+                self.pool.kvh_evict(block, RemovalCause.EVICT_HINT)
+            evicted.append(h)
+        return EvictReport(tuple(evicted), tuple(in_use))
+
+    def start_tier_task(self, task: TierTask) -> str | None:
+        if self.tiers is None:
+            return f"{task.hint.action.name} needs a lower KV tier; none is configured"
+        return self.tiers.start(task)
+
+    # ------------------------------------------------------------ retention (for the pool)
+
+    def retention_active(self) -> bool:
+        return bool(self.core.ledger)
+
+    def retention_of_block(self, block: Any) -> RetentionView:
+        key = block.block_hash
+        return self.core.retention(self.external(get_block_hash(key)))
+
+    def expire_retention(self) -> None:
+        ledger = self.core.ledger
+        if ledger:
+            expired = ledger.expire(self.core.monotonic())
+            if expired:
+                self.refile(expired)
+
+    # ------------------------------------------------------------ residency hooks (from the pool)
+
+    def on_blocks_cached(
+        self,
+        request: Any,
+        blocks: list[Any],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        group_id: int,
+        block_mask: list[bool] | None,
+    ) -> None:
+        if group_id != 0:
+            return
+        hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, block_size)
+        ext = self.external
+        new: list[bytes] = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            if blocks[i].is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
+                continue
+            h = hashes[i]
+            e = ext(h)
+            if self._int_hashes:
+                self._ext_to_key[e] = make_block_hash_with_group_id(h, 0)
+            new.append(e)
+        parent = ext(hashes[num_cached_blocks - 1]) if num_cached_blocks > 0 else None
+        coords = request_coords(request, self._max_id)
+        core = self.core
+        if coords and parent is not None and coords.session_id and not self._is_member(parent, coords.session_id):
+            self._record_hit(request, hashes, num_cached_blocks, coords)
+        core.on_stored(
+            new,
+            first_position=num_cached_blocks,
+            parent=parent,
+            tier=Tier.DEVICE,
+            medium=self.pool.medium,
+            coords=coords,
+        )
+
+    def on_prefix_hit(self, request: Any, num_computed_tokens: int) -> None:
+        coords = request_coords(request, self._max_id)
+        if not coords:
+            return
+        block_size = self.scheduler.block_size
+        n = num_computed_tokens // block_size
+        if n <= 0:
+            return
+        hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, block_size)
+        if coords.session_id and self._is_member(self.external(hashes[n - 1]), coords.session_id):
+            return
+        self._record_hit(request, hashes, n, coords)
+
+    def _record_hit(self, request: Any, hashes: Any, n: int, coords: Any) -> None:
+        self.core.on_stored(
+            [self.external(hashes[i]) for i in range(n)],
+            first_position=0,
+            parent=None,
+            tier=Tier.DEVICE,
+            medium=self.pool.medium,
+            coords=coords,
+            prefix_hit=True,
+        )
+
+    def _is_member(self, ext: bytes, session: str) -> bool:
+        node = self.core.index.node(ext)
+        return node is not None and session in node.sessions
+
+    def on_keys_removed(self, keys: list[bytes], cause: RemovalCause) -> None:
+        """Hash keys were popped from the pool's map; report the ones whose
+        last device copy is gone."""
+        cache = self.pool.cached_block_hash_to_block._cache
+        gone = []
+        for key in keys:
+            if get_group_id(key) != 0 or key in cache:
+                continue
+            e = self.external(get_block_hash(key))
+            if self._int_hashes:
+                self._ext_to_key.pop(e, None)
+            gone.append(e)
+        if gone:
+            lower = self.tiers.lower_tiers_of if self.tiers is not None else None
+            self.core.on_removed(gone, tier=Tier.DEVICE, medium=self.pool.medium, cause=cause, remaining_tiers=lower)
+
+    def on_pins_broken(self, blocks: list[Any], shortfall: int) -> None:
+        hashes = [self.external(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None]
+        log.info("kvhint: breaking %d pinned blocks under memory pressure (shortfall %d)", len(hashes), shortfall)
+        self.core.on_pin_broken(hashes, shortfall)
+
+    def on_device_cleared(self) -> None:
+        self._ext_to_key.clear()
+        self.core.on_cleared(Tier.DEVICE)

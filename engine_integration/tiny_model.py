@@ -1,0 +1,120 @@
+"""Generate random-weight Llama checkpoints with a real tokenizer, offline.
+
+Nothing can be downloaded from a model hub here, so tests, the demo and the
+benchmarks run on models this module writes. Weights are random (seeded, so a
+given preset is byte-for-byte reproducible); the tokenizer is a real byte-level
+BPE trained with `tokenizers` on a built-in corpus, so text prompts work
+through the OpenAI API.
+
+Presets:
+  tiny   hidden 256, 2 layers, 4 heads of dim 64   (tests, demo)
+  bench  hidden 512, 4 layers, 8 heads of dim 64, intermediate 1536
+         (benchmarks: prefill dominates TTFT, as on a real model)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 512},
+    "bench": {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "intermediate_size": 1536},
+}
+VOCAB_SIZE = 4096
+MAX_POSITIONS = 4096
+_MARKER = "kvhint_model.json"
+
+_CORPUS_WORDS = (
+    "the agent calls a tool and waits for the result before it resumes the session "
+    "router engine cache block prefix session branch continuation pin retain release "
+    "evict demote prefetch share tier device host disk memory pressure schedule step "
+    "request response token prompt system user assistant function arguments json "
+    "search read write file list directory run test build deploy query database "
+    "weather city temperature forecast today tomorrow number value error success "
+    "you are a helpful assistant that plans carefully and uses tools when needed "
+    "zero one two three four five six seven eight nine ten hundred thousand"
+).split()
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    path: Path
+    preset: str
+
+
+def _corpus(lines: int = 4000) -> list[str]:
+    import random
+
+    rng = random.Random(1234)
+    out = []
+    for _ in range(lines):
+        n = rng.randint(6, 24)
+        out.append(" ".join(rng.choice(_CORPUS_WORDS) for _ in range(n)) + rng.choice([".", "?", "!", ":"]))
+    out.extend(_CORPUS_WORDS)
+    return out
+
+
+def _build_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=MAX_POSITIONS,
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    fast.save_pretrained(str(path))
+
+
+def make_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0) -> TinyModel:
+    """Write a checkpoint to `path` (created if needed) and return it.
+
+    Idempotent: if `path` already holds this preset, nothing is rewritten.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    out = Path(path)
+    marker = out / _MARKER
+    if marker.exists() and json.loads(marker.read_text()).get("preset") == preset:
+        return TinyModel(out, preset)
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    _build_tokenizer(out)
+    dims = PRESETS[preset]
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        num_key_value_heads=dims["num_attention_heads"],
+        head_dim=64,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        **dims,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(str(out), safe_serialization=True)
+    marker.write_text(json.dumps({"preset": preset, "seed": seed, **dims}))
+    return TinyModel(out, preset)

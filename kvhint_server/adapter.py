@@ -1,0 +1,81 @@
+"""EngineAdapter: the only thing the engine-neutral core knows about an engine.
+
+An adapter lives inside the engine process. Two directions:
+  * core -> engine: the methods below. All except `info` and
+    `request_wakeup` are called on the engine thread at a scheduler step
+    boundary (from `KvHintCore.run_pending`), never concurrently with the
+    engine's own cache mutations.
+  * engine -> core: the adapter reports every residency change through
+    `KvHintCore` (`on_stored`, `on_removed`, `on_cleared`, `on_pin_broken`),
+    synchronously on the engine thread, and calls `KvHintCore.run_pending()`
+    at every step boundary and when woken while idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from .model import BlockState, EngineInfo, HintSpec, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class EvictReport:
+    evicted: tuple[bytes, ...]
+    in_use: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TierTask:
+    """A deferred tier operation handed to the adapter (Demote/Prefetch/Share)."""
+
+    operation_id: str
+    hint: HintSpec
+    block_hashes: tuple[bytes, ...]
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    def info(self) -> EngineInfo:
+        """Static description of the engine (any thread)."""
+
+    def request_wakeup(self) -> None:
+        """Arrange for `KvHintCore.run_pending()` to run on the engine thread
+        soon (within ~50 ms) even if the engine is idle (any thread)."""
+
+    def lookup(self, hashes: Sequence[bytes]) -> dict[bytes, BlockState]:
+        """Residency of explicit block hashes on every tier; absent hashes are
+        left out."""
+
+    def device_blocks(self) -> Iterable[BlockState]:
+        """Every block resident on the device tier."""
+
+    def refile(self, hashes: Iterable[bytes]) -> None:
+        """The effective retention class of these blocks changed; re-file
+        their free device copies in the eviction order (ask the core for the
+        class: `KvHintCore.retention(h)`)."""
+
+    def demote_first(self, hashes: Iterable[bytes]) -> int:
+        """Make the free device copies of these blocks the first eviction
+        candidates. Returns how many were moved."""
+
+    def evict(self, hashes: Sequence[bytes]) -> EvictReport:
+        """Free the device copies now, skipping blocks in use. Removals are
+        reported through the core's hooks as usual."""
+
+    def start_tier_task(self, task: TierTask) -> str | None:
+        """Begin Demote/Prefetch/Share work. Return None if it started (the
+        adapter completes the operation later through the registry), or a
+        reason string to fail it right away. Only called for actions `info()`
+        advertises."""
+
+
+class DeviceOnlyTiers:
+    """Mixin for adapters without lower tiers: tier actions are never advertised."""
+
+    def start_tier_task(self, task: TierTask) -> str | None:
+        return f"{task.hint.action.name} is not supported by this engine"
+
+
+__all__ = ["BlockState", "EngineAdapter", "EvictReport", "TierTask", "Tier", "DeviceOnlyTiers"]

@@ -1,0 +1,255 @@
+"""KvHintCore: the engine-side state behind the sidecar.
+
+Owns the SessionPrefixIndex, the RetentionLedger, the EventBus, the operation
+registry and the queue of engine-thread tasks. Adapters report residency
+changes through the `on_*` hooks (engine thread) and drive `run_pending()` at
+step boundaries; the gRPC side submits work with `submit()` (any thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TypeVar
+
+from .adapter import EngineAdapter
+from .config import ServerConfig
+from .events import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    Coordinates,
+    EventBus,
+    PinBroken,
+    TierTransferCompleted,
+)
+from .index import Removal, SessionPrefixIndex
+from .model import EngineInfo, RemovalCause, RequestCoords, RetentionView, Tier
+from .operations import OperationRegistry
+from .retention import RetentionLedger
+
+log = logging.getLogger("kvhint.core")
+T = TypeVar("T")
+MAX_MEMBERS_REPORTED = 16
+
+
+def session_of_owner(owner: str) -> str | None:
+    return owner[2:] if owner.startswith("s:") else None
+
+
+class EngineStopped(RuntimeError):
+    """The engine stopped before running the task."""
+
+
+class KvHintCore:
+    def __init__(
+        self,
+        config: ServerConfig,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.monotonic = monotonic
+        self.wall = wall
+        self.index = SessionPrefixIndex()
+        self.bus = EventBus(config.event_replay_window, clock=wall)
+        self.operations = OperationRegistry(self.bus, config.operation_history)
+        self.ledger = RetentionLedger(0, start=monotonic())
+        self._adapter: EngineAdapter | None = None
+        self._info: EngineInfo | None = None
+        self._tasks: deque[tuple[Callable[[], object], Future[object]]] = deque()
+        self._tasks_lock = threading.Lock()
+        self._stopped = False
+
+    # ------------------------------------------------------------ wiring
+
+    def attach(self, adapter: EngineAdapter) -> None:
+        self._adapter = adapter
+        self._info = adapter.info()
+        usable = max(0, self._info.num_device_blocks - 1)
+        self.ledger.pin_budget_blocks = int(usable * self.config.pin_budget_fraction)
+
+    @property
+    def adapter(self) -> EngineAdapter:
+        if self._adapter is None:
+            raise RuntimeError("no engine adapter attached")
+        return self._adapter
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError("no engine adapter attached")
+        return self._info
+
+    # ------------------------------------------------------------ engine-thread tasks
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the engine thread at the next step boundary (any thread).
+
+        The future fails with EngineStopped if the engine stops first. A
+        caller that gives up may `cancel()` the future; a cancelled task is
+        skipped if it has not started.
+        """
+        future: Future[T] = Future()
+        with self._tasks_lock:
+            if self._stopped:
+                future.set_exception(EngineStopped("engine is shutting down"))
+                return future
+            self._tasks.append((fn, future))  # type: ignore[arg-type]
+        self.adapter.request_wakeup()
+        return future
+
+    def has_pending(self) -> bool:
+        return bool(self._tasks)
+
+    def run_pending(self) -> None:
+        """Engine thread, at a step boundary: expire retention, run queued tasks."""
+        if self.ledger:
+            expired = self.ledger.expire(self.monotonic())
+            if expired:
+                self.adapter.refile(expired)
+        while self._tasks:
+            with self._tasks_lock:
+                if not self._tasks:
+                    break
+                fn, future = self._tasks.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+                log.exception("kvhint engine task failed")
+                future.set_exception(exc)
+
+    def stop(self) -> None:
+        """Fail queued tasks; later submits fail immediately."""
+        with self._tasks_lock:
+            self._stopped = True
+            tasks, self._tasks = list(self._tasks), deque()
+        for _, future in tasks:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineStopped("engine is shutting down"))
+
+    # ------------------------------------------------------------ residency hooks
+
+    def retention(self, h: bytes) -> RetentionView:
+        return self.ledger.view(h, self.monotonic())
+
+    def on_stored(
+        self,
+        hashes: Sequence[bytes],
+        *,
+        first_position: int,
+        parent: bytes | None,
+        tier: Tier,
+        medium: str,
+        coords: RequestCoords | None,
+        prefix_hit: bool = False,
+    ) -> None:
+        """Blocks became resident on `tier` (or, with prefix_hit, were reused)
+        by a request with `coords` (None: a tier store with no request)."""
+        if not hashes:
+            return
+        if coords:
+            self.index.record_chain(hashes, first_position, parent, tier, coords, self.wall())
+            members = self._members(hashes[-1])
+            coordinates = Coordinates(coords.session_id or "", coords.continuation_id or "", members)
+        elif coords is None:
+            tracked = [h for h in hashes if self.index.mark_resident(h, tier)]
+            members = self._members(tracked[-1]) if tracked else ()
+            coordinates = Coordinates("", "", members)
+        else:
+            members = ()
+            coordinates = Coordinates()
+        sessions = members if not coordinates.session_id else (coordinates.session_id, *members)
+        self.bus.publish(
+            BlocksStored(
+                tier=tier,
+                medium=medium,
+                block_hashes=tuple(hashes),
+                parent=parent,
+                first_position=first_position,
+                block_size=self.info.block_size,
+                coordinates=coordinates,
+                prefix_hit=prefix_hit,
+            ),
+            sessions=sessions,
+            tier=tier,
+        )
+
+    def on_removed(
+        self,
+        hashes: Sequence[bytes],
+        *,
+        tier: Tier,
+        medium: str,
+        cause: RemovalCause,
+        remaining_tiers: Callable[[bytes], int] | None = None,
+    ) -> None:
+        """The last copy on `tier` of each block is gone. Publishes one
+        BlocksRemoved per run of blocks with the same admitting coordinates."""
+        if not hashes:
+            return
+        block_size = self.info.block_size
+        runs: list[tuple[Coordinates, bool, list[bytes], list[int]]] = []
+        for h in hashes:
+            removal: Removal | None = self.index.mark_removed(h, tier)
+            if tier is Tier.DEVICE and self.ledger:
+                self.ledger.drop_block(h)
+            if removal is None:
+                coords = Coordinates()
+                last_copy = remaining_tiers(h) == 0 if remaining_tiers else True
+                prefix_tokens = 0
+            else:
+                coords = Coordinates(
+                    removal.admit_session or "",
+                    removal.admit_continuation or "",
+                    removal.sessions[:MAX_MEMBERS_REPORTED],
+                )
+                last_copy = removal.last_copy
+                prefix_tokens = (removal.position + 1) * block_size
+            if runs and runs[-1][0] == coords and runs[-1][1] == last_copy:
+                runs[-1][2].append(h)
+                runs[-1][3].append(prefix_tokens)
+            else:
+                runs.append((coords, last_copy, [h], [prefix_tokens]))
+        for coords, last_copy, run, tokens in runs:
+            sessions = coords.members if not coords.session_id else (coords.session_id, *coords.members)
+            self.bus.publish(
+                BlocksRemoved(tier, medium, tuple(run), tuple(tokens), coords, cause, last_copy),
+                sessions=sessions,
+                tier=tier,
+            )
+
+    def on_cleared(self, tier: Tier) -> None:
+        self.index.clear_tier(tier)
+        if tier is Tier.DEVICE:
+            self.ledger = RetentionLedger(self.ledger.pin_budget_blocks, start=self.monotonic())
+        self.bus.publish(AllBlocksCleared(tier), tier=tier)
+
+    def on_pin_broken(self, hashes: Sequence[bytes], shortfall_blocks: int) -> None:
+        """Pinned blocks are about to be evicted to serve an allocation."""
+        sessions: list[str] = []
+        for h in hashes:
+            for owner in self.ledger.drop_block(h):
+                s = session_of_owner(owner)
+                if s is not None and s not in sessions:
+                    sessions.append(s)
+        self.bus.publish(PinBroken(tuple(hashes), tuple(sessions), shortfall_blocks), sessions=sessions)
+
+    def on_transfer(
+        self, hashes: Sequence[bytes], from_tier: Tier, to_tier: Tier, bytes_moved: int, operation_id: str = ""
+    ) -> None:
+        members = self._members(hashes[-1]) if hashes else ()
+        self.bus.publish(
+            TierTransferCompleted(from_tier, to_tier, tuple(hashes), bytes_moved, operation_id, Coordinates("", "", members)),
+            sessions=members,
+            tier=to_tier,
+        )
+
+    def _members(self, h: bytes) -> tuple[str, ...]:
+        return self.index.resident_sessions_of(h)[:MAX_MEMBERS_REPORTED]

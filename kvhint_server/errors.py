@@ -1,0 +1,58 @@
+"""RPC-level errors: a gRPC status plus a google.rpc.ErrorInfo detail.
+
+Malformed requests fail the whole RPC with INVALID_ARGUMENT; the ErrorInfo
+carries a kvhint.v1 Reason name (e.g. "REASON_MALFORMED_REQUEST"), domain
+"kvhint.v1", and metadata {"field": <path of the offending field>}.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from .model import Reason
+
+DOMAIN = "kvhint.v1"
+
+_CODE_OF = {
+    grpc.StatusCode.INVALID_ARGUMENT: code_pb2.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND: code_pb2.NOT_FOUND,
+    grpc.StatusCode.UNAVAILABLE: code_pb2.UNAVAILABLE,
+    grpc.StatusCode.FAILED_PRECONDITION: code_pb2.FAILED_PRECONDITION,
+    grpc.StatusCode.DEADLINE_EXCEEDED: code_pb2.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
+}
+
+
+class RpcError(Exception):
+    """Raised inside the servicer; converted to a gRPC status by the handler."""
+
+    def __init__(self, code: grpc.StatusCode, reason: Reason, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.field = field
+
+    def to_status(self) -> grpc.Status:
+        info = error_details_pb2.ErrorInfo(reason=f"REASON_{self.reason.name}", domain=DOMAIN)
+        if self.field:
+            info.metadata["field"] = self.field
+        detail = any_pb2.Any()
+        detail.Pack(info)
+        status = status_pb2.Status(code=_CODE_OF[self.code], message=self.message, details=[detail])
+        return rpc_status.to_status(status)
+
+
+def invalid_argument(message: str, field: str, reason: Reason = Reason.MALFORMED_REQUEST) -> RpcError:
+    return RpcError(grpc.StatusCode.INVALID_ARGUMENT, reason, message, field)
+
+
+def not_found(message: str, field: str) -> RpcError:
+    return RpcError(grpc.StatusCode.NOT_FOUND, Reason.NOT_RESIDENT, message, field)
+
+
+def unavailable(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.UNAVAILABLE, Reason.SHUTTING_DOWN, message)

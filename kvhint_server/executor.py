@@ -1,0 +1,309 @@
+"""HintExecutor: applies validated hints on the engine thread.
+
+A batch runs inside one engine-thread task, so it is applied atomically at a
+scheduler step boundary. Every hint gets exactly one HintResult, and every
+applied hint is published as a HintApplied event. Hint ids give idempotency:
+a re-sent id returns the first result (replayed=True) without re-applying;
+the same id with a different hint is REJECTED/HINT_ID_CONFLICT.
+
+Engine-neutral: selectors resolve through the SessionPrefixIndex (sessions,
+continuations) or the adapter (explicit hashes); retention lives in the
+RetentionLedger; physical effects go through the EngineAdapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from .adapter import TierTask
+from .core import KvHintCore
+from .events import HintApplied
+from .model import (
+    Action,
+    Clip,
+    HintResult,
+    HintSpec,
+    Outcome,
+    Reason,
+    Selector,
+    SelectorKind,
+    Tier,
+)
+
+_FROM_END = (Action.RELEASE, Action.EVICT, Action.DEMOTE)
+
+
+class HintExecutor:
+    def __init__(self, core: KvHintCore) -> None:
+        self.core = core
+        self._seen: OrderedDict[str, tuple[bytes, HintResult]] = OrderedDict()
+
+    # ------------------------------------------------------------ batch
+
+    def apply_batch(self, items: Sequence[HintSpec | HintResult], wire_hints: Sequence[Any]) -> tuple[list[HintResult], int]:
+        """Engine thread. Returns the results (request order) and the sequence
+        of the last event the batch caused."""
+        results: list[HintResult] = []
+        for item, wire in zip(items, wire_hints):
+            if isinstance(item, HintResult):
+                result = item
+            else:
+                replay = self._replay(item)
+                if replay is not None:
+                    results.append(replay)
+                    continue
+                result = self._apply(item)
+                if item.hint_id:
+                    self._remember(item, result)
+            self.core.bus.publish(HintApplied(wire, result), sessions=_sessions_of(item))
+            results.append(result)
+        return results, self.core.bus.last_sequence
+
+    def _replay(self, spec: HintSpec) -> HintResult | None:
+        if not spec.hint_id:
+            return None
+        seen = self._seen.get(spec.hint_id)
+        if seen is None:
+            return None
+        fingerprint, first = seen
+        if fingerprint != spec.fingerprint:
+            return HintResult.rejected(
+                spec.hint_id, Reason.HINT_ID_CONFLICT, f"hint_id {spec.hint_id!r} was already used for a different hint"
+            )
+        self._seen.move_to_end(spec.hint_id)
+        return dataclasses.replace(first, replayed=True)
+
+    def _remember(self, spec: HintSpec, result: HintResult) -> None:
+        self._seen[spec.hint_id] = (spec.fingerprint, result)
+        while len(self._seen) > self.core.config.idempotency_window:
+            self._seen.popitem(last=False)
+
+    # ------------------------------------------------------------ resolution
+
+    def resolve(self, selector: Selector) -> list[bytes]:
+        """Block hashes the selector names, in chain order (range applied).
+        May include blocks with no resident copy (parent-only nodes)."""
+        index = self.core.index
+        if selector.kind is SelectorKind.SESSION:
+            hashes = index.resolve_session(selector.session_id, selector.include_children)
+        elif selector.kind is SelectorKind.CONTINUATION:
+            hashes = index.resolve_continuation(selector.continuation_id)
+        else:
+            return list(selector.block_hashes)
+        if selector.has_range:
+            end = selector.range_end if selector.range_end is not None else 1 << 62
+            nodes = index.nodes
+            hashes = [h for h in hashes if selector.range_start <= nodes[h].position < end]
+        return hashes
+
+    def tiers_of(self, hashes: Sequence[bytes]) -> dict[bytes, int]:
+        """Tier bitmask per hash (index for tracked blocks, adapter for the rest)."""
+        index = self.core.index
+        out: dict[bytes, int] = {}
+        unknown: list[bytes] = []
+        for h in hashes:
+            node = index.node(h)
+            if node is None:
+                unknown.append(h)
+            else:
+                out[h] = node.tiers
+        if unknown:
+            for h, state in self.core.adapter.lookup(unknown).items():
+                out[h] = state.tiers
+        return out
+
+    def _resident(self, spec: HintSpec, tier: Tier = Tier.DEVICE) -> list[bytes]:
+        hashes = self.resolve(spec.selector)
+        tiers = self.tiers_of(hashes)
+        return [h for h in hashes if tiers.get(h, 0) & tier.bit]
+
+    # ------------------------------------------------------------ actions
+
+    def _apply(self, spec: HintSpec) -> HintResult:
+        if spec.action in (Action.RETAIN, Action.PIN):
+            return self._retain_or_pin(spec)
+        if spec.action is Action.RELEASE:
+            return self._release(spec)
+        if spec.action is Action.EVICT:
+            return self._evict(spec)
+        return self._tier_action(spec)
+
+    def _cap(self, spec: HintSpec, hashes: list[bytes], clips: list[Clip]) -> list[bytes]:
+        if spec.max_blocks and len(hashes) > spec.max_blocks:
+            clips.append(
+                Clip(
+                    Reason.MAX_BLOCKS,
+                    f"{len(hashes)} blocks selected, max_blocks={spec.max_blocks}",
+                    requested_blocks=len(hashes),
+                    granted_blocks=spec.max_blocks,
+                )
+            )
+            hashes = hashes[-spec.max_blocks :] if spec.action in _FROM_END else hashes[: spec.max_blocks]
+        return hashes
+
+    def _retain_or_pin(self, spec: HintSpec) -> HintResult:
+        core = self.core
+        hashes = self._resident(spec)
+        if not hashes:
+            return HintResult.missing(spec.hint_id)
+        clips: list[Clip] = []
+        hashes = self._cap(spec, hashes, clips)
+        assert spec.ttl_s is not None and spec.requested_ttl_s is not None
+        if spec.requested_ttl_s > spec.ttl_s:
+            clips.append(
+                Clip(
+                    Reason.TTL_CAPPED,
+                    f"ttl {spec.requested_ttl_s:g}s capped to {spec.ttl_s:g}s",
+                    requested_ttl_s=spec.requested_ttl_s,
+                    granted_ttl_s=spec.ttl_s,
+                )
+            )
+        pinned = spec.action is Action.PIN
+        ledger = core.ledger
+        now = core.monotonic()
+        if pinned:
+            ledger.expire(now)
+            new = [h for h in hashes if not ledger.is_pinned(h)]
+            headroom = ledger.pin_headroom()
+            if len(new) > headroom:
+                allowed = set(new[:headroom])
+                granted = [h for h in hashes if ledger.is_pinned(h) or h in allowed]
+                clips.append(
+                    Clip(
+                        Reason.PIN_BUDGET,
+                        f"pin budget of {ledger.pin_budget_blocks} blocks: pinned {len(granted)} of {len(hashes)}",
+                        requested_blocks=len(hashes),
+                        granted_blocks=len(granted),
+                    )
+                )
+                hashes = granted
+        ledger.grant(
+            spec.selector.owner,
+            hashes,
+            pinned=pinned,
+            priority=spec.priority,
+            deadline=now + spec.ttl_s,
+            expires_at=core.wall() + spec.ttl_s,
+        )
+        core.adapter.refile(hashes)
+        return _result(spec, clips, {Tier.DEVICE: len(hashes)}, effective_ttl_s=spec.ttl_s)
+
+    def _release(self, spec: HintSpec) -> HintResult:
+        core = self.core
+        sel = spec.selector
+        index, ledger = core.index, core.ledger
+        clips: list[Clip] = []
+        sessions = index.session_tree(sel.session_id, sel.include_children) if sel.kind is SelectorKind.SESSION else []
+        owners = ["s:" + s for s in sessions] if sel.kind is SelectorKind.SESSION else [sel.owner]
+        if sel.kind is SelectorKind.SESSION and "s:" + sel.session_id not in owners:
+            owners.append("s:" + sel.session_id)  # grants may outlive index membership
+        hashes = self.resolve(sel)
+        narrowed = sel.has_range or sel.kind is not SelectorKind.SESSION or bool(spec.max_blocks)
+        hashes = self._cap(spec, hashes, clips)
+        released: set[bytes] = set()
+        for owner in owners:
+            released.update(ledger.release(owner, hashes if narrowed else None))
+        if not hashes and not released:
+            return HintResult.missing(spec.hint_id, "nothing selected and no retention held")
+        if released:
+            core.adapter.refile(released)
+        # First eviction candidates: blocks nobody else retains or belongs to.
+        leaving = set(sessions)
+        exclusive = [
+            h
+            for h in hashes
+            if not ledger.owners(h) and set(index.resident_sessions_of(h)) <= leaving
+        ]
+        moved = core.adapter.demote_first(exclusive)
+        if sel.kind is SelectorKind.SESSION and not narrowed:
+            for s in sessions:
+                index.forget_session(s)
+        return _result(spec, clips, {Tier.DEVICE: max(moved, len(released))})
+
+    def _evict(self, spec: HintSpec) -> HintResult:
+        core = self.core
+        hashes = self._resident(spec)
+        if not hashes:
+            return HintResult.missing(spec.hint_id)
+        clips: list[Clip] = []
+        hashes = self._cap(spec, hashes, clips)
+        owner = spec.selector.owner
+        now = core.monotonic()
+        protected = [h for h in hashes if core.ledger.pinned_by_other(h, owner, now)]
+        if protected:
+            clips.append(
+                Clip(
+                    Reason.PINNED_BY_OTHER_SESSION,
+                    f"{len(protected)} blocks are pinned by another session",
+                    requested_blocks=len(hashes),
+                    granted_blocks=len(hashes) - len(protected),
+                )
+            )
+            skip = set(protected)
+            hashes = [h for h in hashes if h not in skip]
+        # Tail first: evicting a prefix block first would strand its descendants.
+        report = core.adapter.evict(list(reversed(hashes)))
+        if report.in_use:
+            clips.append(
+                Clip(
+                    Reason.BLOCKS_IN_USE,
+                    f"{len(report.in_use)} blocks are in use by running requests",
+                    requested_blocks=len(hashes),
+                    granted_blocks=len(report.evicted),
+                )
+            )
+        return _result(spec, clips, {Tier.DEVICE: len(report.evicted)})
+
+    def _tier_action(self, spec: HintSpec) -> HintResult:
+        core = self.core
+        source = Tier.DEVICE if spec.action in (Action.DEMOTE, Action.SHARE) else None
+        hashes = self.resolve(spec.selector)
+        tiers = self.tiers_of(hashes)
+        if source is not None:
+            hashes = [h for h in hashes if tiers.get(h, 0) & source.bit]
+        else:
+            hashes = [h for h in hashes if tiers.get(h, 0)]
+        if not hashes:
+            return HintResult.missing(spec.hint_id)
+        clips: list[Clip] = []
+        hashes = self._cap(spec, hashes, clips)
+        if spec.action is Action.PREFETCH and all(tiers[h] & Tier.DEVICE.bit for h in hashes):
+            return _result(spec, clips, {Tier.DEVICE: len(hashes)}, message="already resident on the device tier")
+        op = core.operations.create(spec.hint_id, spec.action, _sessions_of(spec), spec.destination)
+        failure = core.adapter.start_tier_task(TierTask(op.operation_id, spec, tuple(hashes)))
+        if failure is not None:
+            core.operations.complete(op.operation_id, ok=False, reason=Reason.RESOURCE_EXHAUSTED, message=failure)
+            return HintResult.rejected(spec.hint_id, Reason.RESOURCE_EXHAUSTED, failure)
+        result = _result(spec, clips, {Tier.DEVICE: len(hashes)})
+        result.outcome = Outcome.DEFERRED
+        result.reason = Reason.UNSPECIFIED
+        result.operation_id = op.operation_id
+        return result
+
+
+def _result(
+    spec: HintSpec,
+    clips: list[Clip],
+    affected: dict[Tier, int],
+    effective_ttl_s: float | None = None,
+    message: str = "",
+) -> HintResult:
+    outcome = Outcome.CLIPPED if clips else Outcome.ACCEPTED
+    return HintResult(
+        hint_id=spec.hint_id,
+        outcome=outcome,
+        reason=clips[0].reason if clips else Reason.UNSPECIFIED,
+        message=message or "; ".join(c.detail for c in clips),
+        clips=clips,
+        affected={t: n for t, n in affected.items() if n},
+        effective_ttl_s=effective_ttl_s,
+    )
+
+
+def _sessions_of(item: HintSpec | HintResult) -> tuple[str, ...]:
+    if isinstance(item, HintSpec) and item.selector.kind is SelectorKind.SESSION:
+        return (item.selector.session_id,)
+    return ()

@@ -1,0 +1,332 @@
+"""SessionPrefixIndex: session and continuation coordinates over block hashes.
+
+Logical topology kept synchronously with cache activity (DESIGN §3):
+  * node[h]: parent link, chain position, resident tiers (bitmask), member
+    sessions, child count, and the admitting session/continuation.
+  * blocks_of[session] / node.sessions: many-to-many membership.
+  * frontiers[session]: the last block of each branch.
+  * continuations[c]: the block a continuation position lies in.
+
+Only blocks touched by requests with session coordinates get nodes: anonymous
+traffic costs one dict lookup per removal. A node whose last copy is removed
+stays while it connects resident descendants (a parent-only node); otherwise
+it is deleted, cascading up. A session expires with its last resident block or
+an explicit `forget_session`.
+
+Not thread-safe: the engine thread owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .model import RequestCoords, Tier, tiers_of
+
+
+@dataclass(slots=True)
+class Node:
+    parent: bytes | None
+    position: int
+    tiers: int = 0
+    children: int = 0
+    sessions: set[str] = field(default_factory=set)
+    admit_session: str | None = None
+    admit_continuation: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Removal:
+    """What a removal meant in session coordinates."""
+
+    block_hash: bytes
+    position: int
+    last_copy: bool
+    admit_session: str | None
+    admit_continuation: str | None
+    sessions: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class SessionState:
+    parent: str | None = None
+    blocks: set[bytes] = field(default_factory=set)
+    frontiers: set[bytes] = field(default_factory=set)
+    continuations: set[str] = field(default_factory=set)
+    resident: int = 0
+    last_active: float = 0.0
+
+
+class SessionPrefixIndex:
+    def __init__(self) -> None:
+        self.nodes: dict[bytes, Node] = {}
+        self.sessions: dict[str, SessionState] = {}
+        self.children_of: dict[str, set[str]] = {}
+        self.continuations: dict[str, bytes] = {}
+        self._continuations_at: dict[bytes, set[str]] = {}
+
+    # ------------------------------------------------------------------ updates
+
+    def record_chain(
+        self,
+        hashes: Sequence[bytes],
+        first_position: int,
+        parent: bytes | None,
+        tier: Tier,
+        coords: RequestCoords,
+        now: float,
+    ) -> None:
+        """`hashes` (chain order, the first at `first_position`, after `parent`)
+        are resident on `tier` and belong to the request's session.
+
+        Used both for stores and for prefix hits (a hit establishes membership
+        though it stores nothing). A no-op for requests without coordinates.
+        """
+        if not coords or not hashes:
+            return
+        session = coords.session_id
+        state = self._session(session, coords.parent_session_id, now) if session else None
+        prev = parent
+        bit = tier.bit
+        for offset, h in enumerate(hashes):
+            node = self.nodes.get(h)
+            if node is None:
+                node = Node(prev, first_position + offset, 0, 0, set(), session, coords.continuation_id)
+                self.nodes[h] = node
+                if prev is not None and (parent_node := self.nodes.get(prev)) is not None:
+                    parent_node.children += 1
+            was_resident = node.tiers != 0
+            node.tiers |= bit
+            if not was_resident:
+                for member in node.sessions:
+                    self.sessions[member].resident += 1
+            if state is not None and session not in node.sessions:
+                node.sessions.add(session)  # type: ignore[arg-type]
+                state.blocks.add(h)
+                state.resident += 1
+            if state is not None:
+                state.frontiers.discard(h)
+            prev = h
+        last = hashes[-1]
+        if state is not None:
+            if parent is not None:
+                state.frontiers.discard(parent)
+            state.frontiers.add(last)
+            if coords.continuation_id:
+                state.continuations.add(coords.continuation_id)
+        if coords.continuation_id:
+            self._point_continuation(coords.continuation_id, last)
+
+    def mark_resident(self, h: bytes, tier: Tier) -> bool:
+        """A copy of a known block appeared on `tier` (e.g. a connector store).
+        Returns False for blocks the index does not track."""
+        node = self.nodes.get(h)
+        if node is None:
+            return False
+        if node.tiers == 0:
+            for member in node.sessions:
+                self.sessions[member].resident += 1
+        node.tiers |= tier.bit
+        return True
+
+    def mark_removed(self, h: bytes, tier: Tier) -> Removal | None:
+        """The copy of `h` on `tier` is gone. None for untracked blocks."""
+        node = self.nodes.get(h)
+        if node is None:
+            return None
+        node.tiers &= ~tier.bit
+        members = tuple(node.sessions)
+        removal = Removal(h, node.position, node.tiers == 0, node.admit_session, node.admit_continuation, members)
+        if node.tiers:
+            return removal
+        expired: list[str] = []
+        for member in members:
+            state = self.sessions[member]
+            state.resident -= 1
+            if h in state.frontiers:
+                state.frontiers.discard(h)
+                ancestor = self._nearest_resident_ancestor(node.parent)
+                if ancestor is not None and member in self.nodes[ancestor].sessions:
+                    state.frontiers.add(ancestor)
+            if state.resident <= 0:
+                expired.append(member)
+        if node.children == 0:
+            self._delete_upwards(h)
+        for member in expired:
+            self.forget_session(member)
+        return removal
+
+    def clear_tier(self, tier: Tier) -> None:
+        """Every copy on `tier` is gone (e.g. a prefix-cache reset)."""
+        for h in [h for h, n in self.nodes.items() if n.tiers & tier.bit]:
+            if h in self.nodes:
+                self.mark_removed(h, tier)
+
+    def forget_session(self, session: str) -> bool:
+        """Drop a session's membership, frontiers and continuations. Blocks stay
+        cached (anonymously) unless another session holds them."""
+        state = self.sessions.pop(session, None)
+        if state is None:
+            return False
+        for h in state.blocks:
+            node = self.nodes.get(h)
+            if node is None:
+                continue
+            node.sessions.discard(session)
+        for h in state.blocks:
+            node = self.nodes.get(h)
+            if node is not None and not node.sessions and node.children == 0:
+                self._delete_upwards(h)
+        for c in state.continuations:
+            h = self.continuations.get(c)
+            if h is not None and not self._continuation_shared(c, session):
+                self._unpoint_continuation(c)
+        if state.parent is not None:
+            siblings = self.children_of.get(state.parent)
+            if siblings is not None:
+                siblings.discard(session)
+                if not siblings:
+                    del self.children_of[state.parent]
+        return True
+
+    # ------------------------------------------------------------------ queries
+
+    def node(self, h: bytes) -> Node | None:
+        return self.nodes.get(h)
+
+    def session_tree(self, session: str, include_children: bool) -> list[str]:
+        """The session and (optionally) its descendants that the index knows."""
+        out = [session] if session in self.sessions else []
+        if include_children:
+            stack = list(self.children_of.get(session, ()))
+            seen = {session}
+            while stack:
+                child = stack.pop()
+                if child in seen:
+                    continue
+                seen.add(child)
+                if child in self.sessions:
+                    out.append(child)
+                stack.extend(self.children_of.get(child, ()))
+        return out
+
+    def resolve_session(self, session: str, include_children: bool = False) -> list[bytes]:
+        """Every block of the session (and children), in chain order."""
+        blocks: set[bytes] = set()
+        for s in self.session_tree(session, include_children):
+            blocks |= self.sessions[s].blocks
+        return self._chain_order(blocks)
+
+    def resolve_continuation(self, continuation: str) -> list[bytes]:
+        """The prefix chain ending at the continuation's block, root first."""
+        h = self.continuations.get(continuation)
+        chain: list[bytes] = []
+        while h is not None:
+            node = self.nodes.get(h)
+            if node is None:
+                break
+            chain.append(h)
+            h = node.parent
+        chain.reverse()
+        return chain
+
+    def iter_sessions(self) -> Iterator[tuple[str, SessionState]]:
+        return iter(self.sessions.items())
+
+    def tier_counts(self, hashes: Iterable[bytes]) -> dict[Tier, int]:
+        counts: dict[Tier, int] = {}
+        for h in hashes:
+            node = self.nodes.get(h)
+            if node is None:
+                continue
+            for t in tiers_of(node.tiers):
+                counts[t] = counts.get(t, 0) + 1
+        return counts
+
+    def resident_sessions_of(self, h: bytes) -> tuple[str, ...]:
+        node = self.nodes.get(h)
+        return tuple(node.sessions) if node is not None else ()
+
+    # ------------------------------------------------------------------ internals
+
+    def _session(self, session: str, parent: str | None, now: float) -> SessionState:
+        state = self.sessions.get(session)
+        if state is None:
+            state = SessionState(parent=parent if parent and parent != session else None)
+            self.sessions[session] = state
+            if state.parent is not None:
+                self.children_of.setdefault(state.parent, set()).add(session)
+        elif parent and state.parent is None and parent != session:
+            state.parent = parent
+            self.children_of.setdefault(parent, set()).add(session)
+        state.last_active = now
+        return state
+
+    def _chain_order(self, blocks: Iterable[bytes]) -> list[bytes]:
+        nodes = self.nodes
+        return sorted(blocks, key=lambda h: (nodes[h].position, h) if h in nodes else (1 << 62, h))
+
+    def _nearest_resident_ancestor(self, h: bytes | None) -> bytes | None:
+        while h is not None:
+            node = self.nodes.get(h)
+            if node is None:
+                return None
+            if node.tiers:
+                return h
+            h = node.parent
+        return None
+
+    def _delete_upwards(self, h: bytes | None) -> None:
+        """Delete `h` if it is non-resident-or-sessionless with no children, then
+        its parent likewise."""
+        while h is not None:
+            node = self.nodes.get(h)
+            if node is None or node.children > 0:
+                return
+            if node.tiers and node.sessions:
+                return
+            del self.nodes[h]
+            for member in node.sessions:
+                state = self.sessions.get(member)
+                if state is not None:
+                    state.blocks.discard(h)
+                    state.frontiers.discard(h)
+                    if node.tiers:
+                        state.resident -= 1
+            for c in self._continuations_at.pop(h, ()):
+                if node.parent is not None and node.parent in self.nodes:
+                    self._point_continuation(c, node.parent)
+                else:
+                    self.continuations.pop(c, None)
+            parent = node.parent
+            if parent is not None and (parent_node := self.nodes.get(parent)) is not None:
+                parent_node.children -= 1
+                if parent_node.tiers and parent_node.sessions:
+                    return
+            h = parent
+
+    def _point_continuation(self, c: str, h: bytes) -> None:
+        old = self.continuations.get(c)
+        if old == h:
+            return
+        if old is not None:
+            holders = self._continuations_at.get(old)
+            if holders is not None:
+                holders.discard(c)
+                if not holders:
+                    del self._continuations_at[old]
+        self.continuations[c] = h
+        self._continuations_at.setdefault(h, set()).add(c)
+
+    def _unpoint_continuation(self, c: str) -> None:
+        h = self.continuations.pop(c, None)
+        if h is None:
+            return
+        holders = self._continuations_at.get(h)
+        if holders is not None:
+            holders.discard(c)
+            if not holders:
+                del self._continuations_at[h]
+
+    def _continuation_shared(self, c: str, leaving: str) -> bool:
+        return any(c in st.continuations for s, st in self.sessions.items() if s != leaving)

@@ -1,0 +1,230 @@
+"""Engine-neutral domain types shared by the core, the executor and adapters.
+
+Enum values equal the kvhint.v1 wire values, so conversion is `Enum(pb_value)`.
+Block hashes are `bytes` (the engine's external block hash, see the proto).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Tier(enum.IntEnum):
+    DEVICE = 1
+    HOST = 2
+    DISK = 3
+    REMOTE = 4
+
+    @property
+    def bit(self) -> int:
+        return 1 << self.value
+
+
+def tiers_of(mask: int) -> list[Tier]:
+    return [t for t in Tier if mask & t.bit]
+
+
+class Action(enum.IntEnum):
+    RETAIN = 1
+    PIN = 2
+    RELEASE = 3
+    EVICT = 4
+    DEMOTE = 5
+    PREFETCH = 6
+    SHARE = 7
+
+
+class SelectorKind(enum.IntEnum):
+    SESSION = 1
+    CONTINUATION = 2
+    BLOCK_HASHES = 3
+
+
+class Outcome(enum.IntEnum):
+    ACCEPTED = 1
+    CLIPPED = 2
+    DEFERRED = 3
+    REJECTED = 4
+    MISSING = 5
+
+
+class Reason(enum.IntEnum):
+    UNSPECIFIED = 0
+    UNSUPPORTED = 1
+    INVALID_HINT = 2
+    TTL_CAPPED = 3
+    PIN_BUDGET = 4
+    BLOCKS_IN_USE = 5
+    PINNED_BY_OTHER_SESSION = 6
+    MAX_BLOCKS = 7
+    RESOURCE_EXHAUSTED = 8
+    NOT_RESIDENT = 9
+    HINT_ID_CONFLICT = 10
+    UNKNOWN_DESTINATION = 11
+    PERMISSION_DENIED = 12
+    MALFORMED_REQUEST = 13
+    TOO_MANY_HINTS = 14
+    DEADLINE_EXCEEDED = 15
+    OPERATION_FAILED = 16
+    SHUTTING_DOWN = 17
+
+
+class RetentionClass(enum.IntEnum):
+    ORDINARY = 1
+    RETAINED = 2
+    PINNED = 3
+
+
+class RemovalCause(enum.IntEnum):
+    EVICTED = 1
+    EVICT_HINT = 2
+    DEMOTED = 3
+    PIN_BROKEN = 4
+    REPLACED = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Selector:
+    """A validated selector. Exactly the fields of `kind` are meaningful."""
+
+    kind: SelectorKind
+    session_id: str = ""
+    include_children: bool = False
+    continuation_id: str = ""
+    block_hashes: tuple[bytes, ...] = ()
+    range_start: int = 0
+    range_end: int | None = None
+
+    @property
+    def owner(self) -> str:
+        """Retention owner key: who a Retain/Pin is held for, and what Release drops."""
+        if self.kind is SelectorKind.SESSION:
+            return "s:" + self.session_id
+        if self.kind is SelectorKind.CONTINUATION:
+            return "c:" + self.continuation_id
+        return "b:"
+
+    @property
+    def has_range(self) -> bool:
+        return self.range_start > 0 or self.range_end is not None
+
+
+@dataclass(frozen=True, slots=True)
+class HintSpec:
+    """A validated hint. `ttl_s` is the granted TTL (already capped)."""
+
+    hint_id: str
+    selector: Selector
+    action: Action
+    max_blocks: int = 0
+    priority: int = 0
+    ttl_s: float | None = None
+    requested_ttl_s: float | None = None
+    destination: str = ""
+    target_tier: Tier | None = None
+    deadline_s: float | None = None
+    # Deterministic encoding of the hint without its id (idempotency check).
+    fingerprint: bytes = b""
+
+
+@dataclass(slots=True)
+class Clip:
+    reason: Reason
+    detail: str
+    requested_ttl_s: float | None = None
+    granted_ttl_s: float | None = None
+    requested_blocks: int = 0
+    granted_blocks: int = 0
+
+
+@dataclass(slots=True)
+class HintResult:
+    hint_id: str
+    outcome: Outcome
+    reason: Reason = Reason.UNSPECIFIED
+    message: str = ""
+    clips: list[Clip] = field(default_factory=list)
+    affected: dict[Tier, int] = field(default_factory=dict)
+    operation_id: str = ""
+    replayed: bool = False
+    effective_ttl_s: float | None = None
+
+    @classmethod
+    def rejected(cls, hint_id: str, reason: Reason, message: str) -> HintResult:
+        return cls(hint_id=hint_id, outcome=Outcome.REJECTED, reason=reason, message=message)
+
+    @classmethod
+    def missing(cls, hint_id: str, message: str = "selector resolved to nothing resident") -> HintResult:
+        return cls(hint_id=hint_id, outcome=Outcome.MISSING, reason=Reason.NOT_RESIDENT, message=message)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCoords:
+    """Session coordinates carried by one engine request (all optional)."""
+
+    session_id: str | None = None
+    continuation_id: str | None = None
+    parent_session_id: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.session_id or self.continuation_id)
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionView:
+    """Effective protection of one block."""
+
+    cls: RetentionClass
+    priority: int = 0
+    expires_at: float | None = None  # wall-clock seconds
+
+
+ORDINARY = RetentionView(RetentionClass.ORDINARY)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockState:
+    """What the engine knows about one block hash, independent of sessions."""
+
+    block_hash: bytes
+    tiers: int  # Tier bitmask
+    in_use: bool = False
+    parent: bytes | None = None
+    position: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ActionSupport:
+    action: Action
+    supported: bool
+    selectors: tuple[SelectorKind, ...] = ()
+    supports_range: bool = False
+    notes: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TierInfo:
+    tier: Tier
+    medium: str
+    capacity_blocks: int = 0
+    shared: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    engine: str
+    engine_version: str
+    block_size: int
+    num_device_blocks: int
+    block_hash_encoding: str
+    tiers: tuple[TierInfo, ...]
+    actions: tuple[ActionSupport, ...]
+    share_destinations: tuple[str, ...] = ()
+
+    def supports(self, action: Action, kind: SelectorKind) -> ActionSupport | None:
+        """The support entry if `action` accepts selector `kind`, else None."""
+        for entry in self.actions:
+            if entry.action is action:
+                return entry if entry.supported and kind in entry.selectors else None
+        return None

@@ -1,0 +1,119 @@
+"""Deferred operations (DEFERRED hints): state, completion and lookup.
+
+An operation is created PENDING when a hint is DEFERRED. Whoever performs the
+work moves it to RUNNING and finally completes it exactly once (SUCCEEDED or
+FAILED); completion publishes an OperationCompleted event. Completed
+operations are remembered up to a bounded history. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+
+from .events import EventBus, OperationCompleted
+from .model import Action, Reason, Tier
+
+
+class OperationState(enum.IntEnum):
+    PENDING = 1
+    RUNNING = 2
+    SUCCEEDED = 3
+    FAILED = 4
+
+    @property
+    def done(self) -> bool:
+        return self in (OperationState.SUCCEEDED, OperationState.FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    operation_id: str
+    hint_id: str
+    action: Action
+    state: OperationState
+    created_at: float
+    sessions: tuple[str, ...] = ()
+    reason: Reason = Reason.UNSPECIFIED
+    message: str = ""
+    completed_at: float | None = None
+    blocks: dict[Tier, int] = field(default_factory=dict)
+    bytes_moved: int = 0
+    destination: str = ""
+
+
+class OperationRegistry:
+    def __init__(self, bus: EventBus, history: int = 10_000) -> None:
+        self._bus = bus
+        self._history = history
+        self._ops: OrderedDict[str, Operation] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def create(self, hint_id: str, action: Action, sessions: tuple[str, ...] = (), destination: str = "") -> Operation:
+        op = Operation(
+            operation_id="op-" + uuid.uuid4().hex[:16],
+            hint_id=hint_id,
+            action=action,
+            state=OperationState.PENDING,
+            created_at=time.time(),
+            sessions=sessions,
+            destination=destination,
+        )
+        with self._lock:
+            self._ops[op.operation_id] = op
+            self._trim()
+        return op
+
+    def get(self, operation_id: str) -> Operation | None:
+        with self._lock:
+            return self._ops.get(operation_id)
+
+    def running(self, operation_id: str) -> None:
+        with self._lock:
+            op = self._ops.get(operation_id)
+            if op is not None and op.state is OperationState.PENDING:
+                self._ops[operation_id] = replace(op, state=OperationState.RUNNING)
+
+    def complete(
+        self,
+        operation_id: str,
+        *,
+        ok: bool,
+        reason: Reason = Reason.UNSPECIFIED,
+        message: str = "",
+        blocks: dict[Tier, int] | None = None,
+        bytes_moved: int = 0,
+    ) -> Operation | None:
+        """Finish an operation once; later calls are ignored (returns None)."""
+        with self._lock:
+            op = self._ops.get(operation_id)
+            if op is None or op.state.done:
+                return None
+            op = replace(
+                op,
+                state=OperationState.SUCCEEDED if ok else OperationState.FAILED,
+                reason=Reason.UNSPECIFIED if ok else (reason or Reason.OPERATION_FAILED),
+                message=message,
+                completed_at=time.time(),
+                blocks=dict(blocks or {}),
+                bytes_moved=bytes_moved,
+            )
+            self._ops[operation_id] = op
+            self._ops.move_to_end(operation_id)
+        self._bus.publish(OperationCompleted(op), sessions=op.sessions)
+        return op
+
+    def pending(self) -> list[Operation]:
+        with self._lock:
+            return [op for op in self._ops.values() if not op.state.done]
+
+    def _trim(self) -> None:
+        while len(self._ops) > self._history:
+            oldest_id, oldest = next(iter(self._ops.items()))
+            if not oldest.state.done:
+                break
+            del self._ops[oldest_id]

@@ -1,0 +1,179 @@
+"""RetentionLedger: who retains or pins which block, until when.
+
+Grants are held per (block hash, owner). The owner is the selector's owner key
+(see model.Selector.owner). A block's effective class is the strongest
+unexpired grant: PINNED > RETAINED (highest priority wins) > ORDINARY. A
+grant whose deadline passed counts as absent even before the timer wheel
+reclaims it, so a missed tick never extends protection.
+
+The pin budget counts distinct blocks with an unexpired pin.
+
+Not thread-safe: the engine thread owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .model import ORDINARY, RetentionClass, RetentionView
+from .timer_wheel import TimerWheel
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    pinned: bool
+    priority: int
+    deadline: float  # monotonic seconds
+    expires_at: float  # wall-clock seconds (for reporting)
+
+
+class RetentionLedger:
+    def __init__(self, pin_budget_blocks: int, start: float = 0.0) -> None:
+        self.pin_budget_blocks = pin_budget_blocks
+        self._grants: dict[bytes, dict[str, Grant]] = {}
+        self._by_owner: dict[str, set[bytes]] = {}
+        self._pin_holders: dict[bytes, int] = {}  # block -> number of unexpired pin grants
+        self._wheel: TimerWheel[tuple[bytes, str]] = TimerWheel(start=start)
+
+    def __bool__(self) -> bool:
+        return bool(self._grants)
+
+    @property
+    def pinned_blocks(self) -> int:
+        return len(self._pin_holders)
+
+    def pin_headroom(self) -> int:
+        return max(0, self.pin_budget_blocks - len(self._pin_holders))
+
+    def is_pinned(self, h: bytes) -> bool:
+        return h in self._pin_holders
+
+    def grant(
+        self,
+        owner: str,
+        hashes: Iterable[bytes],
+        *,
+        pinned: bool,
+        priority: int,
+        deadline: float,
+        expires_at: float,
+    ) -> list[bytes]:
+        """Grant (or replace) `owner`'s protection on each block. Returns the blocks."""
+        granted = []
+        new = Grant(pinned, priority, deadline, expires_at)
+        owned = self._by_owner.setdefault(owner, set())
+        for h in hashes:
+            per_block = self._grants.setdefault(h, {})
+            old = per_block.get(owner)
+            if old is not None and old.pinned:
+                self._unpin(h)
+            per_block[owner] = new
+            if pinned:
+                self._pin_holders[h] = self._pin_holders.get(h, 0) + 1
+            owned.add(h)
+            self._wheel.schedule((h, owner), deadline)
+            granted.append(h)
+        return granted
+
+    def release(self, owner: str, hashes: Iterable[bytes] | None = None) -> list[bytes]:
+        """Drop `owner`'s grants (on `hashes`, or all). Returns the blocks affected."""
+        owned = self._by_owner.get(owner)
+        if not owned:
+            return []
+        targets = list(owned) if hashes is None else [h for h in hashes if h in owned]
+        for h in targets:
+            self._drop(h, owner)
+        return targets
+
+    def drop_block(self, h: bytes) -> tuple[str, ...]:
+        """Forget every grant on `h` (the block is gone). Returns the owners."""
+        per_block = self._grants.get(h)
+        if not per_block:
+            return ()
+        owners = tuple(per_block)
+        for owner in owners:
+            self._drop(h, owner)
+        return owners
+
+    def owners(self, h: bytes) -> tuple[str, ...]:
+        per_block = self._grants.get(h)
+        return tuple(per_block) if per_block else ()
+
+    def pinned_by_other(self, h: bytes, owner: str, now: float) -> bool:
+        per_block = self._grants.get(h)
+        if not per_block:
+            return False
+        return any(o != owner and g.pinned and g.deadline > now for o, g in per_block.items())
+
+    def owned_by(self, owner: str) -> set[bytes]:
+        return set(self._by_owner.get(owner, ()))
+
+    def owner_view(self, owner: str, now: float) -> RetentionView:
+        """The strongest unexpired grant `owner` holds on any block."""
+        best: RetentionView = ORDINARY
+        for h in self._by_owner.get(owner, ()):
+            g = self._grants[h][owner]
+            if g.deadline <= now:
+                continue
+            candidate = RetentionView(
+                RetentionClass.PINNED if g.pinned else RetentionClass.RETAINED, 0 if g.pinned else g.priority, g.expires_at
+            )
+            if candidate.cls > best.cls or (candidate.cls == best.cls and candidate.priority > best.priority):
+                best = candidate
+        return best
+
+    def view(self, h: bytes, now: float) -> RetentionView:
+        """The effective class of `h` at monotonic time `now`."""
+        per_block = self._grants.get(h)
+        if not per_block:
+            return ORDINARY
+        best: RetentionView = ORDINARY
+        for g in per_block.values():
+            if g.deadline <= now:
+                continue
+            if g.pinned:
+                if best.cls is not RetentionClass.PINNED or (best.expires_at or 0) < g.expires_at:
+                    best = RetentionView(RetentionClass.PINNED, 0, g.expires_at)
+            elif best.cls is RetentionClass.ORDINARY or (
+                best.cls is RetentionClass.RETAINED and g.priority > best.priority
+            ):
+                best = RetentionView(RetentionClass.RETAINED, g.priority, g.expires_at)
+        return best
+
+    def expire(self, now: float) -> list[bytes]:
+        """Drop grants whose deadline passed. Returns the blocks affected."""
+        affected = []
+        for h, owner in self._wheel.advance(now):
+            per_block = self._grants.get(h)
+            grant = per_block.get(owner) if per_block else None
+            if grant is not None and grant.deadline <= now:
+                self._drop(h, owner, cancel=False)
+                affected.append(h)
+        return affected
+
+    def _drop(self, h: bytes, owner: str, cancel: bool = True) -> None:
+        per_block = self._grants.get(h)
+        if not per_block:
+            return
+        grant = per_block.pop(owner, None)
+        if grant is None:
+            return
+        if grant.pinned:
+            self._unpin(h)
+        if not per_block:
+            del self._grants[h]
+        owned = self._by_owner.get(owner)
+        if owned is not None:
+            owned.discard(h)
+            if not owned:
+                del self._by_owner[owner]
+        if cancel:
+            self._wheel.cancel((h, owner))
+
+    def _unpin(self, h: bytes) -> None:
+        n = self._pin_holders.get(h, 0) - 1
+        if n <= 0:
+            self._pin_holders.pop(h, None)
+        else:
+            self._pin_holders[h] = n

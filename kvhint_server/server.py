@@ -1,0 +1,154 @@
+"""KvHintServer: the gRPC sidecar, on its own thread and asyncio loop.
+
+Serves kvhint.v1.KvHintService, grpc.health.v1.Health and server reflection.
+`start()` returns once the port is bound (or raises); `stop()` shuts down
+gracefully: health turns NOT_SERVING, watch streams end with a
+SHUTTING_DOWN resync, in-flight RPCs get `shutdown_grace_s` to finish, queued
+engine tasks fail UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvhint.v1 import kvhint_pb2
+
+from .config import ServerConfig
+from .core import KvHintCore
+from .servicer import SERVICE, KvHintServicer, generic_handler
+
+log = logging.getLogger("kvhint.server")
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_REFLECTION_PREFIX = "/grpc.reflection."
+
+
+class _BearerAuth(grpc.aio.ServerInterceptor):
+    """Rejects RPCs without `authorization: Bearer <token>` (health and
+    reflection stay open, so probes and `buf curl` discovery work)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}"
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = details.method or ""
+        if method.startswith(_HEALTH_PREFIX) or method.startswith(_REFLECTION_PREFIX):
+            return await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if metadata.get("authorization") == self._expected:
+            return await continuation(details)
+        return self._deny
+
+
+class KvHintServer:
+    def __init__(self, core: KvHintCore, config: ServerConfig | None = None) -> None:
+        self.core = core
+        self.config = config or core.config
+        self.servicer = KvHintServicer(core, self.config)
+        self.port: int | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self._started = threading.Event()
+        self._startup_error: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        host = self.config.address.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> int:
+        """Start serving; returns the bound port. Raises if binding fails."""
+        self._thread = threading.Thread(target=self._run, name="kvhint-grpc", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise RuntimeError("kvhint sidecar did not start in time")
+        if self._startup_error is not None:
+            raise RuntimeError(f"kvhint sidecar failed to start on {self.config.address}: {self._startup_error}")
+        assert self.port is not None
+        log.info("kvhint sidecar serving %s on %s", SERVICE, self.address)
+        return self.port
+
+    def stop(self, grace: float | None = None) -> None:
+        """Graceful shutdown; idempotent; safe from any thread but the server's."""
+        self.core.stop()
+        loop, stop, thread = self._loop, self._stop_requested, self._thread
+        if loop is None or stop is None or thread is None or not thread.is_alive():
+            return
+        if grace is not None:
+            self.config = _with_grace(self.config, grace)
+        try:
+            loop.call_soon_threadsafe(stop.set)
+        except RuntimeError:
+            return
+        thread.join(timeout=(grace if grace is not None else self.config.shutdown_grace_s) + 10.0)
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as exc:  # noqa: BLE001
+            if not self._started.is_set():
+                self._startup_error = exc
+                self._started.set()
+            else:
+                log.exception("kvhint sidecar crashed")
+        finally:
+            loop.close()
+
+    async def _serve(self) -> None:
+        self._stop_requested = asyncio.Event()
+        interceptors = [_BearerAuth(self.config.auth_token)] if self.config.auth_token else []
+        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        self.servicer.bind_loop(asyncio.get_running_loop())
+        server.add_generic_rpc_handlers((generic_handler(self.servicer),))
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            server,
+            pool=kvhint_pb2.DESCRIPTOR.pool,
+        )
+        if self.config.tls_cert_file and self.config.tls_key_file:
+            with open(self.config.tls_key_file, "rb") as key, open(self.config.tls_cert_file, "rb") as cert:
+                creds = grpc.ssl_server_credentials([(key.read(), cert.read())])
+            port = server.add_secure_port(self.config.address, creds)
+        else:
+            port = server.add_insecure_port(self.config.address)
+        if not port:
+            raise OSError(f"cannot bind {self.config.address}")
+        await server.start()
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.port = port
+        self._started.set()
+
+        await self._stop_requested.wait()
+        await health_servicer.enter_graceful_shutdown()
+        if self.servicer.hub is not None:
+            self.servicer.hub.close()
+        await server.stop(self.config.shutdown_grace_s)
+
+
+def _with_grace(config: ServerConfig, grace: float) -> ServerConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, shutdown_grace_s=grace)

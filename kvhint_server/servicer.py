@@ -1,0 +1,211 @@
+"""KvHintServicer: the kvhint.v1.KvHintService RPCs on grpc.aio.
+
+Handlers take raw request bytes and parse them here, so an undecodable
+request is INVALID_ARGUMENT (with ErrorInfo) instead of grpc's generic
+INTERNAL. Work that touches engine state runs on the engine thread through
+KvHintCore.submit and is awaited with the RPC's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import message as pb_message
+
+from kvhint.v1 import kvhint_pb2 as pb
+
+from . import wire
+from .config import ServerConfig
+from .core import EngineStopped, KvHintCore
+from .errors import RpcError, invalid_argument, not_found, unavailable
+from .executor import HintExecutor
+from .model import Tier
+from .queries import Queries
+from .validation import parse_apply_request, parse_query_selector
+from .watch import WatchHub
+
+log = logging.getLogger("kvhint.servicer")
+SERVICE = "kvhint.v1.KvHintService"
+T = TypeVar("T")
+Msg = TypeVar("Msg", bound=pb_message.Message)
+
+
+def _parse(cls: type[Msg], raw: bytes) -> Msg:
+    try:
+        return cls.FromString(raw)
+    except pb_message.DecodeError as exc:
+        raise invalid_argument(f"cannot decode {cls.DESCRIPTOR.name}: {exc}", "") from exc
+
+
+def _encode_token(payload: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(payload, separators=(",", ":")).encode()).decode()
+
+
+def _decode_token(token: str, epoch: str, scope: str) -> dict[str, Any]:
+    try:
+        payload = json.loads(base64.urlsafe_b64decode(token.encode()))
+        assert isinstance(payload, dict)
+    except Exception as exc:  # noqa: BLE001
+        raise invalid_argument("page_token is not a token this server issued", "page_token") from exc
+    if payload.get("e") != epoch:
+        raise invalid_argument("page_token expired: the engine restarted (new epoch)", "page_token")
+    if payload.get("s") != scope:
+        raise invalid_argument("page_token belongs to a different query", "page_token")
+    return payload
+
+
+class KvHintServicer:
+    def __init__(self, core: KvHintCore, config: ServerConfig) -> None:
+        self.core = core
+        self.config = config
+        self.executor = HintExecutor(core)
+        self.queries = Queries(core, self.executor)
+        self.hub: WatchHub | None = None
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.hub = WatchHub(self.core, self.queries, self.config, loop)
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _on_engine(self, fn: Callable[[], T], context: grpc.aio.ServicerContext) -> T:
+        """Run `fn` on the engine thread, bounded by the RPC deadline."""
+        future: Future[T] = self.core.submit(fn)
+        remaining = context.time_remaining()
+        timeout = self.config.engine_task_timeout_s if remaining is None else min(remaining, self.config.engine_task_timeout_s)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout=timeout)
+        except asyncio.TimeoutError:
+            if future.cancel():
+                raise unavailable(f"the engine did not reach a step boundary within {timeout:.1f}s") from None
+            return await asyncio.wrap_future(future)
+        except EngineStopped as exc:
+            raise unavailable(str(exc)) from exc
+
+    # ------------------------------------------------------------ RPCs
+
+    async def GetCapabilities(self, request: pb.GetCapabilitiesRequest, context: grpc.aio.ServicerContext) -> pb.GetCapabilitiesResponse:
+        return wire.capabilities(self.core.info, self.config, self.core.bus.epoch, self.core.ledger.pin_budget_blocks)
+
+    async def ApplyHints(self, request: pb.ApplyHintsRequest, context: grpc.aio.ServicerContext) -> pb.ApplyHintsResponse:
+        items = parse_apply_request(request, self.config, self.core.info)
+        hints = list(request.hints)
+        results, sequence = await self._on_engine(lambda: self.executor.apply_batch(items, hints), context)
+        return pb.ApplyHintsResponse(
+            results=[wire.hint_result(r) for r in results], epoch=self.core.bus.epoch, applied_at_sequence=sequence
+        )
+
+    def _page_size(self, asked: int) -> int:
+        return min(asked or self.config.default_page_size, self.config.max_page_size)
+
+    async def QueryResidency(self, request: pb.QueryResidencyRequest, context: grpc.aio.ServicerContext) -> pb.QueryResidencyResponse:
+        selector = parse_query_selector(request.selector, request.HasField("selector"), self.config)
+        tiers = [Tier(t) for t in request.tiers if t in Tier._value2member_map_]
+        if len(tiers) != len(request.tiers):
+            raise invalid_argument("unknown tier in tiers", "tiers")
+        epoch = self.core.bus.epoch
+        scope = hashlib.sha256(request.selector.SerializeToString(deterministic=True) + bytes(sorted(tiers))).hexdigest()[:16]
+        offset = _decode_token(request.page_token, epoch, scope)["o"] if request.page_token else 0
+        size = self._page_size(request.page_size)
+        residency = await self._on_engine(lambda: self.queries.residency(selector, tiers), context)
+        page = residency.blocks[offset : offset + size]
+        block_size = self.core.info.block_size
+        response = pb.QueryResidencyResponse(
+            blocks=[wire.block_info(b, block_size) for b in page],
+            totals=wire.tier_counts(residency.totals),
+            as_of_epoch=epoch,
+            as_of_sequence=residency.sequence,
+        )
+        if offset + size < len(residency.blocks):
+            response.next_page_token = _encode_token({"e": epoch, "s": scope, "o": offset + size})
+        return response
+
+    async def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext) -> pb.ListSessionsResponse:
+        epoch = self.core.bus.epoch
+        scope = hashlib.sha256(request.session_id_prefix.encode()).hexdigest()[:16]
+        after = _decode_token(request.page_token, epoch, scope)["a"] if request.page_token else None
+        size = self._page_size(request.page_size)
+        page = await self._on_engine(lambda: self.queries.sessions(request.session_id_prefix, after, size), context)
+        response = pb.ListSessionsResponse(
+            sessions=[wire.session_info(s) for s in page.sessions], as_of_epoch=epoch, as_of_sequence=page.sequence
+        )
+        if page.next_after is not None:
+            response.next_page_token = _encode_token({"e": epoch, "s": scope, "a": page.next_after})
+        return response
+
+    async def GetOperation(self, request: pb.GetOperationRequest, context: grpc.aio.ServicerContext) -> pb.GetOperationResponse:
+        if not request.operation_id:
+            raise invalid_argument("operation_id is required", "operation_id")
+        op = self.core.operations.get(request.operation_id)
+        if op is None:
+            raise not_found(f"no operation {request.operation_id!r}", "operation_id")
+        return pb.GetOperationResponse(operation=wire.operation(op))
+
+    async def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchEventsResponse]:
+        if request.start == pb.WatchEventsRequest.START_RESUME and not request.resume_epoch:
+            raise invalid_argument("START_RESUME needs resume_epoch", "resume_epoch")
+        if request.start not in pb.WatchEventsRequest.Start.values():
+            raise invalid_argument(f"unknown start {request.start}", "start")
+        assert self.hub is not None
+        async for message in self.hub.stream(request):
+            yield message
+
+
+# ---------------------------------------------------------------- registration
+
+_UNARY: dict[str, tuple[type[pb_message.Message], type[pb_message.Message]]] = {
+    "GetCapabilities": (pb.GetCapabilitiesRequest, pb.GetCapabilitiesResponse),
+    "ApplyHints": (pb.ApplyHintsRequest, pb.ApplyHintsResponse),
+    "QueryResidency": (pb.QueryResidencyRequest, pb.QueryResidencyResponse),
+    "ListSessions": (pb.ListSessionsRequest, pb.ListSessionsResponse),
+    "GetOperation": (pb.GetOperationRequest, pb.GetOperationResponse),
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: RpcError) -> None:
+    status = err.to_status()
+    await context.abort(status.code, status.details, trailing_metadata=status.trailing_metadata)
+
+
+def _unary(method: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], req_cls: type[pb_message.Message]):
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(_parse(req_cls, raw), context)
+        except RpcError as err:
+            await _abort(context, err)
+
+    return handler
+
+
+def _stream(method: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]], req_cls: type[pb_message.Message]):
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in method(_parse(req_cls, raw), context):
+                yield item
+        except RpcError as err:
+            await _abort(context, err)
+
+    return handler
+
+
+def generic_handler(servicer: KvHintServicer) -> grpc.GenericRpcHandler:
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for name, (req_cls, _resp_cls) in _UNARY.items():
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            _unary(getattr(servicer, name), req_cls),
+            request_deserializer=None,
+            response_serializer=lambda m: m.SerializeToString(),
+        )
+    handlers["WatchEvents"] = grpc.unary_stream_rpc_method_handler(
+        _stream(servicer.WatchEvents, pb.WatchEventsRequest),
+        request_deserializer=None,
+        response_serializer=lambda m: m.SerializeToString(),
+    )
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)

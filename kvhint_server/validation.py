@@ -1,0 +1,191 @@
+"""Wire validation and bounds: kvhint.v1 messages -> validated domain values.
+
+Request-level problems raise RpcError (INVALID_ARGUMENT + ErrorInfo). A
+problem with one hint becomes that hint's REJECTED result; the rest of the
+batch proceeds. TTLs above the cap are granted at the cap (the executor
+reports CLIPPED/TTL_CAPPED).
+"""
+
+from __future__ import annotations
+
+from google.protobuf import duration_pb2
+
+from kvhint.v1 import kvhint_pb2 as pb
+
+from .config import ServerConfig
+from .errors import invalid_argument
+from .model import Action, EngineInfo, HintResult, HintSpec, Reason, Selector, SelectorKind, Tier
+
+MAX_BLOCK_HASH_BYTES = 64
+_ACTION_OF_FIELD = {
+    "retain": Action.RETAIN,
+    "pin": Action.PIN,
+    "release": Action.RELEASE,
+    "evict": Action.EVICT,
+    "demote": Action.DEMOTE,
+    "prefetch": Action.PREFETCH,
+    "share": Action.SHARE,
+}
+_KIND_OF_FIELD = {
+    "session": SelectorKind.SESSION,
+    "continuation": SelectorKind.CONTINUATION,
+    "block_hashes": SelectorKind.BLOCK_HASHES,
+}
+
+
+class HintInvalid(Exception):
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def duration_seconds(d: duration_pb2.Duration) -> float:
+    """Seconds of a Duration; invalid encodings raise HintInvalid."""
+    if not -999_999_999 <= d.nanos <= 999_999_999 or (d.seconds > 0 and d.nanos < 0) or (d.seconds < 0 and d.nanos > 0):
+        raise HintInvalid(Reason.INVALID_HINT, "malformed google.protobuf.Duration")
+    return d.seconds + d.nanos / 1e9
+
+
+def _check_id(value: str, what: str, limit: int) -> str:
+    if not value:
+        raise HintInvalid(Reason.INVALID_HINT, f"{what} must not be empty")
+    if len(value.encode("utf-8")) > limit:
+        raise HintInvalid(Reason.INVALID_HINT, f"{what} is longer than {limit} bytes")
+    return value
+
+
+def parse_selector(sel: pb.Selector, config: ServerConfig) -> Selector:
+    """A wire Selector -> Selector; problems raise HintInvalid."""
+    target = sel.WhichOneof("target")
+    if target is None:
+        raise HintInvalid(Reason.INVALID_HINT, "selector has no target (session, continuation or block_hashes)")
+    kind = _KIND_OF_FIELD[target]
+    range_start, range_end = 0, None
+    if sel.HasField("range"):
+        if kind is SelectorKind.BLOCK_HASHES:
+            raise HintInvalid(Reason.INVALID_HINT, "range cannot narrow a block_hashes selector")
+        range_start = sel.range.start
+        if sel.range.HasField("end"):
+            range_end = sel.range.end
+            if range_end <= range_start:
+                raise HintInvalid(Reason.INVALID_HINT, f"range end {range_end} must be greater than start {range_start}")
+    if kind is SelectorKind.SESSION:
+        return Selector(
+            kind,
+            session_id=_check_id(sel.session.session_id, "session_id", config.max_id_length),
+            include_children=sel.session.include_children,
+            range_start=range_start,
+            range_end=range_end,
+        )
+    if kind is SelectorKind.CONTINUATION:
+        return Selector(
+            kind,
+            continuation_id=_check_id(sel.continuation.continuation_id, "continuation_id", config.max_id_length),
+            range_start=range_start,
+            range_end=range_end,
+        )
+    hashes = list(sel.block_hashes.block_hashes)
+    if not hashes:
+        raise HintInvalid(Reason.INVALID_HINT, "block_hashes selector needs at least one hash")
+    if len(hashes) > config.max_block_hashes_per_selector:
+        raise HintInvalid(
+            Reason.INVALID_HINT, f"{len(hashes)} block hashes exceed the limit of {config.max_block_hashes_per_selector}"
+        )
+    for h in hashes:
+        if not 1 <= len(h) <= MAX_BLOCK_HASH_BYTES:
+            raise HintInvalid(Reason.INVALID_HINT, f"block hash of {len(h)} bytes; expected 1..{MAX_BLOCK_HASH_BYTES}")
+    return Selector(kind, block_hashes=tuple(dict.fromkeys(hashes)))
+
+
+def parse_hint(hint: pb.Hint, config: ServerConfig, info: EngineInfo) -> HintSpec | HintResult:
+    """A wire Hint -> HintSpec, or a REJECTED result."""
+    hint_id = hint.hint_id
+    try:
+        if len(hint_id.encode("utf-8")) > config.max_hint_id_length:
+            raise HintInvalid(Reason.INVALID_HINT, f"hint_id is longer than {config.max_hint_id_length} bytes")
+        field = hint.WhichOneof("action")
+        if field is None:
+            raise HintInvalid(Reason.INVALID_HINT, "hint has no action")
+        action = _ACTION_OF_FIELD[field]
+        if not hint.HasField("selector"):
+            raise HintInvalid(Reason.INVALID_HINT, "hint has no selector")
+        selector = parse_selector(hint.selector, config)
+        support = info.supports(action, selector.kind)
+        if support is None:
+            raise HintInvalid(
+                Reason.UNSUPPORTED, f"{action.name} with a {selector.kind.name.lower()} selector is not supported"
+            )
+        if selector.has_range and not support.supports_range:
+            raise HintInvalid(Reason.UNSUPPORTED, f"{action.name} does not support a block range")
+        spec = _bounds(hint, action, selector, config, info)
+    except HintInvalid as exc:
+        return HintResult.rejected(hint_id, exc.reason, exc.message)
+    return spec
+
+
+def _bounds(hint: pb.Hint, action: Action, selector: Selector, config: ServerConfig, info: EngineInfo) -> HintSpec:
+    ttl_s = requested = deadline_s = None
+    priority = 0
+    destination = ""
+    target_tier: Tier | None = None
+    if action in (Action.RETAIN, Action.PIN):
+        msg = hint.retain if action is Action.RETAIN else hint.pin
+        if not msg.HasField("ttl"):
+            raise HintInvalid(Reason.INVALID_HINT, f"{action.name} needs a ttl")
+        requested = duration_seconds(msg.ttl)
+        if requested <= 0:
+            raise HintInvalid(Reason.INVALID_HINT, f"{action.name} ttl must be positive")
+        ttl_s = min(requested, config.max_ttl_s)
+        if action is Action.RETAIN:
+            priority = hint.retain.priority
+    elif action is Action.PREFETCH and hint.prefetch.HasField("deadline"):
+        requested = duration_seconds(hint.prefetch.deadline)
+        if requested <= 0:
+            raise HintInvalid(Reason.INVALID_HINT, "PREFETCH deadline must be positive")
+        deadline_s = min(requested, config.max_ttl_s)
+    elif action is Action.SHARE:
+        destination = _check_id(hint.share.destination, "destination", config.max_id_length)
+        if destination not in info.share_destinations:
+            raise HintInvalid(Reason.UNKNOWN_DESTINATION, f"destination {destination!r} is not a configured peer")
+    elif action is Action.DEMOTE and hint.demote.target_tier:
+        target_tier = Tier(hint.demote.target_tier) if hint.demote.target_tier in Tier._value2member_map_ else None
+        lower = {t.tier for t in info.tiers if t.tier is not Tier.DEVICE}
+        if target_tier is None or target_tier not in lower:
+            raise HintInvalid(Reason.UNSUPPORTED, f"no configured lower tier {hint.demote.target_tier}")
+    fingerprint_msg = pb.Hint()
+    fingerprint_msg.CopyFrom(hint)
+    fingerprint_msg.hint_id = ""
+    return HintSpec(
+        hint_id=hint.hint_id,
+        selector=selector,
+        action=action,
+        max_blocks=hint.max_blocks,
+        priority=priority,
+        ttl_s=ttl_s,
+        requested_ttl_s=requested if action in (Action.RETAIN, Action.PIN) else None,
+        destination=destination,
+        target_tier=target_tier,
+        deadline_s=deadline_s,
+        fingerprint=fingerprint_msg.SerializeToString(deterministic=True),
+    )
+
+
+def parse_apply_request(request: pb.ApplyHintsRequest, config: ServerConfig, info: EngineInfo) -> list[HintSpec | HintResult]:
+    n = len(request.hints)
+    if n == 0:
+        raise invalid_argument("ApplyHintsRequest.hints is empty", "hints")
+    if n > config.max_hints_per_batch:
+        raise invalid_argument(
+            f"{n} hints exceed max_hints_per_batch={config.max_hints_per_batch}", "hints", Reason.TOO_MANY_HINTS
+        )
+    return [parse_hint(h, config, info) for h in request.hints]
+
+
+def parse_query_selector(request_selector: pb.Selector, has_selector: bool, config: ServerConfig) -> Selector:
+    if not has_selector:
+        raise invalid_argument("selector is required", "selector")
+    try:
+        return parse_selector(request_selector, config)
+    except HintInvalid as exc:
+        raise invalid_argument(exc.message, "selector") from exc

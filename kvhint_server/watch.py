@@ -1,0 +1,203 @@
+"""WatchEvents: subscriptions over the EventBus, on the server's asyncio loop.
+
+Semantics (etcd-style):
+  * START_NOW: events after the current sequence.
+  * START_SNAPSHOT: SnapshotBegin, SnapshotChunk..., SnapshotEnd taken at
+    sequence S on the engine thread, then every event after S, no gap.
+  * START_RESUME(epoch, seq): every event after seq; a different epoch, a seq
+    outside the replay window, or a seq ahead of the latest gives one Resync
+    message and the stream ends.
+  * Heartbeats carry the latest sequence when nothing was sent for an interval.
+  * Each subscriber may lag at most `subscriber_buffer` events. Past that it is
+    marked overflowed: its next send is a Resync (SUBSCRIBER_OVERFLOW) and the
+    stream ends; if it does not drain within `overflow_grace_s` its RPC is
+    cancelled. The engine thread never waits for a subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvhint.v1 import kvhint_pb2 as pb
+
+from . import wire
+from .config import ServerConfig
+from .core import KvHintCore
+from .events import Event, EventBus
+from .model import Tier
+from .queries import Queries
+
+READ_BATCH = 256
+SNAPSHOT_CHUNK_BLOCKS = 512
+MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.1, 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class EventFilter:
+    sessions: frozenset[str] = frozenset()
+    tiers: frozenset[Tier] = frozenset()
+    kinds: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_wire(cls, f: pb.EventFilter) -> EventFilter:
+        return cls(
+            sessions=frozenset(f.session_ids),
+            tiers=frozenset(Tier(t) for t in f.tiers if t in Tier._value2member_map_),
+            kinds=frozenset(int(k) for k in f.kinds),
+        )
+
+    def matches(self, ev: Event) -> bool:
+        if self.kinds and int(ev.kind) not in self.kinds:
+            return False
+        if self.tiers and ev.tier is not None and ev.tier not in self.tiers:
+            return False
+        if self.sessions and self.sessions.isdisjoint(ev.sessions):
+            return False
+        return True
+
+
+@dataclass(eq=False)
+class Subscriber:
+    cursor: int
+    buffer: int
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    overflowed: bool = False
+    task: asyncio.Task[object] | None = None
+    grace: asyncio.TimerHandle | None = None
+
+
+class WatchHub:
+    """Fans EventBus wake-ups out to the subscribers on one asyncio loop."""
+
+    def __init__(self, core: KvHintCore, queries: Queries, config: ServerConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self._core = core
+        self._bus: EventBus = core.bus
+        self._queries = queries
+        self._config = config
+        self._loop = loop
+        self._subs: set[Subscriber] = set()
+        self._scheduled = False
+        self._closing = False
+        self._bus.add_wake_hook(self._poke)
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subs)
+
+    def close(self) -> None:
+        """Stop accepting wake-ups; streams end with a SHUTTING_DOWN resync."""
+        self._closing = True
+        self._bus.remove_wake_hook(self._poke)
+        for sub in self._subs:
+            sub.wake.set()
+
+    def _poke(self) -> None:
+        # Engine thread: at most one pending loop callback at a time.
+        if self._subs and not self._scheduled:
+            self._scheduled = True
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                self._loop.call_soon_threadsafe(self._dispatch)
+
+    def _dispatch(self) -> None:
+        self._scheduled = False
+        last = self._bus.last_sequence
+        for sub in self._subs:
+            if not sub.overflowed and last - sub.cursor > sub.buffer:
+                sub.overflowed = True
+                if sub.task is not None:
+                    sub.grace = self._loop.call_later(self._config.overflow_grace_s, sub.task.cancel)
+            sub.wake.set()
+
+    def _resync(self, cause: int, message: str) -> pb.WatchEventsResponse:
+        bus = self._bus
+        return pb.WatchEventsResponse(
+            epoch=bus.epoch,
+            sequence=bus.last_sequence,
+            resync=pb.Resync(cause=cause, oldest_sequence=bus.oldest_sequence, current_epoch=bus.epoch, message=message),
+        )
+
+    def _control(self, sequence: int, **payload: object) -> pb.WatchEventsResponse:
+        return pb.WatchEventsResponse(epoch=self._bus.epoch, sequence=sequence, **payload)  # type: ignore[arg-type]
+
+    async def stream(self, request: pb.WatchEventsRequest) -> AsyncIterator[pb.WatchEventsResponse]:
+        bus = self._bus
+        flt = EventFilter.from_wire(request.filter)
+        heartbeat = self._config.heartbeat_interval_s
+        if request.HasField("heartbeat_interval"):
+            asked = request.heartbeat_interval.seconds + request.heartbeat_interval.nanos / 1e9
+            if asked > 0:
+                heartbeat = min(MAX_HEARTBEAT_S, max(MIN_HEARTBEAT_S, asked))
+        start = request.start
+        if start == pb.WatchEventsRequest.START_RESUME:
+            cursor = request.resume_after_sequence
+            if request.resume_epoch != bus.epoch:
+                yield self._resync(pb.Resync.CAUSE_EPOCH_CHANGED, f"epoch {request.resume_epoch!r} is not the current epoch")
+                return
+            if cursor > bus.last_sequence:
+                yield self._resync(pb.Resync.CAUSE_FUTURE_SEQUENCE, f"sequence {cursor} is ahead of {bus.last_sequence}")
+                return
+            if cursor + 1 < bus.oldest_sequence:
+                yield self._resync(pb.Resync.CAUSE_COMPACTED, f"events after {cursor} are no longer kept")
+                return
+        elif start == pb.WatchEventsRequest.START_SNAPSHOT:
+            snapshot = await asyncio.wrap_future(self._core.submit(self._queries.snapshot))
+            cursor = snapshot.sequence
+            block_size = self._core.info.block_size
+            yield self._control(
+                cursor,
+                snapshot_begin=pb.SnapshotBegin(
+                    num_sessions=sum(1 for s, _ in snapshot.chunks if s),
+                    num_blocks=len({b.block_hash for _, blocks in snapshot.chunks for b in blocks}),
+                ),
+            )
+            for session_id, blocks in snapshot.chunks:
+                for i in range(0, max(1, len(blocks)), SNAPSHOT_CHUNK_BLOCKS):
+                    part = blocks[i : i + SNAPSHOT_CHUNK_BLOCKS]
+                    yield self._control(
+                        cursor,
+                        snapshot_chunk=pb.SnapshotChunk(
+                            session_id=session_id, blocks=[wire.block_info(b, block_size) for b in part]
+                        ),
+                    )
+            yield self._control(cursor, snapshot_end=pb.SnapshotEnd())
+        else:
+            cursor = bus.last_sequence
+
+        sub = Subscriber(cursor=cursor, buffer=self._config.subscriber_buffer, task=asyncio.current_task())
+        self._subs.add(sub)
+        try:
+            while True:
+                if self._closing:
+                    yield self._resync(pb.Resync.CAUSE_SHUTTING_DOWN, "server is shutting down")
+                    return
+                if sub.overflowed:
+                    yield self._resync(
+                        pb.Resync.CAUSE_SUBSCRIBER_OVERFLOW, f"subscriber fell more than {sub.buffer} events behind"
+                    )
+                    return
+                events = bus.read_after(sub.cursor, READ_BATCH)
+                if events is None:
+                    yield self._resync(pb.Resync.CAUSE_COMPACTED, f"events after {sub.cursor} are no longer kept")
+                    return
+                if events:
+                    for ev in events:
+                        sub.cursor = ev.sequence
+                        if flt.matches(ev):
+                            yield wire.event(ev, bus.epoch)
+                            if sub.overflowed:
+                                break
+                    continue
+                sub.wake.clear()
+                if bus.last_sequence > sub.cursor or self._closing:
+                    continue
+                try:
+                    await asyncio.wait_for(sub.wake.wait(), timeout=heartbeat)
+                except asyncio.TimeoutError:
+                    yield self._control(sub.cursor, heartbeat=pb.Heartbeat())
+        finally:
+            self._subs.discard(sub)
+            if sub.grace is not None:
+                sub.grace.cancel()
