@@ -205,12 +205,6 @@ class VllmAdapter:
         key = block.block_hash
         return self.core.retention(self.external(get_block_hash(key)))
 
-    def expire_retention(self) -> None:
-        ledger = self.core.ledger
-        if ledger:
-            expired = ledger.expire(self.core.monotonic())
-            if expired:
-                self.refile(expired)
 
     # ------------------------------------------------------------ residency hooks (from the pool)
 

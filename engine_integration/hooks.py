@@ -104,7 +104,7 @@ class KvHintBlockPool(BlockPool):
 
     def get_new_blocks(self, num_blocks: int):  # type: ignore[no-untyped-def]
         if len(self._kvh_protected):
-            self._kvh.expire_retention()
+            self._kvh.core.expire_retention()
             shortfall = num_blocks - self.free_block_queue.num_free_blocks
             if shortfall > 0:
                 self._kvh_reclaim(shortfall)
@@ -113,8 +113,19 @@ class KvHintBlockPool(BlockPool):
             return super().get_new_blocks(num_blocks)
         finally:
             pending, self._kvh_pending = self._kvh_pending, None
-            for keys, cause in pending:
+            if pending:
+                self._kvh_flush_removed(pending)
+
+    def _kvh_flush_removed(self, pending: list[tuple[list[Any], RemovalCause]]) -> None:
+        """Report buffered removals, one call per run of the same cause."""
+        keys: list[Any] = []
+        cause = pending[0][1]
+        for batch, batch_cause in pending:
+            if batch_cause is not cause:
                 self._kvh.on_keys_removed(keys, cause)
+                keys, cause = [], batch_cause
+            keys.extend(batch)
+        self._kvh.on_keys_removed(keys, cause)
 
     def _kvh_reclaim(self, shortfall: int) -> None:
         """Move `shortfall` protected blocks to the queue head, in class order."""

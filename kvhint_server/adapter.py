@@ -53,8 +53,9 @@ class EngineAdapter(Protocol):
 
     def refile(self, hashes: Iterable[bytes]) -> None:
         """The effective retention class of these blocks changed; re-file
-        their free device copies in the eviction order (ask the core for the
-        class: `KvHintCore.retention(h)`)."""
+        their free device copies (ask the core for the class:
+        `KvHintCore.retention(h)`). `hashes` come in the order they should
+        become eviction candidates within their class: a chain's tail first."""
 
     def demote_first(self, hashes: Iterable[bytes]) -> int:
         """Make the free device copies of these blocks the first eviction

@@ -106,12 +106,16 @@ class KvHintCore:
     def has_pending(self) -> bool:
         return bool(self._tasks)
 
-    def run_pending(self) -> None:
-        """Engine thread, at a step boundary: expire retention, run queued tasks."""
+    def expire_retention(self) -> None:
+        """Engine thread: drop expired grants and re-file their blocks."""
         if self.ledger:
             expired = self.ledger.expire(self.monotonic())
             if expired:
                 self.adapter.refile(expired)
+
+    def run_pending(self) -> None:
+        """Engine thread, at a step boundary: expire retention, run queued tasks."""
+        self.expire_retention()
         while self._tasks:
             with self._tasks_lock:
                 if not self._tasks:

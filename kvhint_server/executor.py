@@ -188,7 +188,7 @@ class HintExecutor:
             deadline=now + spec.ttl_s,
             expires_at=core.wall() + spec.ttl_s,
         )
-        core.adapter.refile(hashes)
+        core.adapter.refile(list(reversed(hashes)))
         return _result(spec, clips, {Tier.DEVICE: len(hashes)}, effective_ttl_s=spec.ttl_s)
 
     def _release(self, spec: HintSpec) -> HintResult:

@@ -1,0 +1,147 @@
+"""Start and stop a real `vllm serve` with the KvHint sidecar, for the demo,
+tests, benchmarks and the conformance CI job.
+
+The engine runs in its own process group (vLLM spawns EngineCore and worker
+processes); `stop()` sends SIGTERM to the group, waits, then SIGKILLs what is
+left, so no EngineCore is orphaned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEDULER_CLS = "engine_integration.scheduler.KvHintScheduler"
+DEFAULT_MODEL_DIR = Path(os.environ.get("KVHINT_MODEL_CACHE", Path.home() / ".cache" / "kvhint" / "models"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_model(preset: str = "tiny") -> str:
+    """The generated model of `preset`, created on first use."""
+    from .tiny_model import make_tiny_model
+
+    return str(make_tiny_model(DEFAULT_MODEL_DIR / preset, preset).path)
+
+
+@dataclass
+class EngineSpec:
+    model: str
+    block_size: int = 32
+    num_gpu_blocks: int = 80
+    max_model_len: int = 1024
+    # The CPU backend reserves this fraction of memory (see README); keep it small
+    # so several engines fit on one machine.
+    gpu_memory_utilization: float = float(os.environ.get("KVHINT_GPU_MEMORY_UTILIZATION", "0.1"))
+    kvhint: bool = True
+    http_port: int = 0
+    grpc_port: int = 0
+    max_num_seqs: int = 16
+    kv_events_config: dict[str, object] | None = None
+    kv_transfer_config: dict[str, object] | None = None
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    seed: int = 0
+
+
+class ServedEngine:
+    def __init__(self, spec: EngineSpec, log_path: str | Path | None = None) -> None:
+        self.spec = spec
+        self.http_port = spec.http_port or free_port()
+        self.grpc_port = spec.grpc_port or free_port()
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="kvhint-engine-", suffix=".log")[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def command(self) -> list[str]:
+        s = self.spec
+        cmd = [
+            sys.executable, "-m", "engine_integration.launcher", "serve", s.model,
+            "--host", "127.0.0.1", "--port", str(self.http_port),
+            "--block-size", str(s.block_size),
+            "--num-gpu-blocks-override", str(s.num_gpu_blocks),
+            "--max-model-len", str(s.max_model_len),
+            "--gpu-memory-utilization", str(s.gpu_memory_utilization),
+            "--max-num-seqs", str(s.max_num_seqs),
+            "--enable-prompt-tokens-details",
+            "--seed", str(s.seed),
+            "--uvicorn-log-level", "warning",
+        ]  # fmt: skip
+        if s.kvhint:
+            cmd += ["--scheduler-cls", SCHEDULER_CLS]
+        if s.kv_events_config is not None:
+            cmd += ["--kv-events-config", json.dumps(s.kv_events_config)]
+        if s.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(s.kv_transfer_config)]
+        return cmd + s.extra_args
+
+    def start(self, timeout: float = 240.0) -> ServedEngine:
+        env = dict(os.environ)
+        env.update(self.spec.env)
+        env["KVHINT_GRPC_ADDRESS"] = self.grpc_address
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; log: {self.log_path}\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.http_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vllm serve not healthy after {timeout:.0f}s; log: {self.log_path}\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            return
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+    def __enter__(self) -> ServedEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

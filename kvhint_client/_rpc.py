@@ -1,0 +1,229 @@
+"""Request building, response parsing and retry bookkeeping shared by the sync and asyncio
+clients, so both expose the same behaviour with only the I/O differing."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import random
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Optional, Union
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from kvhint.v1 import kvhint_pb2
+
+from .builders import SelectorLike, as_selector
+from .config import ConnectionConfig, RetryPolicy
+from .durations import Seconds, to_duration
+from .errors import KvHintError
+from .names import TierLike, parse_tier
+from .results import ApplyResult, Residency
+
+SERVICE_NAME = "kvhint.v1.KvHintService"
+#: Services health() checks: the KvHint service and the server as a whole.
+HEALTH_SERVICES = (SERVICE_NAME, "")
+
+StartLike = Union[int, str, None]
+_START_NAMES = {
+    "now": kvhint_pb2.WatchEventsRequest.START_NOW,
+    "snapshot": kvhint_pb2.WatchEventsRequest.START_SNAPSHOT,
+    "resume": kvhint_pb2.WatchEventsRequest.START_RESUME,
+}
+_FINAL_OPERATION_STATES = (kvhint_pb2.Operation.STATE_SUCCEEDED, kvhint_pb2.Operation.STATE_FAILED)
+
+
+# -- retries -------------------------------------------------------------------------------------
+
+
+class Attempts:
+    """Deadline and retry bookkeeping for one unary call.
+
+    The overall deadline (timeout) spans every attempt; each attempt gets the time left.
+    """
+
+    def __init__(self, policy: RetryPolicy, timeout: Optional[float], rng: Optional[random.Random] = None) -> None:
+        self._policy = policy
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._rng = rng
+        self.count = 0
+
+    def attempt_timeout(self) -> Optional[float]:
+        """Start an attempt; the time it may take (None: no deadline)."""
+        self.count += 1
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - time.monotonic())
+
+    def retry_delay(self, code: grpc.StatusCode) -> Optional[float]:
+        """Seconds to wait before retrying after a failure with `code`; None: do not retry."""
+        if not self._policy.retryable(code) or self.count >= self._policy.max_attempts:
+            return None
+        delay = self._policy.backoff(self.count, self._rng)
+        if self._deadline is not None and time.monotonic() + delay >= self._deadline:
+            return None
+        return delay
+
+
+def resolve_timeout(config: ConnectionConfig, timeout: Optional[float]) -> Optional[float]:
+    """Per-call override, else the config default."""
+    if timeout is not None:
+        if timeout <= 0:
+            raise ValueError("timeout must be > 0")
+        return timeout
+    return config.default_timeout
+
+
+def rpc_error(error: grpc.RpcError, method: str, address: str) -> KvHintError:
+    return KvHintError.from_rpc_error(error, method=method, address=address)
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+def prepare_hints(hints: Iterable[kvhint_pb2.Hint]) -> list[kvhint_pb2.Hint]:
+    """Copies of `hints`, each without a hint_id given a uuid4 one, so retries are idempotent."""
+    prepared = []
+    for hint in hints:
+        if not isinstance(hint, kvhint_pb2.Hint):
+            raise ValueError(f"apply() takes kvhint_pb2.Hint values (see kvhint_client.builders), got {type(hint).__name__}")
+        copy = kvhint_pb2.Hint()
+        copy.CopyFrom(hint)
+        if not copy.hint_id:
+            copy.hint_id = str(uuid.uuid4())
+        prepared.append(copy)
+    if not prepared:
+        raise ValueError("apply() needs at least one hint")
+    return prepared
+
+
+def apply_result(hints: list[kvhint_pb2.Hint], response: kvhint_pb2.ApplyHintsResponse, address: str) -> ApplyResult:
+    if len(response.results) != len(hints):
+        raise KvHintError(
+            grpc.StatusCode.INTERNAL,
+            f"server returned {len(response.results)} results for {len(hints)} hints",
+            method="ApplyHints",
+            address=address,
+        )
+    return ApplyResult(
+        hints=hints,
+        results=list(response.results),
+        epoch=response.epoch,
+        applied_at_sequence=response.applied_at_sequence,
+    )
+
+
+def query_request(
+    selector: SelectorLike, tiers: Iterable[TierLike], page_size: int, page_token: str
+) -> kvhint_pb2.QueryResidencyRequest:
+    return kvhint_pb2.QueryResidencyRequest(
+        selector=as_selector(selector),
+        tiers=[parse_tier(t) for t in tiers],
+        page_size=page_size,
+        page_token=page_token,
+    )
+
+
+def sessions_request(prefix: str, page_size: int, page_token: str) -> kvhint_pb2.ListSessionsRequest:
+    return kvhint_pb2.ListSessionsRequest(session_id_prefix=prefix, page_size=page_size, page_token=page_token)
+
+
+def watch_request(
+    start: StartLike,
+    resume: Optional[tuple[str, int]],
+    filter: Optional[kvhint_pb2.EventFilter],
+    heartbeat: Optional[Union[Seconds, _dt.timedelta]],
+) -> kvhint_pb2.WatchEventsRequest:
+    """Start defaults to RESUME when `resume=(epoch, last_sequence)` is given, else NOW."""
+    if start is None:
+        start_value = kvhint_pb2.WatchEventsRequest.START_RESUME if resume else kvhint_pb2.WatchEventsRequest.START_NOW
+    elif isinstance(start, str):
+        if start.lower() not in _START_NAMES:
+            raise ValueError(f"unknown start {start!r}; choose one of {sorted(_START_NAMES)}")
+        start_value = _START_NAMES[start.lower()]
+    else:
+        start_value = kvhint_pb2.WatchEventsRequest.Start.ValueType(start)
+    request = kvhint_pb2.WatchEventsRequest(start=start_value)
+    if start_value == kvhint_pb2.WatchEventsRequest.START_RESUME:
+        if not resume or not resume[0]:
+            raise ValueError("start=resume needs resume=(epoch, last_sequence)")
+        request.resume_epoch, request.resume_after_sequence = resume[0], int(resume[1])
+    elif resume:
+        raise ValueError("resume=(epoch, sequence) is only valid with start=resume")
+    if filter is not None:
+        request.filter.CopyFrom(filter)
+    if heartbeat is not None:
+        request.heartbeat_interval.CopyFrom(to_duration(heartbeat, name="heartbeat"))
+    return request
+
+
+# -- pagination ---------------------------------------------------------------------------------
+
+
+class PageTokens:
+    """Follows next_page_token; refuses a token the server already gave (a loop)."""
+
+    def __init__(self, method: str, address: str) -> None:
+        self._seen: set[str] = set()
+        self._method, self._address = method, address
+        self.token = ""
+
+    def advance(self, next_token: str) -> bool:
+        """Record the next token; False when there are no more pages."""
+        if not next_token:
+            return False
+        if next_token in self._seen:
+            raise KvHintError(
+                grpc.StatusCode.INTERNAL, f"server repeated page token {next_token!r}", method=self._method, address=self._address
+            )
+        self._seen.add(next_token)
+        self.token = next_token
+        return True
+
+
+class ResidencyPages:
+    """Accumulates QueryResidency pages into a Residency."""
+
+    def __init__(self) -> None:
+        self.blocks: list[kvhint_pb2.BlockInfo] = []
+        self.last: Optional[kvhint_pb2.QueryResidencyResponse] = None
+        self.pages = 0
+
+    def add(self, page: kvhint_pb2.QueryResidencyResponse) -> None:
+        self.blocks.extend(page.blocks)
+        self.last = page
+        self.pages += 1
+
+    def result(self) -> Residency:
+        last = self.last or kvhint_pb2.QueryResidencyResponse()
+        return Residency(
+            blocks=self.blocks,
+            totals={t.tier: t.blocks for t in last.totals},
+            as_of_epoch=last.as_of_epoch,
+            as_of_sequence=last.as_of_sequence,
+            pages=self.pages,
+        )
+
+
+# -- operations and health ------------------------------------------------------------------------
+
+
+def operation_finished(operation: kvhint_pb2.Operation) -> bool:
+    return operation.state in _FINAL_OPERATION_STATES
+
+
+def operation_timeout_error(operation_id: str, last: Optional[kvhint_pb2.Operation], timeout: float, address: str) -> KvHintError:
+    state = kvhint_pb2.Operation.State.Name(last.state) if last is not None else "unknown"
+    return KvHintError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"operation {operation_id} not finished after {timeout:g}s (last state {state})",
+        method="GetOperation",
+        address=address,
+    )
+
+
+def health_status_name(status: int) -> str:
+    name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    return name

@@ -1,0 +1,140 @@
+"""`kvhint apply ACTION <selector> [bounds]` and `kvhint apply --envelope FILE`.
+
+Exit 0 when every hint was ACCEPTED, 1 when any was CLIPPED / DEFERRED / REJECTED / MISSING.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvhint.v1 import kvhint_pb2
+
+from ..envelope import EnvelopeError, envelope_to_hints
+from ..names import outcome_name, reason_name
+from ..proto_json import message_to_dict
+from ..results import ApplyResult
+from .context import EXIT_NEGATIVE, EXIT_OK, CliContext, UsageError
+from .output import counts_text, result_detail, table
+from .selector_args import add_selector_options, target_from_args
+
+ACTIONS = ("pin", "retain", "release", "evict", "demote", "prefetch", "share")
+# Which bound flags each action takes (anything else given is a usage error).
+_ACTION_FLAGS: dict[str, set[str]] = {
+    "pin": {"ttl"},
+    "retain": {"ttl", "priority"},
+    "release": set(),
+    "evict": set(),
+    "demote": {"target_tier"},
+    "prefetch": {"deadline"},
+    "share": {"destination"},
+}
+_REQUIRED: dict[str, set[str]] = {"pin": {"ttl"}, "retain": {"ttl"}, "share": {"destination"}}
+_FLAG_NAMES = {"ttl": "--ttl", "priority": "--priority", "target_tier": "--target-tier",
+               "deadline": "--deadline", "destination": "--destination"}
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser(
+        "apply",
+        parents=[common],
+        help="apply one hint (or a KvHintsEnvelope)",
+        description="Apply one hint. Exit 0 if ACCEPTED, 1 otherwise (CLIPPED, DEFERRED, REJECTED, MISSING).",
+        epilog="examples:\n  kvhint apply pin --session agent-7 --ttl 30\n"
+        "  kvhint apply retain --session agent-7 --include-children --priority 5 --ttl 60\n"
+        "  kvhint apply demote --continuation c1 --range 0:4 --target-tier host\n"
+        "  kvhint apply --envelope hints.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("action", nargs="?", choices=ACTIONS, metavar="ACTION", help=f"one of: {', '.join(ACTIONS)}")
+    add_selector_options(parser)
+    bounds = parser.add_argument_group("bounds")
+    bounds.add_argument("--ttl", type=float, metavar="SECONDS", help="pin / retain: how long (required)")
+    bounds.add_argument("--priority", type=int, help="retain: higher is kept longer (default 0)")
+    bounds.add_argument("--target-tier", metavar="TIER", help="demote: device|host|disk|remote (default: nearest lower)")
+    bounds.add_argument("--deadline", type=float, metavar="SECONDS", help="prefetch: give up after this long")
+    bounds.add_argument("--destination", metavar="PEER", help="share: peer host:port or shared tier name (required)")
+    bounds.add_argument("--max-blocks", type=int, default=0, metavar="N", help="touch at most N blocks (0: no cap)")
+    bounds.add_argument("--hint-id", metavar="ID", help="idempotency key (default: a generated uuid4)")
+    parser.add_argument(
+        "--envelope", metavar="FILE", help="apply a KvHintsEnvelope JSON file ('-' for stdin) instead of one hint"
+    )
+    parser.set_defaults(run=run)
+
+
+def _hint_from_args(args: argparse.Namespace) -> kvhint_pb2.Hint:
+    action = args.action
+    given = {name for name in _FLAG_NAMES if getattr(args, name) is not None}
+    extra = given - _ACTION_FLAGS[action]
+    if extra:
+        raise UsageError(f"{', '.join(sorted(_FLAG_NAMES[n] for n in extra))} does not apply to {action}")
+    missing = _REQUIRED.get(action, set()) - given
+    if missing:
+        raise UsageError(f"{action} needs {', '.join(sorted(_FLAG_NAMES[n] for n in missing))}")
+    target = target_from_args(args)
+    common = {"hint_id": args.hint_id, "max_blocks": args.max_blocks}
+    try:
+        if action == "pin":
+            return target.pin(args.ttl, **common)
+        if action == "retain":
+            return target.retain(args.ttl, args.priority or 0, **common)
+        if action == "release":
+            return target.release(**common)
+        if action == "evict":
+            return target.evict(**common)
+        if action == "demote":
+            return target.demote(args.target_tier, **common)
+        if action == "prefetch":
+            return target.prefetch(args.deadline, **common)
+        return target.share(args.destination, **common)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _hints_from_envelope(path: str) -> list[kvhint_pb2.Hint]:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as error:
+        raise UsageError(f"cannot read {path}: {error.strerror}") from None
+    try:
+        return envelope_to_hints(text)
+    except EnvelopeError as error:
+        raise UsageError(f"envelope: {error}") from None
+
+
+def run(args: argparse.Namespace, ctx: CliContext) -> int:
+    if args.envelope:
+        if args.action:
+            raise UsageError("give either an action or --envelope, not both")
+        hints = _hints_from_envelope(args.envelope)
+    elif not args.action:
+        raise UsageError(f"choose an action ({', '.join(ACTIONS)}) or --envelope FILE")
+    else:
+        hints = [_hint_from_args(args)]
+    result = ctx.client().apply(*hints)
+    if ctx.json:
+        ctx.emit_json(apply_result_json(result))
+    else:
+        ctx.print(apply_result_table(result))
+    return EXIT_OK if result.all_accepted else EXIT_NEGATIVE
+
+
+def apply_result_json(result: ApplyResult) -> dict[str, Any]:
+    response = kvhint_pb2.ApplyHintsResponse(
+        results=result.results, epoch=result.epoch, applied_at_sequence=result.applied_at_sequence
+    )
+    out = message_to_dict(response)
+    out.setdefault("results", [])
+    out["all_accepted"] = result.all_accepted
+    return out
+
+
+def apply_result_table(result: ApplyResult) -> str:
+    rows = [
+        (r.hint_id, outcome_name(r.outcome), reason_name(r.reason), counts_text(r.affected_blocks), r.operation_id,
+         result_detail(r))
+        for r in result.results
+    ]
+    return table(("HINT", "OUTCOME", "REASON", "BLOCKS", "OPERATION", "DETAIL"), rows)

@@ -1,0 +1,31 @@
+"""`kvhint make-tiny-model DIR [--preset tiny|bench]`: write a random-weight test checkpoint
+(engine_integration.tiny_model; imported only when this command runs, it needs torch)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .context import EXIT_OK, CliContext, UsageError
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser(
+        "make-tiny-model", parents=[common], help="write a random-weight Llama checkpoint for tests and demos"
+    )
+    parser.add_argument("dir", help="output directory (created if needed)")
+    parser.add_argument("--preset", choices=("tiny", "bench"), default="tiny", help="model size (default tiny)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, ctx: CliContext) -> int:
+    try:
+        from engine_integration.tiny_model import make_tiny_model
+    except ImportError as error:
+        raise UsageError(f"make-tiny-model needs the engine extras (pip install 'kvhint[vllm]'): {error}") from None
+    model = make_tiny_model(args.dir, args.preset)
+    if ctx.json:
+        ctx.emit_json({"path": str(model.path), "preset": model.preset})
+    else:
+        ctx.print(f"{model.preset} model at {model.path}")
+    return EXIT_OK

@@ -1,0 +1,177 @@
+"""Connection settings for KvHintClient / AsyncKvHintClient (and the follower / fleet built on them).
+
+Contracts:
+- The bearer token travels as `authorization: Bearer <token>` call metadata (plaintext or TLS).
+- `default_timeout` is the deadline of every unary call, spanning all its retry attempts; a
+  per-call `timeout=` overrides it. `None` means no deadline. Streams (WatchEvents) have no
+  deadline unless one is passed to `watch()`.
+- RetryPolicy retries ONLY on UNAVAILABLE (the request never reached a servicer or the
+  connection broke). DEADLINE_EXCEEDED, INVALID_ARGUMENT and every other code surface at once.
+  ApplyHints retries are idempotent because the client gives every hint without a `hint_id` a
+  uuid4 id before the first attempt (server contract: a repeated id returns the first result,
+  `replayed=true`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50151"
+#: Environment variable read by `ConnectionConfig.from_env()` and the CLI.
+ADDRESS_ENV = "KVHINT_ADDRESS"
+TOKEN_ENV = "KVHINT_TOKEN"
+
+PemSource = Union[bytes, str, Path]
+
+
+def _read_pem(source: Optional[PemSource]) -> Optional[bytes]:
+    """PEM bytes as given, or read from a path (str or Path)."""
+    if source is None or isinstance(source, bytes):
+        return source
+    return Path(source).read_bytes()
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS for the channel. PEM values are bytes, or paths to read them from.
+
+    root_certificates: CA bundle to verify the server (None: the system roots).
+    certificate_chain / private_key: client certificate for mutual TLS (both or neither).
+    server_name_override: the name to verify the server certificate against (the
+        `grpc.ssl_target_name_override` channel option), for addressing by IP.
+    """
+
+    root_certificates: Optional[PemSource] = None
+    certificate_chain: Optional[PemSource] = None
+    private_key: Optional[PemSource] = None
+    server_name_override: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ValueError("TLS client authentication needs both certificate_chain and private_key")
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read_pem(self.root_certificates),
+            private_key=_read_pem(self.private_key),
+            certificate_chain=_read_pem(self.certificate_chain),
+        )
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        if self.server_name_override:
+            return [("grpc.ssl_target_name_override", self.server_name_override)]
+        return []
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter, for UNAVAILABLE only.
+
+    Attempt n (1-based) that fails with UNAVAILABLE is followed by a sleep of
+    min(max_backoff, initial_backoff * multiplier**(n-1)) scaled by a random factor in
+    [1 - jitter, 1 + jitter], unless n == max_attempts or the call's deadline would pass.
+    """
+
+    max_attempts: int = 4
+    initial_backoff: float = 0.1
+    max_backoff: float = 2.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if self.initial_backoff < 0 or self.max_backoff < 0:
+            raise ValueError("backoff must be >= 0")
+        if self.multiplier < 1:
+            raise ValueError("multiplier must be >= 1")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError("jitter must be in [0, 1]")
+
+    @classmethod
+    def disabled(cls) -> "RetryPolicy":
+        """One attempt, no retries."""
+        return cls(max_attempts=1)
+
+    def backoff(self, failed_attempt: int, rng: Optional[random.Random] = None) -> float:
+        """Seconds to sleep after the `failed_attempt`-th attempt (1-based) failed."""
+        base = min(self.max_backoff, self.initial_backoff * self.multiplier ** (failed_attempt - 1))
+        if self.jitter:
+            base *= 1 + (rng or random).uniform(-self.jitter, self.jitter)
+        return max(0.0, base)
+
+    @staticmethod
+    def retryable(code: grpc.StatusCode) -> bool:
+        """True only for UNAVAILABLE."""
+        return bool(code == grpc.StatusCode.UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class ConnectionConfig:
+    """Where and how to reach one KvHint server.
+
+    address: "host:port" (any gRPC target string works, e.g. "unix:/path").
+    tls: None for a plaintext channel.
+    bearer_token: sent as `authorization: Bearer <token>` on every call.
+    default_timeout: seconds per unary call (across retries); None for no deadline.
+    retry: the UNAVAILABLE retry policy of unary calls.
+    metadata: extra call metadata sent on every call.
+    channel_options: extra gRPC channel options.
+    """
+
+    address: str = DEFAULT_ADDRESS
+    tls: Optional[TlsConfig] = None
+    bearer_token: Optional[str] = None
+    default_timeout: Optional[float] = 10.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    metadata: tuple[tuple[str, str], ...] = ()
+    channel_options: tuple[tuple[str, Union[str, int]], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise ValueError("address must not be empty")
+        if self.default_timeout is not None and self.default_timeout <= 0:
+            raise ValueError("default_timeout must be > 0 or None")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> "ConnectionConfig":
+        """Config from KVHINT_ADDRESS / KVHINT_TOKEN, with keyword overrides."""
+        values: dict[str, object] = {"address": os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS)}
+        token = os.environ.get(TOKEN_ENV)
+        if token:
+            values["bearer_token"] = token
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> "ConnectionConfig":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Metadata sent on every call: the bearer token, then `metadata`."""
+        items = list(self.metadata)
+        if self.bearer_token:
+            items.insert(0, ("authorization", f"Bearer {self.bearer_token}"))
+        return tuple(items)
+
+    def all_channel_options(self) -> list[tuple[str, Union[str, int]]]:
+        options: list[tuple[str, Union[str, int]]] = list(self.channel_options)
+        if self.tls is not None:
+            options.extend(self.tls.channel_options())
+        return options
+
+
+ConfigLike = Union[ConnectionConfig, str]
+
+
+def as_config(config: ConfigLike) -> ConnectionConfig:
+    """A ConnectionConfig, or an address string turned into one with default settings."""
+    if isinstance(config, ConnectionConfig):
+        return config
+    return ConnectionConfig(address=config)

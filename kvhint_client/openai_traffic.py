@@ -1,0 +1,103 @@
+"""Drive an OpenAI-compatible /v1/completions endpoint with session coordinates.
+
+Used by the demo, the benchmarks and the conformance suite: each request
+carries the session in the `X-Session-ID` header and the continuation (and
+parent session) in `vllm_xargs`, so nothing engine-internal is needed. The
+response reports `usage.prompt_tokens_details.cached_tokens` (vLLM needs
+`--enable-prompt-tokens-details`), and streaming gives the client-side TTFT.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_tokens: int
+    cached_tokens: int
+    token_ids: tuple[int, ...]
+    text: str
+    ttft_s: float
+    latency_s: float
+
+
+class CompletionError(RuntimeError):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:500]}")
+        self.status = status
+        self.body = body
+
+
+def complete(
+    base_url: str,
+    prompt: list[int] | str,
+    *,
+    model: str | None = None,
+    session_id: str | None = None,
+    continuation_id: str | None = None,
+    parent_session_id: str | None = None,
+    max_tokens: int = 1,
+    timeout: float = 120.0,
+) -> Completion:
+    """One greedy completion, streamed so TTFT is measured at the client."""
+    body: dict[str, object] = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    if model:
+        body["model"] = model
+    xargs = {k: v for k, v in (("continuation_id", continuation_id), ("parent_session_id", parent_session_id)) if v}
+    if xargs:
+        body["vllm_xargs"] = xargs
+    headers = {"Content-Type": "application/json"}
+    if session_id:
+        headers["X-Session-ID"] = session_id
+    req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(), headers)
+    start = time.perf_counter()
+    ttft = None
+    text: list[str] = []
+    tokens: list[int] = []
+    usage: dict[str, object] = {}
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                for choice in chunk.get("choices") or []:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    text.append(choice.get("text") or "")
+                    tokens.extend(choice.get("token_ids") or [])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except urllib.error.HTTPError as err:
+        raise CompletionError(err.code, err.read().decode(errors="replace")) from err
+    latency = time.perf_counter() - start
+    details = usage.get("prompt_tokens_details") or {}
+    return Completion(
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),  # type: ignore[arg-type]
+        cached_tokens=int(details.get("cached_tokens", 0) or 0),  # type: ignore[union-attr]
+        token_ids=tuple(tokens),
+        text="".join(text),
+        ttft_s=ttft if ttft is not None else latency,
+        latency_s=latency,
+    )
+
+
+def first_model(base_url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=timeout) as resp:
+        return json.load(resp)["data"][0]["id"]

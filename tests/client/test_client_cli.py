@@ -1,0 +1,230 @@
+"""The `kvhint` CLI as a subprocess (`python -m kvhint_client.cli`) against the fake server:
+exit codes 0/1/2/3/4, one-line error messages, and parseable --json output."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+from fake_kvhint_server import HANG, RunningServer, h, heartbeat, resync, snapshot, stored
+
+from kvhint.v1 import kvhint_pb2
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def kvhint(*args: str, address: str | None = None, stdin: str | None = None, timeout: float = 60):
+    argv = [sys.executable, "-m", "kvhint_client.cli"]
+    if address is not None:
+        argv += ["--address", address]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("KVHINT_ADDRESS", None)
+    return subprocess.run(argv + list(args), capture_output=True, text=True, input=stdin, cwd=REPO, env=env,
+                          timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_apply_pin_accepted_exit_0_and_json(fake: RunningServer) -> None:
+    run = kvhint("apply", "pin", "--session", "S", "--ttl", "30", "--hint-id", "h1", "--json", address=fake.address)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["all_accepted"] is True and out["results"][0]["outcome"] == "OUTCOME_ACCEPTED"
+    assert out["results"][0]["hint_id"] == "h1" and out["epoch"] == "E1"
+    sent = fake.servicer.applied[0]
+    assert sent.pin.ttl.seconds == 30 and sent.selector.session.session_id == "S"
+
+
+def test_apply_flags_build_the_hint(fake: RunningServer) -> None:
+    run = kvhint("--address", fake.address, "apply", "retain", "--session", "S", "--include-children",
+                 "--range", "2:", "--priority", "5", "--ttl", "1.5", "--max-blocks", "9")
+    assert run.returncode == 0, run.stderr
+    assert "ACCEPTED" in run.stdout and "HINT" in run.stdout
+    sent = fake.servicer.applied[0]
+    assert sent.selector.session.include_children and sent.selector.range.start == 2
+    assert not sent.selector.range.HasField("end")
+    assert (sent.retain.priority, sent.retain.ttl.nanos, sent.max_blocks) == (5, 500_000_000, 9)
+    run = kvhint("apply", "evict", "--block-hash", "00ff", "--block-hash", "0a", address=fake.address)
+    assert list(fake.servicer.applied[1].selector.block_hashes.block_hashes) == [b"\x00\xff", b"\x0a"]
+
+
+def test_apply_not_accepted_exit_1(fake: RunningServer) -> None:
+    fake.servicer.outcome_for = lambda hint: kvhint_pb2.HintResult(
+        hint_id=hint.hint_id, outcome=kvhint_pb2.OUTCOME_REJECTED, reason=kvhint_pb2.REASON_UNSUPPORTED,
+        message="no lower tier")
+    run = kvhint("apply", "demote", "--continuation", "c1", "--target-tier", "host", address=fake.address)
+    assert run.returncode == 1
+    assert "REJECTED" in run.stdout and "UNSUPPORTED" in run.stdout and "no lower tier" in run.stdout
+
+
+def test_apply_envelope_from_stdin(fake: RunningServer) -> None:
+    envelope = {"protocol_version": "0.1", "message_id": "m", "actions": [
+        {"action_id": "a", "action_type": "kv.share", "action_version": "1.0",
+         "payload": {"selector": {"session_id": "S"}, "destination": "peer:1"}}]}
+    run = kvhint("apply", "--envelope", "-", "--json", address=fake.address, stdin=json.dumps(envelope))
+    assert run.returncode == 0, run.stderr
+    assert fake.servicer.applied[0].share.destination == "peer:1"
+    bad = dict(envelope, actions=[dict(envelope["actions"][0], action_type="kv.fetch")])
+    run = kvhint("apply", "--envelope", "-", address=fake.address, stdin=json.dumps(bad))
+    assert run.returncode == 2 and "unsupported action_type 'kv.fetch'" in run.stderr
+
+
+def test_usage_errors_exit_2_without_calling_the_server(fake: RunningServer) -> None:
+    cases = [
+        (["apply", "pin", "--session", "S"], "pin needs --ttl"),
+        (["apply", "pin", "--ttl", "3"], "give exactly one selector"),
+        (["apply", "pin", "--session", "S", "--continuation", "c", "--ttl", "3"], "got --session, --continuation"),
+        (["apply", "evict", "--session", "S", "--ttl", "3"], "--ttl does not apply to evict"),
+        (["apply", "pin", "--session", "S", "--ttl", "0"], "ttl must be > 0"),
+        (["apply", "evict", "--block-hash", "xyz"], "not hexadecimal"),
+        (["apply", "evict", "--session", "S", "--range", "4:2"], "greater than start"),
+        (["apply", "teleport", "--session", "S"], "invalid choice"),
+        (["apply"], "choose an action"),
+        (["watch", "--resume", "nonsense"], "--resume must look like EPOCH:SEQ"),
+        (["residency", "--session", "S", "--tier", "ssd"], "unknown tier"),
+        (["frobnicate"], "invalid choice"),
+        (["capabilities", "--ca-cert", "/nonexistent/ca.pem"], "--ca-cert /nonexistent/ca.pem: no such file"),
+        (["capabilities", "--timeout", "0"], "--timeout must be > 0"),
+    ]
+    for args, message in cases:
+        run = kvhint(*args, address=fake.address)
+        assert run.returncode == 2, (args, run.stdout, run.stderr)
+        assert message in run.stderr, (args, run.stderr)
+    assert fake.servicer.count("ApplyHints") == 0
+
+
+def test_invalid_argument_from_server_exit_2_with_reason_and_field(fake: RunningServer) -> None:
+    fake.servicer.abort["ApplyHints"] = (grpc.StatusCode.INVALID_ARGUMENT, "session_id too long",
+                                         "REASON_MALFORMED_REQUEST", {"field": "hints[0].selector.session.session_id"})
+    run = kvhint("apply", "release", "--session", "S", address=fake.address)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0] == ("kvhint: invalid argument: session_id too long (reason REASON_MALFORMED_REQUEST, "
+                        "field hints[0].selector.session.session_id)")
+
+
+def test_connection_refused_exit_3() -> None:
+    run = kvhint("capabilities", "--retries", "0", address=f"127.0.0.1:{free_port()}")
+    assert run.returncode == 3
+    assert run.stderr.strip().endswith("connection refused") and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_deadline_exceeded_exit_3(fake: RunningServer) -> None:
+    fake.servicer.delay["GetCapabilities"] = 2.0
+    run = kvhint("capabilities", "--timeout", "0.3", address=fake.address)
+    assert run.returncode == 3
+    assert "deadline exceeded" in run.stderr and "GetCapabilities" in run.stderr and "0.3s" in run.stderr
+
+
+def test_other_server_errors_exit_4(fake: RunningServer) -> None:
+    fake.servicer.fail_next["ListSessions"] = [grpc.StatusCode.PERMISSION_DENIED]
+    run = kvhint("sessions", address=fake.address)
+    assert run.returncode == 4 and "ListSessions failed: PERMISSION_DENIED" in run.stderr
+
+
+def test_health_exit_codes(fake: RunningServer) -> None:
+    run = kvhint("health", "--json", address=fake.address)
+    assert run.returncode == 0 and json.loads(run.stdout)["serving"] is True
+    from grpc_health.v1 import health_pb2
+
+    fake.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    run = kvhint("health", address=fake.address)
+    assert run.returncode == 1 and "NOT_SERVING" in run.stdout
+
+
+def test_residency_and_sessions_json(fake: RunningServer) -> None:
+    fake.servicer.blocks = [kvhint_pb2.BlockInfo(block_hash=h(i), position=i, tiers=[kvhint_pb2.TIER_DEVICE],
+                                                 session_ids=["S"]) for i in range(3)]
+    fake.servicer.sessions = [kvhint_pb2.SessionInfo(session_id="S", frontier_hashes=[h(2)],
+                                                     blocks=[kvhint_pb2.TierBlockCount(tier=1, blocks=3)])]
+    run = kvhint("residency", "--session", "S", "--page-size", "2", "--json", address=fake.address)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert [b["block_hash"] for b in out["blocks"]] == [h(i).hex() for i in range(3)]
+    assert out["totals"] == [{"tier": "TIER_DEVICE", "blocks": 3}] and out["as_of_sequence"] == 100
+    run = kvhint("sessions", "--json", address=fake.address)
+    session_out = json.loads(run.stdout)["sessions"][0]
+    assert session_out["frontier_hashes"] == [h(2).hex()] and session_out["blocks"][0]["tier"] == "TIER_DEVICE"
+    human = kvhint("residency", "--session", "S", address=fake.address)
+    assert h(1).hex() in human.stdout and "3 blocks; totals device=3" in human.stdout
+
+
+def test_capabilities_human_and_json(fake: RunningServer) -> None:
+    run = kvhint("capabilities", address=fake.address)
+    assert run.returncode == 0 and "fake 0.0" in run.stdout and "pin" in run.stdout
+    caps = json.loads(kvhint("capabilities", "--json", address=fake.address).stdout)
+    assert caps["engine"] == "fake" and caps["num_device_blocks"] == 128
+
+
+def test_watch_json_lines_and_resync_exit_1(fake: RunningServer) -> None:
+    fake.servicer.watch_scripts = [[*snapshot("E1", 4, {"S": [(1, [1])]}), stored("E1", 5, [2], "S"),
+                                    heartbeat("E1", 5), resync("E1", 5)]]
+    run = kvhint("watch", "--from-snapshot", "--json", "--session", "S", "--kind", "blocks_stored",
+                 address=fake.address)
+    assert run.returncode == 1, run.stderr
+    messages = [json.loads(line) for line in run.stdout.splitlines()]
+    kinds = [next(k for k in m if k not in ("epoch", "sequence", "time")) for m in messages]
+    assert kinds == ["snapshot_begin", "snapshot_chunk", "snapshot_end", "blocks_stored", "heartbeat", "resync"]
+    assert messages[3]["blocks_stored"]["block_hashes"] == [h(2).hex()] and messages[3]["sequence"] == 5
+    request = fake.servicer.watch_requests[0]
+    assert request.start == kvhint_pb2.WatchEventsRequest.START_SNAPSHOT
+    assert list(request.filter.session_ids) == ["S"]
+    assert list(request.filter.kinds) == [kvhint_pb2.EVENT_KIND_BLOCKS_STORED]
+
+
+def test_watch_count_and_resume(fake: RunningServer) -> None:
+    fake.servicer.watch_scripts = [[heartbeat("E1", 8), stored("E1", 9, [3], "S"), stored("E1", 10, [4], "S"), HANG]]
+    run = kvhint("watch", "--resume", "E1:8", "--count", "2", address=fake.address)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("E1:9 ") and "BLOCKS_STORED" in lines[0], "heartbeats hidden"
+    request = fake.servicer.watch_requests[0]
+    assert (request.start, request.resume_epoch, request.resume_after_sequence) == (
+        kvhint_pb2.WatchEventsRequest.START_RESUME, "E1", 8)
+
+
+def test_watch_duration_ends_a_quiet_stream(fake: RunningServer) -> None:
+    run = kvhint("watch", "--duration", "0.5", "--json", address=fake.address)
+    assert run.returncode == 0 and run.stdout == ""
+
+
+def test_help_lists_commands_and_exit_codes() -> None:
+    run = kvhint("--help")
+    assert run.returncode == 0
+    for command in ("capabilities", "apply", "residency", "sessions", "watch", "health", "make-tiny-model"):
+        assert command in run.stdout
+    assert "3 unavailable" in run.stdout
+
+
+def test_extra_command_modules_can_register(tmp_path: Path) -> None:
+    module = tmp_path / "hello_cmd.py"
+    module.write_text(
+        "def register(subparsers, common):\n"
+        "    p = subparsers.add_parser('hello', parents=[common])\n"
+        "    p.set_defaults(run=lambda args, ctx: (ctx.print('hi ' + ctx.address), 0)[1])\n"
+    )
+    code = ("import sys; sys.path.insert(0, %r); from kvhint_client import cli; "
+            "cli.COMMAND_MODULES.append('hello_cmd'); raise SystemExit(cli.main(['hello', '--address', 'x:1']))"
+            % str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0 and run.stdout.strip() == "hi x:1"
+
+
+def test_make_tiny_model_writes_a_checkpoint(tmp_path: Path) -> None:
+    import pytest
+
+    pytest.importorskip("torch")
+    run = kvhint("make-tiny-model", str(tmp_path / "m"), "--json", timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == {"path": str(tmp_path / "m"), "preset": "tiny"}
+    assert (tmp_path / "m" / "config.json").exists()

@@ -1,0 +1,57 @@
+"""Connection config: retry policy contract, metadata, TLS validation."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from kvhint_client.config import ConnectionConfig, RetryPolicy, TlsConfig, as_config
+
+
+def test_only_unavailable_is_retryable() -> None:
+    assert RetryPolicy.retryable(grpc.StatusCode.UNAVAILABLE)
+    for code in grpc.StatusCode:
+        if code is not grpc.StatusCode.UNAVAILABLE:
+            assert not RetryPolicy.retryable(code), code
+
+
+def test_backoff_grows_to_the_cap_within_jitter() -> None:
+    policy = RetryPolicy(initial_backoff=0.1, max_backoff=1.0, multiplier=2.0, jitter=0.0)
+    assert [policy.backoff(n) for n in range(1, 6)] == [0.1, 0.2, 0.4, 0.8, 1.0]
+    jittery = RetryPolicy(initial_backoff=1.0, max_backoff=1.0, jitter=0.25)
+    rng = random.Random(7)
+    samples = [jittery.backoff(1, rng) for _ in range(200)]
+    assert all(0.75 <= s <= 1.25 for s in samples) and max(samples) - min(samples) > 0.1
+    assert RetryPolicy.disabled().max_attempts == 1
+
+
+@pytest.mark.parametrize("kwargs", [{"max_attempts": 0}, {"multiplier": 0.5}, {"jitter": 1.5}, {"initial_backoff": -1}])
+def test_invalid_retry_policies_are_rejected(kwargs) -> None:
+    with pytest.raises(ValueError):
+        RetryPolicy(**kwargs)
+
+
+def test_bearer_token_goes_first_in_call_metadata() -> None:
+    config = ConnectionConfig(bearer_token="tok", metadata=(("x-a", "1"),))
+    assert config.call_metadata() == (("authorization", "Bearer tok"), ("x-a", "1"))
+    assert ConnectionConfig().call_metadata() == ()
+
+
+def test_from_env_and_address_strings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVHINT_ADDRESS", "10.1.1.1:9")
+    monkeypatch.setenv("KVHINT_TOKEN", "t")
+    config = ConnectionConfig.from_env(default_timeout=3.0)
+    assert (config.address, config.bearer_token, config.default_timeout) == ("10.1.1.1:9", "t", 3.0)
+    assert as_config("h:1").address == "h:1" and as_config(config) is config
+    with pytest.raises(ValueError, match="default_timeout"):
+        ConnectionConfig(default_timeout=0)
+
+
+def test_tls_needs_both_halves_of_a_client_certificate() -> None:
+    with pytest.raises(ValueError, match="both certificate_chain and private_key"):
+        TlsConfig(certificate_chain=b"cert")
+    tls = TlsConfig(server_name_override="kvhint.internal")
+    assert ConnectionConfig(tls=tls).all_channel_options() == [("grpc.ssl_target_name_override", "kvhint.internal")]
+    assert isinstance(tls.channel_credentials(), grpc.ChannelCredentials)

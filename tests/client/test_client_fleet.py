@@ -1,0 +1,71 @@
+"""FleetClient routes hints to the engines holding what they select."""
+
+from __future__ import annotations
+
+import grpc
+from fake_kvhint_server import h, snapshot, start_fake_server
+
+from kvhint.v1 import kvhint_pb2
+from kvhint_client.builders import blocks, continuation, session
+from kvhint_client.fleet import FleetClient
+from kvhint_client.follower import EngineTracker, ResidencyIndex
+
+
+def _two_engines():
+    a, b = start_fake_server(), start_fake_server()
+    a.servicer.sessions = [kvhint_pb2.SessionInfo(session_id=s) for s in ("S", "S-child", "T")]
+    b.servicer.sessions = [kvhint_pb2.SessionInfo(session_id="U")]
+    b.servicer.blocks = [kvhint_pb2.BlockInfo(block_hash=h(1), tiers=[kvhint_pb2.TIER_DEVICE])]
+    return a, b
+
+
+def test_without_index_engines_are_asked() -> None:
+    a, b = _two_engines()
+    try:
+        with FleetClient({"a": a.address, "b": b.address}) as fleet:
+            out = fleet.apply(session("S").pin(ttl=5, hint_id="p"), session("U").evict(hint_id="u"),
+                              continuation("c").release(hint_id="c"), session("nobody").evict(hint_id="n"))
+        assert out.routes == {"p": ["a"], "u": ["b"], "c": ["b"], "n": []}
+        assert [x.hint_id for x in a.servicer.applied] == ["p"]
+        assert [x.hint_id for x in b.servicer.applied] == ["u", "c"], "one batch per engine, request order kept"
+        assert [x.hint_id for x in out.unrouted] == ["n"] and not out.all_accepted
+        assert set(out.results_for("p")) == {"a"} and out.per_engine["b"].all_accepted
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_with_index_routes_from_residency_and_reports_engine_errors() -> None:
+    a, b = _two_engines()
+    index = ResidencyIndex()
+    for engine, sessions in (("a", {"S": [(1, [1])]}), ("b", {"S": [(1, [1]), (2, [1])], "V": [(7, [2])]})):
+        tracker = EngineTracker(engine, engine, index)
+        tracker.subscription()
+        for message in snapshot("E", 1, sessions):
+            tracker.handle(message)
+    b.servicer.fail_next["ApplyHints"] = [grpc.StatusCode.PERMISSION_DENIED]
+    try:
+        with FleetClient({"a": a.address, "b": b.address}, follower=index) as fleet:
+            out = fleet.apply(session("S").retain(ttl=5, hint_id="r"), blocks(h(7)).evict(hint_id="e"))
+            assert out.routes == {"r": ["b", "a"], "e": ["b"]}
+            assert a.servicer.count("ListSessions") == 0, "the index answered, no engine was asked"
+            # "T" holds nothing the index knows of (e.g. only retention): the engines are asked.
+            fallback = fleet.apply(session("T").release(hint_id="t"))
+            assert fallback.routes == {"t": ["a"]} and a.servicer.count("ListSessions") == 1
+        assert out.per_engine["a"].all_accepted
+        assert out.errors["b"].code == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_broadcast_sends_everything_everywhere() -> None:
+    a, b = _two_engines()
+    try:
+        with FleetClient([a.address, b.address]) as fleet:
+            out = fleet.apply(session("anything").release(hint_id="x"), broadcast=True)
+        assert out.routes == {"x": [a.address, b.address]} and out.all_accepted
+        assert len(a.servicer.applied) == len(b.servicer.applied) == 1
+    finally:
+        a.stop()
+        b.stop()

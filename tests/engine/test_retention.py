@@ -1,0 +1,177 @@
+"""Retain / Pin / Release / Evict on a real vLLM engine, observed the way a
+user sees them: `cached_tokens` when a session resumes after cache pressure."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from conftest import PROMPT, Engine, evict, pin, release, retain, session_sel, tokens
+
+from kvhint.v1 import kvhint_pb2 as pb
+
+FULL_HIT = 704  # 22 blocks of 32; the last partial block is always recomputed
+
+
+def test_pinned_session_survives_pressure_that_evicts_an_unhinted_one(clean: Engine) -> None:
+    pinned, control = tokens("pinned"), tokens("control")
+    assert clean.complete(control, "control").cached_tokens == 0
+    assert clean.complete(pinned, "pinned").cached_tokens == 0
+    (result,) = clean.apply(pin("pinned", ttl=60))
+    assert result.outcome == pb.OUTCOME_ACCEPTED
+    assert result.affected_blocks[0].blocks == 22
+
+    clean.fill("pin")
+
+    assert clean.complete(pinned, "pinned").cached_tokens == FULL_HIT
+    assert clean.complete(control, "control").cached_tokens == 0  # same pressure, no hint: evicted
+    clean.apply(release("pinned"))
+
+
+def test_retained_session_survives_pressure(clean: Engine) -> None:
+    kept, control = tokens("kept"), tokens("control-r")
+    clean.complete(control, "control-r")
+    clean.complete(kept, "kept")
+    (result,) = clean.apply(retain("kept", priority=5, ttl=60))
+    assert result.outcome == pb.OUTCOME_ACCEPTED
+
+    clean.fill("retain")
+
+    assert clean.complete(kept, "kept").cached_tokens == FULL_HIT
+    assert clean.complete(control, "control-r").cached_tokens == 0
+    clean.apply(release("kept"))
+
+
+def test_lower_retain_priority_is_evicted_first_tail_first(clean: Engine) -> None:
+    names = ("high", "mid", "low")  # oldest first: plain LRU would evict `high` first
+    for name in names:
+        clean.complete(tokens(name), name)
+    clean.apply(retain("high", priority=9), retain("mid", priority=5), retain("low", priority=1))
+    # 66 retained blocks leave 13 ordinary ones; a 720-token prompt needs 23
+    # blocks, so 10 retained blocks go: all from the lowest priority, tail first.
+    clean.fill("priority", n=1)
+
+    assert clean.complete(tokens("high"), "high").cached_tokens == FULL_HIT
+    assert clean.complete(tokens("mid"), "mid").cached_tokens == FULL_HIT
+    assert clean.complete(tokens("low"), "low").cached_tokens == (22 - 10) * 32
+    clean.apply(*(release(n) for n in names))
+
+
+def test_release_makes_a_session_the_first_eviction_candidate(clean: Engine) -> None:
+    clean.fill("release-pre", n=2)
+    older, released = tokens("older"), tokens("released")
+    clean.complete(older, "older")
+    clean.complete(released, "released")
+
+    (result,) = clean.apply(release("released"))
+    assert result.outcome == pb.OUTCOME_ACCEPTED
+    # Still reusable until something needs the room.
+    assert clean.complete(released, "released").cached_tokens == FULL_HIT
+
+    clean.apply(release("released"))
+    clean.fill("release-post", n=1)  # one prompt's worth of pressure
+    assert clean.complete(released, "released").cached_tokens == 0  # went first
+    assert clean.complete(older, "older").cached_tokens == FULL_HIT  # LRU would have taken this
+
+
+def test_release_of_unknown_session_is_missing(clean: Engine) -> None:
+    (result,) = clean.apply(release("never-seen"))
+    assert result.outcome == pb.OUTCOME_MISSING
+    assert result.reason == pb.REASON_NOT_RESIDENT
+
+
+def test_evict_frees_a_session_now(clean: Engine) -> None:
+    gone = tokens("evicted")
+    clean.complete(gone, "evicted")
+    (result,) = clean.apply(evict("evicted"))
+    assert result.outcome == pb.OUTCOME_ACCEPTED
+    assert result.affected_blocks[0].blocks == 22
+    assert clean.complete(gone, "evicted").cached_tokens == 0
+    residency = clean.stub.QueryResidency(pb.QueryResidencyRequest(selector=session_sel("evicted")))
+    assert residency.totals[0].blocks == 22  # recomputed and cached again
+
+
+def test_evict_skips_blocks_of_a_running_request(clean: Engine) -> None:
+    prompt = tokens("running", 256)
+    reference = clean.complete(tokens("running", 256), max_tokens=200).token_ids
+    clean.reset_cache()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(clean.complete, prompt, "running", max_tokens=200)
+        results = []
+        while not running.done():
+            results = clean.apply(evict("running"))
+            if results[0].outcome == pb.OUTCOME_CLIPPED:
+                break
+        output = running.result()
+    assert results and results[0].outcome == pb.OUTCOME_CLIPPED, "the request finished before Evict saw it running"
+    assert results[0].reason == pb.REASON_BLOCKS_IN_USE
+    assert output.token_ids == reference  # the running request was not disturbed
+
+
+def test_ttl_above_the_cap_is_clipped(clean: Engine) -> None:
+    clean.complete(tokens("long-ttl"), "long-ttl")
+    (result,) = clean.apply(pin("long-ttl", ttl=7200))
+    assert result.outcome == pb.OUTCOME_CLIPPED
+    assert result.reason == pb.REASON_TTL_CAPPED
+    assert result.effective_ttl.seconds == 3600
+    assert result.clips[0].requested_ttl.seconds == 7200
+    clean.apply(release("long-ttl"))
+
+
+def test_pin_budget_clips_with_the_granted_count(clean: Engine) -> None:
+    caps = clean.stub.GetCapabilities(pb.GetCapabilitiesRequest())
+    budget = caps.limits.pin_budget_blocks
+    assert budget == int((caps.num_device_blocks - 1) * 0.5)
+    clean.complete(tokens("budget-a"), "budget-a")
+    clean.complete(tokens("budget-b"), "budget-b")
+    first, second = clean.apply(pin("budget-a"), pin("budget-b"))
+    assert first.outcome == pb.OUTCOME_ACCEPTED
+    assert second.outcome == pb.OUTCOME_CLIPPED
+    assert second.reason == pb.REASON_PIN_BUDGET
+    assert second.clips[0].requested_blocks == 22
+    assert second.clips[0].granted_blocks == budget - 22
+    clean.apply(release("budget-a"), release("budget-b"))
+
+
+def test_pins_never_fail_a_request_stock_vllm_would_serve(clean: Engine) -> None:
+    for i in range(2):
+        clean.complete(tokens(f"pinned-{i}"), f"pinned-{i}")
+    clean.apply(pin("pinned-0"), pin("pinned-1"))  # budget-full: 39 of 79 blocks
+    # Each of these needs 32 blocks; together they need more than the unpinned pool.
+    big = [tokens(f"huge-{i}", 1000) for i in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outputs = list(pool.map(lambda p: clean.complete(p, max_tokens=16), big))
+    assert all(len(o.token_ids) == 16 for o in outputs)
+    clean.reset_cache()
+    expected = [clean.complete(p, max_tokens=16).token_ids for p in big]
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_hints_apply_within_50ms_on_an_idle_engine(clean: Engine) -> None:
+    import time
+
+    clean.complete(tokens("idle"), "idle")
+    time.sleep(0.5)  # the engine is idle, blocked on its input queue
+    start = time.perf_counter()
+    (result,) = clean.apply(pin("idle", ttl=5))
+    elapsed = time.perf_counter() - start
+    assert result.outcome == pb.OUTCOME_ACCEPTED
+    assert elapsed < 0.05
+    clean.apply(release("idle"))
+
+
+def test_kv_cache_usage_returns_to_zero_with_retention_in_place(clean: Engine) -> None:
+    import urllib.request
+
+    for s in ("acct-a", "acct-b", "acct-c"):
+        clean.complete(tokens(s), s, max_tokens=4)
+    clean.apply(pin("acct-a"), retain("acct-b", priority=3))
+    with urllib.request.urlopen(clean.http + "/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    usage = [line for line in metrics.splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
+    assert usage and float(usage[0].rsplit(" ", 1)[1]) == 0.0  # protected blocks are still free blocks
+    residency = clean.stub.QueryResidency(pb.QueryResidencyRequest(selector=session_sel("acct-a")))
+    assert residency.totals[0].blocks == 22
+    assert all(b.retention.retention_class == pb.RetentionState.CLASS_PINNED for b in residency.blocks)
+    assert all(not b.in_use for b in residency.blocks)
+    clean.apply(release("acct-a"), release("acct-b"))
+    assert PROMPT // 32 == 22
