@@ -199,7 +199,7 @@ class VllmAdapter:
     # ------------------------------------------------------------ retention (for the pool)
 
     def retention_active(self) -> bool:
-        return bool(self.core.ledger)
+        return bool(self.core.ledger.grants)
 
     def retention_of_block(self, block: Any) -> RetentionView:
         key = block.block_hash
@@ -277,16 +277,23 @@ class VllmAdapter:
         """Hash keys were popped from the pool's map; report the ones whose
         last device copy is gone."""
         cache = self.pool.cached_block_hash_to_block._cache
+        int_hashes = self._int_hashes
         gone = []
         for key in keys:
-            if get_group_id(key) != 0 or key in cache:
+            # key = digest + 4-byte group id; only group 0 is tracked.
+            if key[-4:] != _GROUP0 or key in cache:
                 continue
-            e = self.external(get_block_hash(key))
-            if self._int_hashes:
-                self._ext_to_key.pop(e, None)
-            gone.append(e)
+            if int_hashes:
+                ext = key[-12:-4]
+                self._ext_to_key.pop(ext, None)
+            else:
+                ext = key[:-4]
+            gone.append(ext)
         if gone:
-            lower = self.tiers.lower_tiers_of if self.tiers is not None else None
+            lower = None
+            if self.tiers is not None:
+                self.tiers.reconcile(gone)
+                lower = self.tiers.lower_tiers_of
             self.core.on_removed(gone, tier=Tier.DEVICE, medium=self.pool.medium, cause=cause, remaining_tiers=lower)
 
     def on_pins_broken(self, blocks: list[Any], shortfall: int) -> None:

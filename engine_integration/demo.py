@@ -48,50 +48,39 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def run_variant(http_url: str, grpc_address: str, variant: str, seed: int) -> list[Turn]:
-    import grpc
+    from kvhint_client import KvHintClient, session
 
-    from kvhint.v1 import kvhint_pb2 as pb
-    from kvhint.v1 import kvhint_pb2_grpc as pbg
-
-    stub = pbg.KvHintServiceStub(grpc.insecure_channel(grpc_address))
     rng = random.Random(seed)
     system = _tokens(random.Random(7), SYSTEM_TOKENS)  # the same in both variants
     a_session, b_session = f"agent-a-{variant}", f"agent-b-{variant}"
     a_context = system + _tokens(rng, TASK_TOKENS)
     turns: list[Turn] = []
 
-    def record(agent: str, turn: str, prompt: list[int], session: str) -> None:
-        c = complete(http_url, prompt, session_id=session, continuation_id=f"{session}/{turn}", max_tokens=1)
+    def record(agent: str, turn: str, prompt: list[int], session_id: str) -> None:
+        c = complete(http_url, prompt, session_id=session_id, continuation_id=f"{session_id}/{turn}", max_tokens=1)
         turns.append(Turn(variant, agent, turn, c.prompt_tokens, c.cached_tokens, c.ttft_s * 1000))
 
-    record("A", "1", a_context, a_session)
-    if variant == "pin":
-        result = stub.ApplyHints(
-            pb.ApplyHintsRequest(
-                hints=[
-                    pb.Hint(
-                        hint_id=f"{a_session}-tool-call",
-                        selector=pb.Selector(session=pb.SessionSelector(session_id=a_session)),
-                        pin=pb.PinAction(ttl={"seconds": 30}),
-                    )
-                ]
+    with KvHintClient(grpc_address) as kvhint:
+        record("A", "1", a_context, a_session)
+        if variant == "pin":
+            result = kvhint.apply(session(a_session).pin(ttl=30, hint_id=f"{a_session}-tool-call"))[0]
+            print(
+                f"  [{variant}] A starts a tool call -> Pin(session={a_session}, ttl=30s): "
+                f"{pb_outcome(result.outcome)}, {sum(c.blocks for c in result.affected_blocks)} blocks",
+                flush=True,
             )
-        ).results[0]
-        print(
-            f"  [{variant}] A starts a tool call -> ApplyHints Pin(session={a_session}, ttl=30s): "
-            f"{pb.Outcome.Name(result.outcome)}, {sum(c.blocks for c in result.affected_blocks)} blocks",
-            flush=True,
-        )
-    for i in range(4):
-        record("B", f"{i + 1}", system + _tokens(rng, B_TURN_TOKENS - SYSTEM_TOKENS), b_session)
-    record("A", "2", a_context + _tokens(rng, TOOL_RESULT_TOKENS), a_session)
-    if variant == "pin":
-        stub.ApplyHints(
-            pb.ApplyHintsRequest(
-                hints=[pb.Hint(selector=pb.Selector(session=pb.SessionSelector(session_id=a_session)), release=pb.ReleaseAction())]
-            )
-        )
+        for i in range(4):
+            record("B", f"{i + 1}", system + _tokens(rng, B_TURN_TOKENS - SYSTEM_TOKENS), b_session)
+        record("A", "2", a_context + _tokens(rng, TOOL_RESULT_TOKENS), a_session)
+        if variant == "pin":
+            kvhint.apply(session(a_session).release())  # A finished: its blocks go first
     return turns
+
+
+def pb_outcome(outcome: int) -> str:
+    from kvhint.v1 import kvhint_pb2 as pb
+
+    return pb.Outcome.Name(outcome).removeprefix("OUTCOME_")
 
 
 def print_table(turns: list[Turn]) -> None:

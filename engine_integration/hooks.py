@@ -72,7 +72,7 @@ class KvHintBlockPool(BlockPool):
 
     def _maybe_evict_cached_block(self, block):  # type: ignore[no-untyped-def]
         protected = self._kvh_protected
-        if len(protected) and protected.remove(block):
+        if protected.count and protected.remove(block):
             # A protected free block losing its hash (connector invalidation):
             # it is an ordinary free block again.
             self.free_block_queue.prepend_n([block])
@@ -87,7 +87,7 @@ class KvHintBlockPool(BlockPool):
 
     def reset_prefix_cache(self) -> bool:
         protected = self._kvh_protected
-        if len(protected) and self.num_gpu_blocks - self.get_num_free_blocks() == 1:
+        if protected.count and self.num_gpu_blocks - self.get_num_free_blocks() == 1:
             blocks = protected.blocks()
             for block in blocks:
                 protected.remove(block)
@@ -100,10 +100,10 @@ class KvHintBlockPool(BlockPool):
     # ------------------------------------------------------------ allocation
 
     def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks + len(self._kvh_protected)
+        return self.free_block_queue.num_free_blocks + self._kvh_protected.count
 
     def get_new_blocks(self, num_blocks: int):  # type: ignore[no-untyped-def]
-        if len(self._kvh_protected):
+        if self._kvh_protected.count:
             self._kvh.core.expire_retention()
             shortfall = num_blocks - self.free_block_queue.num_free_blocks
             if shortfall > 0:
@@ -139,7 +139,7 @@ class KvHintBlockPool(BlockPool):
 
     def touch(self, blocks) -> None:  # type: ignore[no-untyped-def]
         protected = self._kvh_protected
-        if len(protected):
+        if protected.count:
             for block in blocks:
                 if block.ref_cnt == 0 and protected.remove(block):
                     # Back in the queue so the stock touch can take it out.
@@ -200,11 +200,14 @@ class KvHintBlockPool(BlockPool):
 class KvHintKVCacheManager(KVCacheManager):
     _kvh: VllmAdapter
 
-    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, *args, **kwargs):  # type: ignore[no-untyped-def]
-        blocks = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, *args, **kwargs)
-        if blocks is not None and num_new_computed_tokens:
-            self._kvh.on_prefix_hit(request, num_new_computed_tokens)
-        return blocks
+    def get_computed_blocks(self, request):  # type: ignore[no-untyped-def]
+        # Called when a waiting request is considered for admission (not per
+        # decode step). A hit establishes session membership: the blocks are
+        # resident and the session is about to use them.
+        result = super().get_computed_blocks(request)
+        if result[1]:
+            self._kvh.on_prefix_hit(request, result[1])
+        return result
 
 
 def install(scheduler: Any, adapter: VllmAdapter) -> KvHintBlockPool:

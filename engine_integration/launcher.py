@@ -11,12 +11,37 @@ so every `vllm` subcommand and flag works as documented:
 
 On a CUDA install (`pip install vllm`) use the stock `vllm` command instead;
 this launcher then changes nothing.
+
+KV tiers in one flag: `--kvhint-tiers SPEC` (the only flag this launcher adds)
+is expanded, before vLLM parses its arguments, into vLLM's own
+`--kv-transfer-config` (vLLM's OffloadingConnector with a G2 host tier and an
+optional G3 file tier; `engine_integration.tiers.config`) and, when missing,
+`--scheduler-cls engine_integration.scheduler.KvHintScheduler`. SPEC is a
+comma-separated list:
+
+  host=N            host-tier (G2) capacity in KV blocks (or host-bytes=N)
+  file=DIR          G3 file tier under DIR (vLLM's `fs` tier); engines that mount
+                    the same DIR (same model, dtype, block size) share it
+  ephemeral         delete this model's file-tier directories on clean shutdown
+                    (default: keep them, the file tier is a persistent shared cache)
+  peer=NAME=H:P     a Share destination: NAME is what ShareAction.destination
+                    says, H:P that engine's KvHint gRPC endpoint (repeatable;
+                    also peers=NAME=H:P;NAME=H:P, or env KVHINT_SHARE_PEERS)
+  timeout=S         deadline of Demote/Share operations (default 60 s)
+  self-describing   connector events carry token ids and parent hashes
+
+  kvhint-vllm serve MODEL --kvhint-tiers host=256,file=/mnt/kv,peer=b=10.0.0.2:50151
+
+Residency events need no flag: the tier runtime turns on the connector's
+event lists itself (vLLM's `--kv-events-config` stays as you set it).
 """
 
 from __future__ import annotations
 
 import importlib.metadata as _metadata
+import json
 import sys
+from typing import Any
 
 _real_version = _metadata.version
 
@@ -35,14 +60,101 @@ def install_version_shim() -> None:
     _metadata.version = _version  # type: ignore[assignment]
 
 
+TIERS_FLAG = "--kvhint-tiers"
+SCHEDULER_CLS = "engine_integration.scheduler.KvHintScheduler"
+
+
+def parse_tiers_spec(spec: str) -> dict[str, Any]:
+    """`host=256,file=/p,peer=b=h:p` -> keyword arguments of
+    `tier_kv_transfer_config` plus `peers` (name -> address) and `timeout`."""
+    out: dict[str, Any] = {"peers": {}}
+    for item in (i.strip() for i in spec.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip().lower().replace("_", "-")
+        try:
+            if key == "host":
+                out["host_blocks"] = int(value)
+            elif key == "host-bytes":
+                out["host_bytes"] = int(value)
+            elif key == "file":
+                if not value:
+                    raise ValueError("file= needs a directory")
+                out["file_root"] = value
+            elif key in ("ephemeral", "file-ephemeral"):
+                out["file_ephemeral"] = value.lower() not in ("0", "false", "no") if sep else True
+            elif key in ("self-describing", "self-describing-events"):
+                out["self_describing_events"] = value.lower() not in ("0", "false", "no") if sep else True
+            elif key in ("peer", "peers"):
+                for entry in value.replace("+", ";").split(";"):
+                    name, eq, address = entry.partition("=")
+                    if not eq or not name.strip() or ":" not in address:
+                        raise ValueError(f"{entry!r}: expected NAME=HOST:PORT")
+                    out["peers"][name.strip()] = address.strip()
+            elif key == "timeout":
+                out["timeout"] = float(value)
+                if out["timeout"] <= 0:
+                    raise ValueError("timeout must be positive")
+            else:
+                raise ValueError(f"unknown key {key!r}")
+        except ValueError as exc:
+            raise SystemExit(f"{TIERS_FLAG} {spec!r}: {exc}") from None
+    if ("host_blocks" in out) == ("host_bytes" in out):
+        raise SystemExit(f"{TIERS_FLAG} {spec!r}: give exactly one of host=BLOCKS / host-bytes=BYTES")
+    if out["peers"] and "file_root" not in out:
+        raise SystemExit(f"{TIERS_FLAG} {spec!r}: Share peers need a shared file tier (file=DIR)")
+    return out
+
+
+def tiers_kv_transfer_config(spec: str) -> dict[str, Any]:
+    """The `--kv-transfer-config` value for a `--kvhint-tiers` SPEC."""
+    from .tiers.config import tier_kv_transfer_config
+
+    kw = parse_tiers_spec(spec)
+    extra: dict[str, Any] = {}
+    peers, timeout = kw.pop("peers"), kw.pop("timeout", None)
+    if peers:
+        extra["kvhint_share_peers"] = peers
+    if timeout is not None:
+        extra["kvhint_tier_op_timeout_s"] = timeout
+    return tier_kv_transfer_config(**kw, extra=extra)
+
+
+def expand_tiers_flag(argv: list[str]) -> list[str]:
+    """Replace `--kvhint-tiers SPEC` with vLLM's own flags (see the module doc)."""
+    out: list[str] = []
+    spec: str | None = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == TIERS_FLAG:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"{TIERS_FLAG} needs a value, e.g. host=256")
+            spec, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith(TIERS_FLAG + "="):
+            spec = arg.split("=", 1)[1]
+        else:
+            out.append(arg)
+        i += 1
+    if spec is None:
+        return argv
+    if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in out):
+        raise SystemExit(f"{TIERS_FLAG} and --kv-transfer-config are exclusive")
+    out += ["--kv-transfer-config", json.dumps(tiers_kv_transfer_config(spec))]
+    if not any(a == "--scheduler-cls" or a.startswith("--scheduler-cls=") for a in out):
+        out += ["--scheduler-cls", SCHEDULER_CLS]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     install_version_shim()
+    args = list(sys.argv[1:] if argv is None else argv)
+    args = expand_tiers_flag(args)
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    if argv is not None:
-        sys.argv = ["vllm", *argv]
-    else:
-        sys.argv[0] = "vllm"
+    sys.argv = ["vllm", *args]
     vllm_main()
 
 

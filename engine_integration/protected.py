@@ -20,12 +20,12 @@ KVCacheBlock = Any  # vllm.v1.core.kv_cache_utils.KVCacheBlock
 
 class ProtectedFreeBlocks:
     def __init__(self) -> None:
+        # Number of blocks held here; a plain attribute because the pool reads
+        # it on every allocation.
+        self.count = 0
         self._class_of: dict[int, tuple[RetentionClass, int]] = {}
         self._retained: dict[int, dict[int, KVCacheBlock]] = {}  # priority -> LRU-ordered blocks
         self._pinned: dict[int, KVCacheBlock] = {}
-
-    def __len__(self) -> int:
-        return len(self._class_of)
 
     def __contains__(self, block: KVCacheBlock) -> bool:
         return block.block_id in self._class_of
@@ -37,6 +37,7 @@ class ProtectedFreeBlocks:
         assert cls is not RetentionClass.ORDINARY
         self.remove(block)
         self._class_of[block.block_id] = (cls, priority)
+        self.count += 1
         if cls is RetentionClass.PINNED:
             self._pinned[block.block_id] = block
         else:
@@ -46,6 +47,7 @@ class ProtectedFreeBlocks:
         filed = self._class_of.pop(block.block_id, None)
         if filed is None:
             return False
+        self.count -= 1
         cls, priority = filed
         if cls is RetentionClass.PINNED:
             del self._pinned[block.block_id]

@@ -28,6 +28,7 @@ from kvhint_server.core import KvHintCore
 from kvhint_server.server import KvHintServer
 
 from .adapter import VllmAdapter
+from .envelope_hints import apply_request_envelope
 from .hooks import install
 
 log = logging.getLogger("kvhint.vllm")
@@ -76,13 +77,27 @@ class KvHintScheduler(Scheduler):
         """Attach the tier runtime when a KV offloading connector is configured."""
         if self.connector is None:
             return
+        from .tiers.runtime import TierRuntime
+
+        self.kvhint_adapter.tiers = TierRuntime.maybe_create(self, self.kvhint_adapter)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self.kvhint_core.run_pending()
+        tiers = self.kvhint_adapter.tiers
+        if tiers is not None:
+            tiers.on_step()
         return super().schedule(*args, **kwargs)
+
+    def add_request(self, request: Any) -> None:
+        if getattr(request, "kv_hints", None) is not None:
+            apply_request_envelope(self.kvhint_server.servicer.executor, request)
+        super().add_request(request)
 
     def shutdown(self) -> None:
         try:
+            tiers = self.kvhint_adapter.tiers
+            if tiers is not None:
+                tiers.shutdown()
             self.kvhint_server.stop()
         finally:
             super().shutdown()

@@ -22,6 +22,7 @@ from .events import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
+    NO_COORDINATES,
     Coordinates,
     EventBus,
     PinBroken,
@@ -108,7 +109,7 @@ class KvHintCore:
 
     def expire_retention(self) -> None:
         """Engine thread: drop expired grants and re-file their blocks."""
-        if self.ledger:
+        if self.ledger.grants:
             expired = self.ledger.expire(self.monotonic())
             if expired:
                 self.adapter.refile(expired)
@@ -199,15 +200,32 @@ class KvHintCore:
         if not hashes:
             return
         block_size = self.info.block_size
-        runs: list[tuple[Coordinates, bool, list[bytes], list[int]]] = []
+        ledger = self.ledger
+        device = tier is Tier.DEVICE
+        nodes = self.index.nodes
+        mark_removed = self.index.mark_removed
+        # (run key, removal of the run's first block, hashes, prefix tokens)
+        runs: list[tuple[object, Removal | None, list[bytes], list[int]]] = []
+        last_key: object = None
         for h in hashes:
-            removal: Removal | None = self.index.mark_removed(h, tier)
-            if tier is Tier.DEVICE and self.ledger:
-                self.ledger.drop_block(h)
+            removal = mark_removed(h, tier) if h in nodes else None
+            if device and ledger.grants:
+                ledger.drop_block(h)
             if removal is None:
-                coords = Coordinates()
-                last_copy = remaining_tiers(h) == 0 if remaining_tiers else True
-                prefix_tokens = 0
+                key: object = remaining_tiers(h) == 0 if remaining_tiers else True
+                tokens = 0
+            else:
+                key = (removal.admit_session, removal.admit_continuation, removal.sessions, removal.last_copy)
+                tokens = (removal.position + 1) * block_size
+            if runs and key == last_key:
+                runs[-1][2].append(h)
+                runs[-1][3].append(tokens)
+            else:
+                runs.append((key, removal, [h], [tokens]))
+                last_key = key
+        for key, removal, run, prefix_tokens in runs:
+            if removal is None:
+                coords, last_copy = NO_COORDINATES, bool(key)
             else:
                 coords = Coordinates(
                     removal.admit_session or "",
@@ -215,16 +233,9 @@ class KvHintCore:
                     removal.sessions[:MAX_MEMBERS_REPORTED],
                 )
                 last_copy = removal.last_copy
-                prefix_tokens = (removal.position + 1) * block_size
-            if runs and runs[-1][0] == coords and runs[-1][1] == last_copy:
-                runs[-1][2].append(h)
-                runs[-1][3].append(prefix_tokens)
-            else:
-                runs.append((coords, last_copy, [h], [prefix_tokens]))
-        for coords, last_copy, run, tokens in runs:
             sessions = coords.members if not coords.session_id else (coords.session_id, *coords.members)
             self.bus.publish(
-                BlocksRemoved(tier, medium, tuple(run), tuple(tokens), coords, cause, last_copy),
+                BlocksRemoved(tier, medium, tuple(run), tuple(prefix_tokens), coords, cause, last_copy),
                 sessions=sessions,
                 tier=tier,
             )

@@ -51,7 +51,7 @@ def invalid_argument(message: str, field: str, reason: Reason = Reason.MALFORMED
 
 
 def not_found(message: str, field: str) -> RpcError:
-    return RpcError(grpc.StatusCode.NOT_FOUND, Reason.NOT_RESIDENT, message, field)
+    return RpcError(grpc.StatusCode.NOT_FOUND, Reason.NOT_FOUND, message, field)
 
 
 def unavailable(message: str) -> RpcError:

@@ -1,5 +1,8 @@
 """EventBus: epoch + sequence numbered events in a bounded replay ring.
 
+Payloads are NamedTuples: they are built on the engine thread for every block
+admission and eviction, and tuples are the cheapest immutable records.
+
 Contract (DESIGN §6):
   * `epoch` is a nonce minted when the bus is created (engine start).
   * Every published event gets the next `sequence` (1, 2, ...), strictly
@@ -21,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .model import HintResult, RemovalCause, Tier
 
@@ -36,8 +39,7 @@ class EventKind(enum.IntEnum):
     ALL_BLOCKS_CLEARED = 7
 
 
-@dataclass(frozen=True, slots=True)
-class Coordinates:
+class Coordinates(NamedTuple):
     session_id: str = ""
     continuation_id: str = ""
     members: tuple[str, ...] = ()
@@ -46,8 +48,7 @@ class Coordinates:
 NO_COORDINATES = Coordinates()
 
 
-@dataclass(frozen=True, slots=True)
-class BlocksStored:
+class BlocksStored(NamedTuple):
     tier: Tier
     medium: str
     block_hashes: tuple[bytes, ...]
@@ -58,8 +59,7 @@ class BlocksStored:
     prefix_hit: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class BlocksRemoved:
+class BlocksRemoved(NamedTuple):
     tier: Tier
     medium: str
     block_hashes: tuple[bytes, ...]
@@ -69,8 +69,7 @@ class BlocksRemoved:
     last_copy: bool
 
 
-@dataclass(frozen=True, slots=True)
-class TierTransferCompleted:
+class TierTransferCompleted(NamedTuple):
     from_tier: Tier
     to_tier: Tier
     block_hashes: tuple[bytes, ...]
@@ -79,26 +78,22 @@ class TierTransferCompleted:
     coordinates: Coordinates
 
 
-@dataclass(frozen=True, slots=True)
-class PinBroken:
+class PinBroken(NamedTuple):
     block_hashes: tuple[bytes, ...]
     session_ids: tuple[str, ...]
     shortfall_blocks: int
 
 
-@dataclass(frozen=True, slots=True)
-class HintApplied:
+class HintApplied(NamedTuple):
     hint: Any  # the wire Hint message, as received
     result: HintResult
 
 
-@dataclass(frozen=True, slots=True)
-class OperationCompleted:
+class OperationCompleted(NamedTuple):
     operation: Any  # operations.Operation
 
 
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(NamedTuple):
     tier: Tier
 
 

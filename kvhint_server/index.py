@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .model import RequestCoords, Tier, tiers_of
 
@@ -35,8 +36,7 @@ class Node:
     admit_continuation: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Removal:
+class Removal(NamedTuple):
     """What a removal meant in session coordinates."""
 
     block_hash: bytes
@@ -87,7 +87,7 @@ class SessionPrefixIndex:
         session = coords.session_id
         state = self._session(session, coords.parent_session_id, now) if session else None
         prev = parent
-        bit = tier.bit
+        bit = 1 << tier
         for offset, h in enumerate(hashes):
             node = self.nodes.get(h)
             if node is None:
@@ -134,7 +134,7 @@ class SessionPrefixIndex:
         node = self.nodes.get(h)
         if node is None:
             return None
-        node.tiers &= ~tier.bit
+        node.tiers &= ~(1 << tier)
         members = tuple(node.sessions)
         removal = Removal(h, node.position, node.tiers == 0, node.admit_session, node.admit_continuation, members)
         if node.tiers:

@@ -68,6 +68,7 @@ class Reason(enum.IntEnum):
     DEADLINE_EXCEEDED = 15
     OPERATION_FAILED = 16
     SHUTTING_DOWN = 17
+    NOT_FOUND = 18
 
 
 class RetentionClass(enum.IntEnum):

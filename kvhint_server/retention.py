@@ -31,13 +31,12 @@ class Grant:
 class RetentionLedger:
     def __init__(self, pin_budget_blocks: int, start: float = 0.0) -> None:
         self.pin_budget_blocks = pin_budget_blocks
-        self._grants: dict[bytes, dict[str, Grant]] = {}
+        # block -> owner -> grant. Read-only outside this class; its truthiness
+        # is the cheap "any retention in effect?" check on hot paths.
+        self.grants: dict[bytes, dict[str, Grant]] = {}
         self._by_owner: dict[str, set[bytes]] = {}
         self._pin_holders: dict[bytes, int] = {}  # block -> number of unexpired pin grants
         self._wheel: TimerWheel[tuple[bytes, str]] = TimerWheel(start=start)
-
-    def __bool__(self) -> bool:
-        return bool(self._grants)
 
     @property
     def pinned_blocks(self) -> int:
@@ -64,7 +63,7 @@ class RetentionLedger:
         new = Grant(pinned, priority, deadline, expires_at)
         owned = self._by_owner.setdefault(owner, set())
         for h in hashes:
-            per_block = self._grants.setdefault(h, {})
+            per_block = self.grants.setdefault(h, {})
             old = per_block.get(owner)
             if old is not None and old.pinned:
                 self._unpin(h)
@@ -88,7 +87,7 @@ class RetentionLedger:
 
     def drop_block(self, h: bytes) -> tuple[str, ...]:
         """Forget every grant on `h` (the block is gone). Returns the owners."""
-        per_block = self._grants.get(h)
+        per_block = self.grants.get(h)
         if not per_block:
             return ()
         owners = tuple(per_block)
@@ -97,11 +96,11 @@ class RetentionLedger:
         return owners
 
     def owners(self, h: bytes) -> tuple[str, ...]:
-        per_block = self._grants.get(h)
+        per_block = self.grants.get(h)
         return tuple(per_block) if per_block else ()
 
     def pinned_by_other(self, h: bytes, owner: str, now: float) -> bool:
-        per_block = self._grants.get(h)
+        per_block = self.grants.get(h)
         if not per_block:
             return False
         return any(o != owner and g.pinned and g.deadline > now for o, g in per_block.items())
@@ -113,7 +112,7 @@ class RetentionLedger:
         """The strongest unexpired grant `owner` holds on any block."""
         best: RetentionView = ORDINARY
         for h in self._by_owner.get(owner, ()):
-            g = self._grants[h][owner]
+            g = self.grants[h][owner]
             if g.deadline <= now:
                 continue
             candidate = RetentionView(
@@ -125,7 +124,7 @@ class RetentionLedger:
 
     def view(self, h: bytes, now: float) -> RetentionView:
         """The effective class of `h` at monotonic time `now`."""
-        per_block = self._grants.get(h)
+        per_block = self.grants.get(h)
         if not per_block:
             return ORDINARY
         best: RetentionView = ORDINARY
@@ -145,7 +144,7 @@ class RetentionLedger:
         """Drop grants whose deadline passed. Returns the blocks affected."""
         affected = []
         for h, owner in self._wheel.advance(now):
-            per_block = self._grants.get(h)
+            per_block = self.grants.get(h)
             grant = per_block.get(owner) if per_block else None
             if grant is not None and grant.deadline <= now:
                 self._drop(h, owner, cancel=False)
@@ -153,7 +152,7 @@ class RetentionLedger:
         return affected
 
     def _drop(self, h: bytes, owner: str, cancel: bool = True) -> None:
-        per_block = self._grants.get(h)
+        per_block = self.grants.get(h)
         if not per_block:
             return
         grant = per_block.pop(owner, None)
@@ -162,7 +161,7 @@ class RetentionLedger:
         if grant.pinned:
             self._unpin(h)
         if not per_block:
-            del self._grants[h]
+            del self.grants[h]
         owned = self._by_owner.get(owner)
         if owned is not None:
             owned.discard(h)

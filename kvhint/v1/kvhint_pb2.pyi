@@ -167,6 +167,10 @@ class _ReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reason.ValueTy
     """A deferred operation failed inside the engine or its KV connector."""
     REASON_SHUTTING_DOWN: _Reason.ValueType  # 17
     """The engine is shutting down and did not apply the hint."""
+    REASON_NOT_FOUND: _Reason.ValueType  # 18
+    """The named object (for example an operation id) does not exist
+    (ErrorInfo.reason of NOT_FOUND).
+    """
 
 class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper):
     """Machine-readable reason attached to CLIPPED, REJECTED, MISSING results, to
@@ -208,6 +212,10 @@ REASON_OPERATION_FAILED: Reason.ValueType  # 16
 """A deferred operation failed inside the engine or its KV connector."""
 REASON_SHUTTING_DOWN: Reason.ValueType  # 17
 """The engine is shutting down and did not apply the hint."""
+REASON_NOT_FOUND: Reason.ValueType  # 18
+"""The named object (for example an operation id) does not exist
+(ErrorInfo.reason of NOT_FOUND).
+"""
 Global___Reason: _TypeAlias = Reason  # noqa: Y015
 
 class _Action:

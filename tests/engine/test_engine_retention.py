@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from conftest import PROMPT, Engine, evict, pin, release, retain, session_sel, tokens
+from engine_support import PROMPT, Engine, evict, pin, release, retain, session_sel, tokens
 
 from kvhint.v1 import kvhint_pb2 as pb
 

@@ -1,0 +1,131 @@
+"""Command line: ``python -m bench <command>`` (the lead can mount `main` as
+``kvhint bench``).
+
+  generate  --preset default --seed 0 [--set concurrency=4 --set turns=[3,8]] -o trace.jsonl
+  analyze   TRACE.jsonl [--num-gpu-blocks N] [--pin-budget 0.5] [--async-scheduling] [--json]
+            LRU / hints / hints+release / Belady / infinite on one trace (yours or generated)
+  headroom  --preset default --seeds 0,1,2 [--set ...]    analyze several generated traces
+  policy    TRACE.jsonl [--no-release]                      the reference policy's actions, JSON lines
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+from bench.generate import PRESETS, TraceParams, generate_trace
+from bench.policy import PolicyConfig, action_to_json, run_policy, shared_prefix_target
+from bench.simulate import analyze
+from bench.trace import Trace
+
+
+def _params(preset: str, sets: list[str]) -> TraceParams:
+    p = PRESETS[preset]
+    kw: dict[str, Any] = {}
+    for s in sets:
+        key, _, val = s.partition("=")
+        if key not in TraceParams.__dataclass_fields__:
+            raise SystemExit(f"unknown parameter {key!r}")
+        v = json.loads(val)
+        kw[key] = tuple(v) if isinstance(v, list) else v
+    return replace(p, **kw)
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    tr = generate_trace(_params(a.preset, a.set), a.seed, preset=a.preset)
+    if a.output == "-":
+        sys.stdout.write(tr.dumps())
+    else:
+        tr.save(a.output)
+        print(f"wrote {a.output}: {json.dumps(tr.header.stats)} num_gpu_blocks={tr.header.num_gpu_blocks}",
+              file=sys.stderr)
+    return 0
+
+
+def _cmd_analyze(a: argparse.Namespace) -> int:
+    tr = Trace.load(a.trace)
+    tr.validate()
+    t0 = time.perf_counter()
+    res = analyze(tr, num_gpu_blocks=a.num_gpu_blocks, pin_budget_fraction=a.pin_budget,
+                  async_scheduling=a.async_scheduling)
+    dt = time.perf_counter() - t0
+    if a.json:
+        print(json.dumps({**res.to_json(), "seconds": round(dt, 3)}, indent=2))
+    else:
+        print(res.table())
+        print(f"(simulated in {dt:.2f}s)")
+    return 0
+
+
+def _cmd_headroom(a: argparse.Namespace) -> int:
+    p = _params(a.preset, a.set)
+    print(f"{'seed':>6}{'reqs':>6}{'pool':>6}{'live':>6}{'LRU hit':>9}{'hints':>8}{'+rel':>8}"
+          f"{'Belady':>8}{'inf':>7}{'B/LRU':>7}{'h/LRU':>7}{'h+r/LRU':>8}")
+    for seed in (int(s) for s in a.seeds.split(",")):
+        tr = generate_trace(p, seed, preset=a.preset)
+        r = analyze(tr, pin_budget_fraction=a.pin_budget)
+        R = r.results
+        lru = R["lru"].recomputed_tokens or 1
+        print(f"{seed:>6}{len(R['lru'].cached_tokens):>6}{r.num_gpu_blocks:>6}{r.peak_live_blocks:>6}"
+              f"{R['lru'].hit_rate:>9.3f}{R['hints'].hit_rate:>8.3f}{R['hints+release'].hit_rate:>8.3f}"
+              f"{R['belady'].hit_rate:>8.3f}{R['infinite'].hit_rate:>7.3f}{r.belady_over_lru:>7.3f}"
+              f"{R['hints'].recomputed_tokens / lru:>7.3f}{R['hints+release'].recomputed_tokens / lru:>8.3f}")
+    return 0
+
+
+def _cmd_policy(a: argparse.Namespace) -> int:
+    tr = Trace.load(a.trace)
+    cfg = PolicyConfig.from_header(tr.header, release_on_end=not a.no_release)
+    for ta in run_policy(tr.signals(), cfg, shared_prefix_target(tr.header)):
+        print(json.dumps({"t": ta.t, **action_to_json(ta.action)}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate a trace")
+    g.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a TraceParams field")
+    g.add_argument("-o", "--output", default="-")
+    g.set_defaults(fn=_cmd_generate)
+
+    n = sub.add_parser("analyze", help="simulate all policies on a trace")
+    n.add_argument("trace")
+    n.add_argument("--num-gpu-blocks", type=int, default=None, help="override the header's pool size")
+    n.add_argument("--pin-budget", type=float, default=0.5, help="pin budget, fraction of usable blocks")
+    n.add_argument("--async-scheduling", action="store_true", help="model GPU async scheduling (decode cache lag)")
+    n.add_argument("--json", action="store_true")
+    n.set_defaults(fn=_cmd_analyze)
+
+    h = sub.add_parser("headroom", help="analyze generated traces over several seeds")
+    h.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    h.add_argument("--seeds", default="0,1,2")
+    h.add_argument("--set", action="append", default=[], metavar="KEY=JSON")
+    h.add_argument("--pin-budget", type=float, default=0.5)
+    h.set_defaults(fn=_cmd_headroom)
+
+    pol = sub.add_parser("policy", help="print the reference policy's hint actions")
+    pol.add_argument("trace")
+    pol.add_argument("--no-release", action="store_true")
+    pol.set_defaults(fn=_cmd_policy)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return int(a.fn(a) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
+
+
+__all__ = ["build_parser", "main"]

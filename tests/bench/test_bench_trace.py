@@ -1,0 +1,136 @@
+"""Trace format: JSONL round trip, validation, deterministic expansion, hashing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from bench.trace import (
+    ChildSpawned,
+    Out,
+    Request,
+    Seg,
+    SessionEnded,
+    Tok,
+    ToolCallStarted,
+    Trace,
+    TraceHeader,
+    chain_hashes,
+    segment_tokens,
+    sort_events,
+)
+from bench_strategies import tiny_traces
+
+
+def _small_trace() -> Trace:
+    r0 = Request(0.0, "r0", "a", None, "c0", 0, (Seg("P", 8), Seg("x", 5)), 3, t_done=0.5)
+    r1 = Request(
+        2.0, "r1", "a", None, "c1", 1, (Seg("P", 8), Seg("x", 5), Out("r0", 3), Tok((7, 8, 9))), 2,
+        after="r0", delay_s=1.5, cause="short", t_done=2.4,
+    )
+    events = sort_events(
+        [
+            r1,
+            r0,
+            ToolCallStarted(0.5, "a", "short", "a/0"),
+            ChildSpawned(2.4, "a", "a.c0"),
+            SessionEnded(2.4, "a"),
+        ]
+    )
+    header = TraceHeader(block_size=4, num_gpu_blocks=9, max_model_len=64, seed=3, params={"k": [1, 2]},
+                         shared_prefix={"segment": "P", "tokens": 8, "continuation_id": "cp"})
+    return Trace(header, events)
+
+
+def test_roundtrip_small(tmp_path):
+    tr = _small_trace()
+    tr.validate()
+    path = tmp_path / "t.jsonl"
+    tr.save(path)
+    back = Trace.load(path)
+    assert back.header == tr.header
+    assert back.events == tr.events
+    assert back.dumps() == tr.dumps()
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first["format"] == "kvhint-trace" and first["version"] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(tiny_traces())
+def test_roundtrip_random(tr):
+    back = Trace.loads(tr.dumps())
+    assert back.events == tr.events
+    assert back.header == tr.header
+    for r in tr.requests():
+        assert back.expand_prompt(r) == tr.expand_prompt(r)
+
+
+def test_sort_requests_before_signals_at_equal_t():
+    evs = sort_events([SessionEnded(1.0, "a"), Request(1.0, "r", "a", None, "c", 0, (Seg("s", 1),), 1)])
+    assert [e.kind for e in evs] == ["request", "session_ended"]
+
+
+def test_version_and_format_checked():
+    tr = _small_trace()
+    lines = tr.dumps().splitlines()
+    hdr = json.loads(lines[0])
+    hdr["version"] = 99
+    with pytest.raises(ValueError, match="version"):
+        Trace.from_lines([json.dumps(hdr), *lines[1:]])
+    hdr["format"] = "other"
+    with pytest.raises(ValueError):
+        Trace.from_lines([json.dumps(hdr), *lines[1:]])
+
+
+def test_expand_uses_real_outputs():
+    tr = _small_trace()
+    r1 = tr.request_index()["r1"]
+    ids = tr.expand_prompt(r1, outputs={"r0": [100, 101, 102]})
+    assert ids[13:16] == [100, 101, 102]
+    assert ids[-3:] == [7, 8, 9]
+    placeholder = tr.expand_prompt(r1)
+    assert placeholder[:13] == ids[:13]
+    with pytest.raises(ValueError, match="ignore_eos"):
+        tr.expand_prompt(r1, outputs={"r0": [1, 2]})
+
+
+def test_validate_rejects_bad_traces():
+    tr = _small_trace()
+    bad = Trace(tr.header, list(reversed(tr.events)))
+    with pytest.raises(ValueError):
+        bad.validate()
+    # output of a later/unknown request
+    r = Request(0.0, "r9", "a", None, "c", 0, (Out("nope", 2),), 1)
+    with pytest.raises(ValueError, match="unknown"):
+        Trace(tr.header, [r]).validate()
+    # one segment name, two lengths
+    r = Request(0.0, "r9", "a", None, "c", 0, (Seg("P", 8), Seg("P", 9)), 1)
+    with pytest.raises(ValueError, match="two lengths"):
+        Trace(tr.header, [r]).validate()
+    # exceeds max_model_len
+    r = Request(0.0, "r9", "a", None, "c", 0, (Seg("big", 64),), 1)
+    with pytest.raises(ValueError, match="max_model_len"):
+        Trace(tr.header, [r]).validate()
+
+
+def test_segment_tokens_deterministic_and_in_range():
+    a = segment_tokens("hello", 5000)
+    b = segment_tokens("hello", 5000)
+    assert np.array_equal(a, b)
+    assert a.min() >= 3 and a.max() < 4096
+    assert not np.array_equal(a[:100], segment_tokens("hellp", 100))
+
+
+def test_chain_hashes_prefix_property():
+    toks = list(segment_tokens("z", 100))
+    h = chain_hashes(toks, 8)
+    assert len(h) == 100 // 8
+    assert chain_hashes(toks[:41], 8) == h[:5]  # partial block ignored
+    other = toks[:16] + [5] + toks[17:]
+    h2 = chain_hashes(other, 8)
+    assert h2[:2] == h[:2] and all(x != y for x, y in zip(h2[2:], h[2:]))
+    # same block content at a different position -> different id (chained)
+    assert chain_hashes(toks[8:16], 8)[0] != h[1]
