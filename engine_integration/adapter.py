@@ -289,12 +289,16 @@ class VllmAdapter:
             else:
                 ext = key[:-4]
             gone.append(ext)
-        if gone:
-            lower = None
-            if self.tiers is not None:
-                self.tiers.reconcile(gone)
-                lower = self.tiers.lower_tiers_of
-            self.core.on_removed(gone, tier=Tier.DEVICE, medium=self.pool.medium, cause=cause, remaining_tiers=lower)
+        if not gone:
+            return
+        tiers = self.tiers
+        if tiers is None:
+            self.core.on_removed(gone, tier=Tier.DEVICE, medium=self.pool.medium, cause=cause)
+            return
+        tiers.reconcile(gone)  # lower-tier copies the index has not seen yet
+        for run, run_cause in tiers.split_removed(gone, cause):  # Demote-reclaimed copies: DEMOTED
+            self.core.on_removed(run, tier=Tier.DEVICE, medium=self.pool.medium, cause=run_cause,
+                                 remaining_tiers=tiers.lower_tiers_of)
 
     def on_pins_broken(self, blocks: list[Any], shortfall: int) -> None:
         hashes = [self.external(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None]

@@ -16,7 +16,9 @@ KV tiers in one flag: `--kvhint-tiers SPEC` (the only flag this launcher adds)
 is expanded, before vLLM parses its arguments, into vLLM's own
 `--kv-transfer-config` (vLLM's OffloadingConnector with a G2 host tier and an
 optional G3 file tier; `engine_integration.tiers.config`) and, when missing,
-`--scheduler-cls engine_integration.scheduler.KvHintScheduler`. SPEC is a
+`--scheduler-cls engine_integration.scheduler.KvHintScheduler` and
+`--shutdown-timeout 10` (vLLM's default 0 SIGKILLs EngineCore on SIGTERM, before
+file-tier writes drain or an ephemeral tier is removed). SPEC is a
 comma-separated list:
 
   host=N            host-tier (G2) capacity in KV blocks (or host-bytes=N)
@@ -62,6 +64,7 @@ def install_version_shim() -> None:
 
 TIERS_FLAG = "--kvhint-tiers"
 SCHEDULER_CLS = "engine_integration.scheduler.KvHintScheduler"
+SHUTDOWN_TIMEOUT_S = 10
 
 
 def parse_tiers_spec(spec: str) -> dict[str, Any]:
@@ -145,6 +148,10 @@ def expand_tiers_flag(argv: list[str]) -> list[str]:
     out += ["--kv-transfer-config", json.dumps(tiers_kv_transfer_config(spec))]
     if not any(a == "--scheduler-cls" or a.startswith("--scheduler-cls=") for a in out):
         out += ["--scheduler-cls", SCHEDULER_CLS]
+    if not any(a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in out):
+        # vLLM's default (0) SIGKILLs EngineCore right after SIGTERM: no time to
+        # drain file-tier writes or remove an ephemeral tier.
+        out += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     return out
 
 

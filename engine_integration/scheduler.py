@@ -50,6 +50,17 @@ def _find_engine_core() -> Any | None:
         del frame
 
 
+def _route_logs_through_vllm() -> None:
+    """Log the sidecar's `kvhint.*` loggers with vLLM's handlers and level."""
+    vllm_logger = logging.getLogger("vllm")
+    ours = logging.getLogger("kvhint")
+    if not ours.handlers and vllm_logger.handlers:
+        for handler in vllm_logger.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(vllm_logger.getEffectiveLevel())
+        ours.propagate = False
+
+
 def _config_for(vllm_config: Any) -> ServerConfig:
     config = ServerConfig.from_env()
     rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
@@ -62,6 +73,7 @@ def _config_for(vllm_config: Any) -> ServerConfig:
 class KvHintScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        _route_logs_through_vllm()
         if not self.cache_config.enable_prefix_caching:
             raise ValueError("KvHintScheduler needs prefix caching (do not pass --no-enable-prefix-caching)")
         config = _config_for(self.vllm_config)

@@ -30,6 +30,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def default_model(preset: str = "tiny") -> str:
     """The generated model of `preset`, created on first use."""
     from .tiny_model import make_tiny_model
@@ -50,6 +60,9 @@ class EngineSpec:
     http_port: int = 0
     grpc_port: int = 0
     max_num_seqs: int = 16
+    # Seconds vLLM waits for EngineCore to drain and exit on SIGTERM (0, vLLM's
+    # default, force-kills it at once, so nothing inside it shuts down cleanly).
+    shutdown_timeout: int = 10
     kv_events_config: dict[str, object] | None = None
     kv_transfer_config: dict[str, object] | None = None
     extra_args: list[str] = field(default_factory=list)
@@ -85,6 +98,7 @@ class ServedEngine:
             "--max-num-seqs", str(s.max_num_seqs),
             "--enable-prompt-tokens-details",
             "--seed", str(s.seed),
+            "--shutdown-timeout", str(s.shutdown_timeout),
             "--uvicorn-log-level", "warning",
         ]  # fmt: skip
         if s.kvhint:
@@ -122,23 +136,34 @@ class ServedEngine:
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0) -> bool:
+        """SIGTERM the API server (it shuts EngineCore down), then SIGKILL
+        whatever is left of the process group. Returns True if nothing had to
+        be killed."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        except ProcessLookupError:
-            return
-        finally:
+        if proc is None:
+            return True
+        clean = True
+        if proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                clean = False
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _group_alive(proc.pid):
+            clean = False
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if proc.poll() is None:
             proc.wait(timeout=10)
+        return clean
 
     def __enter__(self) -> ServedEngine:
         return self.start()

@@ -43,8 +43,13 @@ def complete(
     parent_session_id: str | None = None,
     max_tokens: int = 1,
     timeout: float = 120.0,
+    extra_body: dict[str, object] | None = None,
 ) -> Completion:
-    """One greedy completion, streamed so TTFT is measured at the client."""
+    """One greedy completion, streamed so TTFT is measured at the client.
+
+    `extra_body` adds vLLM sampling fields to the request body (for example
+    `{"ignore_eos": True}`, which trace replays need so every request produces
+    exactly `max_tokens` tokens)."""
     body: dict[str, object] = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -55,6 +60,8 @@ def complete(
     }
     if model:
         body["model"] = model
+    if extra_body:
+        body.update(extra_body)
     xargs = {k: v for k, v in (("continuation_id", continuation_id), ("parent_session_id", parent_session_id)) if v}
     if xargs:
         body["vllm_xargs"] = xargs

@@ -37,10 +37,11 @@ class ServerConfig:
     idempotency_window: int = 100_000
     # Events kept for WatchEvents resumption.
     event_replay_window: int = 10_000
-    # Events one subscriber may fall behind before it is ended with a resync.
+    # Events a subscriber whose send is blocked may fall behind before it is
+    # ended with a SUBSCRIBER_OVERFLOW resync; "blocked" means one send has
+    # waited on gRPC flow control for subscriber_stall_s.
     subscriber_buffer: int = 4096
-    # A subscriber marked overflowed that does not drain within this is cancelled.
-    overflow_grace_s: float = 10.0
+    subscriber_stall_s: float = 0.5
     # Default WatchEvents heartbeat period.
     heartbeat_interval_s: float = 1.0
     # How long an RPC waits for the engine thread before failing UNAVAILABLE.

@@ -163,13 +163,13 @@ class KvHintCore:
             self.index.record_chain(hashes, first_position, parent, tier, coords, self.wall())
             members = self._members(hashes[-1])
             coordinates = Coordinates(coords.session_id or "", coords.continuation_id or "", members)
-        elif coords is None:
-            tracked = [h for h in hashes if self.index.mark_resident(h, tier)]
-            members = self._members(tracked[-1]) if tracked else ()
-            coordinates = Coordinates("", "", members)
         else:
-            members = ()
-            coordinates = Coordinates()
+            # No session: only blocks the index already tracks change (a copy
+            # of a session's block re-appearing keeps the session accurate).
+            mark_resident = self.index.mark_resident
+            tracked = [h for h in hashes if mark_resident(h, tier)]
+            members = self._members(tracked[-1]) if tracked else ()
+            coordinates = Coordinates("", "", members) if members else NO_COORDINATES
         sessions = members if not coordinates.session_id else (coordinates.session_id, *members)
         self.bus.publish(
             BlocksStored(
@@ -241,10 +241,10 @@ class KvHintCore:
             )
 
     def on_cleared(self, tier: Tier) -> None:
-        self.index.clear_tier(tier)
+        sessions = self.index.clear_tier(tier)
         if tier is Tier.DEVICE:
             self.ledger = RetentionLedger(self.ledger.pin_budget_blocks, start=self.monotonic())
-        self.bus.publish(AllBlocksCleared(tier), tier=tier)
+        self.bus.publish(AllBlocksCleared(tier), sessions=sorted(sessions), tier=tier)
 
     def on_pin_broken(self, hashes: Sequence[bytes], shortfall_blocks: int) -> None:
         """Pinned blocks are about to be evicted to serve an allocation."""

@@ -51,13 +51,14 @@ class HintExecutor:
             if isinstance(item, HintResult):
                 result = item
             else:
-                replay = self._replay(item)
-                if replay is not None:
-                    results.append(replay)
+                result = self._replay(item)
+                if result is not None and result.replayed:
+                    results.append(result)  # applied before: not again, no new event
                     continue
-                result = self._apply(item)
-                if item.hint_id:
-                    self._remember(item, result)
+                if result is None:
+                    result = self._apply(item)
+                    if item.hint_id:
+                        self._remember(item, result)
             self.core.bus.publish(HintApplied(wire, result), sessions=_sessions_of(item))
             results.append(result)
         return results, self.core.bus.last_sequence
@@ -165,7 +166,7 @@ class HintExecutor:
         ledger = core.ledger
         now = core.monotonic()
         if pinned:
-            ledger.expire(now)
+            core.expire_retention()
             new = [h for h in hashes if not ledger.is_pinned(h)]
             headroom = ledger.pin_headroom()
             if len(new) > headroom:

@@ -4,13 +4,16 @@ Logical topology kept synchronously with cache activity (DESIGN §3):
   * node[h]: parent link, chain position, resident tiers (bitmask), member
     sessions, child count, and the admitting session/continuation.
   * blocks_of[session] / node.sessions: many-to-many membership.
-  * frontiers[session]: the last block of each branch.
+  * frontiers(session): the last resident block of each branch, computed on
+    demand from membership and residency (so it is never stale: an evicted
+    tail "retreats" to the nearest resident ancestor by construction).
   * continuations[c]: the block a continuation position lies in.
 
 Only blocks touched by requests with session coordinates get nodes: anonymous
 traffic costs one dict lookup per removal. A node whose last copy is removed
 stays while it connects resident descendants (a parent-only node); otherwise
-it is deleted, cascading up. A session expires with its last resident block or
+it is deleted, cascading up. A resident node stays while a session or a
+continuation holds it. A session expires with its last resident block or
 an explicit `forget_session`.
 
 Not thread-safe: the engine thread owns it.
@@ -51,7 +54,6 @@ class Removal(NamedTuple):
 class SessionState:
     parent: str | None = None
     blocks: set[bytes] = field(default_factory=set)
-    frontiers: set[bytes] = field(default_factory=set)
     continuations: set[str] = field(default_factory=set)
     resident: int = 0
     last_active: float = 0.0
@@ -104,29 +106,24 @@ class SessionPrefixIndex:
                 node.sessions.add(session)  # type: ignore[arg-type]
                 state.blocks.add(h)
                 state.resident += 1
-            if state is not None:
-                state.frontiers.discard(h)
             prev = h
         last = hashes[-1]
-        if state is not None:
-            if parent is not None:
-                state.frontiers.discard(parent)
-            state.frontiers.add(last)
-            if coords.continuation_id:
-                state.continuations.add(coords.continuation_id)
+        if state is not None and coords.continuation_id:
+            state.continuations.add(coords.continuation_id)
         if coords.continuation_id:
             self._point_continuation(coords.continuation_id, last)
 
     def mark_resident(self, h: bytes, tier: Tier) -> bool:
-        """A copy of a known block appeared on `tier` (e.g. a connector store).
-        Returns False for blocks the index does not track."""
+        """A copy of a known block appeared on `tier` (a connector store, or a
+        request without a session re-storing it). Returns False for blocks the
+        index does not track."""
         node = self.nodes.get(h)
         if node is None:
             return False
         if node.tiers == 0:
             for member in node.sessions:
                 self.sessions[member].resident += 1
-        node.tiers |= tier.bit
+        node.tiers |= 1 << tier
         return True
 
     def mark_removed(self, h: bytes, tier: Tier) -> Removal | None:
@@ -134,20 +131,17 @@ class SessionPrefixIndex:
         node = self.nodes.get(h)
         if node is None:
             return None
-        node.tiers &= ~(1 << tier)
+        bit = 1 << tier
+        had_copy = bool(node.tiers & bit)
+        node.tiers &= ~bit
         members = tuple(node.sessions)
         removal = Removal(h, node.position, node.tiers == 0, node.admit_session, node.admit_continuation, members)
-        if node.tiers:
-            return removal
-        expired: list[str] = []
+        if node.tiers or not had_copy:
+            return removal  # another copy remains, or there was none to lose
+        expired = []
         for member in members:
             state = self.sessions[member]
             state.resident -= 1
-            if h in state.frontiers:
-                state.frontiers.discard(h)
-                ancestor = self._nearest_resident_ancestor(node.parent)
-                if ancestor is not None and member in self.nodes[ancestor].sessions:
-                    state.frontiers.add(ancestor)
             if state.resident <= 0:
                 expired.append(member)
         if node.children == 0:
@@ -156,11 +150,17 @@ class SessionPrefixIndex:
             self.forget_session(member)
         return removal
 
-    def clear_tier(self, tier: Tier) -> None:
-        """Every copy on `tier` is gone (e.g. a prefix-cache reset)."""
-        for h in [h for h, n in self.nodes.items() if n.tiers & tier.bit]:
-            if h in self.nodes:
+    def clear_tier(self, tier: Tier) -> set[str]:
+        """Every copy on `tier` is gone (e.g. a prefix-cache reset). Returns
+        the sessions that held any of those blocks."""
+        bit = 1 << tier
+        affected: set[str] = set()
+        for h in [h for h, n in self.nodes.items() if n.tiers & bit]:
+            node = self.nodes.get(h)
+            if node is not None:
+                affected |= node.sessions
                 self.mark_removed(h, tier)
+        return affected
 
     def forget_session(self, session: str) -> bool:
         """Drop a session's membership, frontiers and continuations. Blocks stay
@@ -173,14 +173,14 @@ class SessionPrefixIndex:
             if node is None:
                 continue
             node.sessions.discard(session)
-        for h in state.blocks:
-            node = self.nodes.get(h)
-            if node is not None and not node.sessions and node.children == 0:
-                self._delete_upwards(h)
         for c in state.continuations:
             h = self.continuations.get(c)
             if h is not None and not self._continuation_shared(c, session):
                 self._unpoint_continuation(c)
+        for h in state.blocks:
+            node = self.nodes.get(h)
+            if node is not None and not node.sessions and node.children == 0:
+                self._delete_upwards(h)
         if state.parent is not None:
             siblings = self.children_of.get(state.parent)
             if siblings is not None:
@@ -230,6 +230,23 @@ class SessionPrefixIndex:
         chain.reverse()
         return chain
 
+    def frontiers(self, session: str) -> set[bytes]:
+        """The last resident block of each of the session's branches: its
+        resident blocks that are no ancestor of another of its resident blocks."""
+        state = self.sessions.get(session)
+        if state is None:
+            return set()
+        nodes = self.nodes
+        resident = {h for h in state.blocks if nodes[h].tiers}
+        ancestors: set[bytes] = set()
+        for h in resident:
+            p = nodes[h].parent
+            while p is not None and p not in ancestors:
+                ancestors.add(p)
+                parent_node = nodes.get(p)
+                p = parent_node.parent if parent_node is not None else None
+        return resident - ancestors
+
     def iter_sessions(self) -> Iterator[tuple[str, SessionState]]:
         return iter(self.sessions.items())
 
@@ -266,59 +283,49 @@ class SessionPrefixIndex:
         nodes = self.nodes
         return sorted(blocks, key=lambda h: (nodes[h].position, h) if h in nodes else (1 << 62, h))
 
-    def _nearest_resident_ancestor(self, h: bytes | None) -> bytes | None:
-        while h is not None:
-            node = self.nodes.get(h)
-            if node is None:
-                return None
-            if node.tiers:
-                return h
-            h = node.parent
-        return None
+    def _held(self, h: bytes, node: Node) -> bool:
+        """A resident node stays while a session or a continuation holds it."""
+        return bool(node.tiers) and (bool(node.sessions) or h in self._continuations_at)
 
     def _delete_upwards(self, h: bytes | None) -> None:
-        """Delete `h` if it is non-resident-or-sessionless with no children, then
-        its parent likewise."""
+        """Delete `h` unless it has children or is held, then its parent likewise."""
         while h is not None:
             node = self.nodes.get(h)
-            if node is None or node.children > 0:
-                return
-            if node.tiers and node.sessions:
+            if node is None or node.children > 0 or self._held(h, node):
                 return
             del self.nodes[h]
             for member in node.sessions:
                 state = self.sessions.get(member)
                 if state is not None:
                     state.blocks.discard(h)
-                    state.frontiers.discard(h)
                     if node.tiers:
                         state.resident -= 1
+            parent = node.parent
             for c in self._continuations_at.pop(h, ()):
-                if node.parent is not None and node.parent in self.nodes:
-                    self._point_continuation(c, node.parent)
+                if parent is not None and parent in self.nodes:
+                    self._point_continuation(c, parent)
                 else:
                     self.continuations.pop(c, None)
-            parent = node.parent
             if parent is not None and (parent_node := self.nodes.get(parent)) is not None:
                 parent_node.children -= 1
-                if parent_node.tiers and parent_node.sessions:
-                    return
             h = parent
 
     def _point_continuation(self, c: str, h: bytes) -> None:
         old = self.continuations.get(c)
         if old == h:
             return
+        self.continuations[c] = h
+        self._continuations_at.setdefault(h, set()).add(c)
         if old is not None:
             holders = self._continuations_at.get(old)
             if holders is not None:
                 holders.discard(c)
                 if not holders:
                     del self._continuations_at[old]
-        self.continuations[c] = h
-        self._continuations_at.setdefault(h, set()).add(c)
+                    self._delete_upwards(old)
 
     def _unpoint_continuation(self, c: str) -> None:
+        """Forget a continuation; the block it held may go with it."""
         h = self.continuations.pop(c, None)
         if h is None:
             return
@@ -327,6 +334,7 @@ class SessionPrefixIndex:
             holders.discard(c)
             if not holders:
                 del self._continuations_at[h]
+                self._delete_upwards(h)
 
     def _continuation_shared(self, c: str, leaving: str) -> bool:
         return any(c in st.continuations for s, st in self.sessions.items() if s != leaving)

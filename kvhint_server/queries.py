@@ -117,7 +117,7 @@ class Queries:
                 SessionView(
                     session_id=s,
                     parent=state.parent,
-                    frontiers=tuple(sorted(state.frontiers)),
+                    frontiers=tuple(sorted(index.frontiers(s))),
                     counts=index.tier_counts(state.blocks),
                     retention=core.ledger.owner_view("s:" + s, now),
                     continuations=tuple(sorted(state.continuations))[:MAX_SESSIONS_PER_BLOCK],

@@ -6,7 +6,8 @@ unexpired grant: PINNED > RETAINED (highest priority wins) > ORDINARY. A
 grant whose deadline passed counts as absent even before the timer wheel
 reclaims it, so a missed tick never extends protection.
 
-The pin budget counts distinct blocks with an unexpired pin.
+The pin budget counts distinct blocks with a pin grant; callers run
+`expire(now)` first so that only unexpired pins count.
 
 Not thread-safe: the engine thread owns it.
 """
@@ -135,7 +136,8 @@ class RetentionLedger:
                 if best.cls is not RetentionClass.PINNED or (best.expires_at or 0) < g.expires_at:
                     best = RetentionView(RetentionClass.PINNED, 0, g.expires_at)
             elif best.cls is RetentionClass.ORDINARY or (
-                best.cls is RetentionClass.RETAINED and g.priority > best.priority
+                best.cls is RetentionClass.RETAINED
+                and (g.priority, g.expires_at) > (best.priority, best.expires_at or 0.0)
             ):
                 best = RetentionView(RetentionClass.RETAINED, g.priority, g.expires_at)
         return best

@@ -98,6 +98,7 @@ class KvHintServer:
         except RuntimeError:
             return
         thread.join(timeout=(grace if grace is not None else self.config.shutdown_grace_s) + 10.0)
+        log.info("kvhint sidecar on %s stopped", self.address)
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()

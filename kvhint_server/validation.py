@@ -40,10 +40,19 @@ class HintInvalid(Exception):
         self.message = message
 
 
+# google.protobuf.Duration's valid range: +-10,000 years.
+MAX_DURATION_SECONDS = 315_576_000_000
+
+
 def duration_seconds(d: duration_pb2.Duration) -> float:
     """Seconds of a Duration; invalid encodings raise HintInvalid."""
-    if not -999_999_999 <= d.nanos <= 999_999_999 or (d.seconds > 0 and d.nanos < 0) or (d.seconds < 0 and d.nanos > 0):
-        raise HintInvalid(Reason.INVALID_HINT, "malformed google.protobuf.Duration")
+    if (
+        not -999_999_999 <= d.nanos <= 999_999_999
+        or not -MAX_DURATION_SECONDS <= d.seconds <= MAX_DURATION_SECONDS
+        or (d.seconds > 0 and d.nanos < 0)
+        or (d.seconds < 0 and d.nanos > 0)
+    ):
+        raise HintInvalid(Reason.INVALID_HINT, "malformed google.protobuf.Duration (see its documented range)")
     return d.seconds + d.nanos / 1e9
 
 

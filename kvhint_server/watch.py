@@ -8,10 +8,14 @@ Semantics (etcd-style):
     outside the replay window, or a seq ahead of the latest gives one Resync
     message and the stream ends.
   * Heartbeats carry the latest sequence when nothing was sent for an interval.
-  * Each subscriber may lag at most `subscriber_buffer` events. Past that it is
-    marked overflowed: its next send is a Resync (SUBSCRIBER_OVERFLOW) and the
-    stream ends; if it does not drain within `overflow_grace_s` its RPC is
-    cancelled. The engine thread never waits for a subscriber.
+  * A subscriber whose send has been blocked for `subscriber_stall_s` (it
+    stopped reading and gRPC flow control pushed back) may lag at most
+    `subscriber_buffer` events. Past that
+    it is marked overflowed: it reads nothing more from the ring, and once the
+    client drains what gRPC already buffered, the stream ends with a Resync
+    (SUBSCRIBER_OVERFLOW). A subscriber that is reading only risks COMPACTED,
+    when the replay window passes it. Per subscriber the server keeps a cursor
+    and what gRPC buffers; the engine thread never waits for a subscriber.
 """
 
 from __future__ import annotations
@@ -64,9 +68,11 @@ class Subscriber:
     cursor: int
     buffer: int
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # Loop time at which the message being handed to gRPC was yielded (the
+    # generator is suspended at `yield` until flow control accepts it); None
+    # when not sending.
+    sending_since: float | None = None
     overflowed: bool = False
-    task: asyncio.Task[object] | None = None
-    grace: asyncio.TimerHandle | None = None
 
 
 class WatchHub:
@@ -104,11 +110,11 @@ class WatchHub:
     def _dispatch(self) -> None:
         self._scheduled = False
         last = self._bus.last_sequence
+        stalled_before = self._loop.time() - self._config.subscriber_stall_s
         for sub in self._subs:
-            if not sub.overflowed and last - sub.cursor > sub.buffer:
+            since = sub.sending_since
+            if since is not None and since < stalled_before and last - sub.cursor > sub.buffer:
                 sub.overflowed = True
-                if sub.task is not None:
-                    sub.grace = self._loop.call_later(self._config.overflow_grace_s, sub.task.cancel)
             sub.wake.set()
 
     def _resync(self, cause: int, message: str) -> pb.WatchEventsResponse:
@@ -166,8 +172,10 @@ class WatchHub:
         else:
             cursor = bus.last_sequence
 
-        sub = Subscriber(cursor=cursor, buffer=self._config.subscriber_buffer, task=asyncio.current_task())
+        sub = Subscriber(cursor=cursor, buffer=self._config.subscriber_buffer)
         self._subs.add(sub)
+        loop = asyncio.get_running_loop()
+        last_sent = loop.time()
         try:
             while True:
                 if self._closing:
@@ -186,18 +194,28 @@ class WatchHub:
                     for ev in events:
                         sub.cursor = ev.sequence
                         if flt.matches(ev):
+                            sub.sending_since = loop.time()
                             yield wire.event(ev, bus.epoch)
+                            sub.sending_since = None
+                            last_sent = loop.time()
                             if sub.overflowed:
                                 break
                     continue
                 sub.wake.clear()
                 if bus.last_sequence > sub.cursor or self._closing:
                     continue
-                try:
-                    await asyncio.wait_for(sub.wake.wait(), timeout=heartbeat)
-                except asyncio.TimeoutError:
-                    yield self._control(sub.cursor, heartbeat=pb.Heartbeat())
+                # Heartbeat after `heartbeat` seconds without a message to this
+                # subscriber, even if filtered-out events kept waking it.
+                remaining = last_sent + heartbeat - loop.time()
+                if remaining > 0:
+                    try:
+                        await asyncio.wait_for(sub.wake.wait(), timeout=remaining)
+                        continue
+                    except asyncio.TimeoutError:
+                        pass
+                sub.sending_since = loop.time()
+                yield self._control(sub.cursor, heartbeat=pb.Heartbeat())
+                sub.sending_since = None
+                last_sent = loop.time()
         finally:
             self._subs.discard(sub)
-            if sub.grace is not None:
-                sub.grace.cancel()

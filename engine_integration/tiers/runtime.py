@@ -48,6 +48,7 @@ which would drop them, never sees them).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import logging
@@ -185,15 +186,18 @@ class TierRuntime:
         self.alias_dirs = [t.file_mapper.base_path + ALIAS_SUFFIX for t in ctl.file_tiers]
         self._digest: OrderedDict[bytes, bytes] = OrderedDict()  # wire hash -> vLLM block hash
         self._on_disk: OrderedDict[bytes, None] = OrderedDict()  # wire hashes seen written to a file tier
+        self._demoted: OrderedDict[bytes, None] = OrderedDict()  # G1 copies a Demote made first candidates
         self._ops: dict[str, TierOp] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._channels: dict[str, Any] = {}
         self._channels_lock = threading.Lock()
         self._closed = False
         self.counters: dict[str, int] = {}
+        self._manager_down = False
         ctl.install()
         self._tap_manager_events(scheduler)
         self._wrap_reset()
+        self._wrap_shutdown()
         log.info(
             "kvhint tiers: host %d blocks%s, %d B/block, share peers %s",
             ctl.host_capacity(), ", file tier " + ", ".join(self.alias_dirs) if self.has_file else "",
@@ -252,6 +256,69 @@ class TierRuntime:
             self.core.on_cleared(Tier.HOST)
 
         manager.reset_cache = reset_cache
+
+    def _wrap_shutdown(self) -> None:
+        """Run the tier teardown (pending operations failed, file-tier writes
+        drained, ephemeral tiers removed) as soon as EngineCore leaves its busy
+        loop, before vLLM tears the executor down.
+
+        `vllm serve` on SIGTERM: EngineCore resets SIGTERM to the default action
+        and the API server's process manager sends it another SIGTERM at once, so
+        `Scheduler.shutdown` (after the executor's) rarely runs. The teardown
+        therefore runs at the loop exit with SIGTERM ignored for its duration; the
+        parent's `--shutdown-timeout` (the launcher sets one with --kvhint-tiers)
+        bounds it with SIGKILL.
+        """
+        manager = self.ctl.manager
+        orig_manager_shutdown = manager.shutdown
+
+        def manager_shutdown() -> None:
+            if self._manager_down:
+                return
+            self._manager_down = True
+            orig_manager_shutdown()
+
+        manager.shutdown = manager_shutdown
+        engine = getattr(self.adapter, "_engine_core", None)
+        orig_handle = getattr(engine, "_handle_shutdown", None)
+        if orig_handle is None:
+            return
+
+        def handle_shutdown() -> bool:
+            keep_running = orig_handle()
+            if not keep_running:
+                self.teardown()
+            return keep_running
+
+        engine._handle_shutdown = handle_shutdown
+
+    def teardown(self) -> None:
+        """Engine thread, once, at shutdown: `shutdown()`, then the connector
+        manager's own shutdown (file-tier writes drained; ephemeral tiers deleted)."""
+        if self._manager_down:
+            return
+        import signal
+
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            self.shutdown()
+            self.ctl.manager.shutdown()
+            self._remove_alias_tmp()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            log.exception("kvhint tiers: teardown failed")
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _remove_alias_tmp(self) -> None:
+        import glob
+
+        for base in self.alias_dirs:
+            for path in glob.glob(os.path.join(glob.escape(base), "*", f"*.{os.getpid()}.tmp")):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     # ------------------------------------------------------------ capabilities
 
@@ -380,6 +447,24 @@ class TierRuntime:
             return True
         return False
 
+    def _inflight_cascade_keys(self) -> set[Any]:
+        jobs = getattr(self.ctl.manager, "_jobs", None)
+        if not jobs:
+            return set()
+        return {k for m in jobs.values() if not m.transfer_job.is_promotion for k in m.transfer_job.keys}
+
+    def _file_settled(self, ext: bytes, d: bytes, inflight: set[Any]) -> bool:
+        """A file copy exists and its write job was processed (so its BlockStored
+        event precedes anything an operation publishes about it)."""
+        if ext in self._on_disk:
+            return True
+        if not self.has_file or not self.ctl.file_has(d):
+            return False
+        if any(self.ctl.key(d, g) in inflight for g in self.ctl.group_ids):
+            return False
+        self._mark_disk(ext)
+        return True
+
     def lower_tiers_of(self, h: bytes) -> int:
         """Tier bitmask of the valid HOST / DISK copies of wire hash `h`."""
         d = self.digest_of(h)
@@ -389,6 +474,29 @@ class TierRuntime:
         if self._file_has(h, d):
             mask |= Tier.DISK.bit
         return mask
+
+    def _mark_demoted(self, exts: Iterable[bytes]) -> None:
+        d = self._demoted
+        for e in exts:
+            d[e] = None
+            d.move_to_end(e)
+        while len(d) > DIGEST_MAP_CAP:
+            d.popitem(last=False)
+
+    def split_removed(self, exts: list[bytes], cause: RemovalCause) -> list[tuple[list[bytes], RemovalCause]]:
+        """G1 removals in runs by cause: an ordinary eviction of a G1 copy that a
+        Demote made the first candidate is reported as DEMOTED."""
+        demoted = self._demoted
+        if cause is not RemovalCause.EVICTED or not demoted:
+            return [(exts, cause)]
+        runs: list[tuple[list[bytes], RemovalCause]] = []
+        for e in exts:
+            c = RemovalCause.DEMOTED if demoted.pop(e, 0) is None else cause
+            if runs and runs[-1][1] is c:
+                runs[-1][0].append(e)
+            else:
+                runs.append(([e], c))
+        return runs
 
     def _remaining_tiers(self, h: bytes) -> int:
         mask = self.lower_tiers_of(h)
@@ -597,14 +705,16 @@ class TierRuntime:
         want_file = op.target is Tier.DISK
         missing, lost, not_ready = [], [], 0
         cascade: list[bytes] = []
+        inflight = self._inflight_cascade_keys() if want_file else set()
         for e, d in zip(op.exts, op.digests):
-            if want_file and self._file_has(e, d):
+            if want_file and self._file_settled(e, d, inflight):
                 continue
             st = ctl.host_state(d)
             if st is HostState.READY:
                 if want_file:
                     not_ready += 1
-                    if d not in op.cascaded and not self._cascade_in_flight(d):
+                    in_flight = any(ctl.key(d, g) in inflight for g in ctl.group_ids)
+                    if d not in op.cascaded and not in_flight and not ctl.file_has(d):
                         cascade.append(d)
                 continue
             not_ready += 1
@@ -618,6 +728,10 @@ class TierRuntime:
             msg = f"{len(lost)} of {len(op.exts)} blocks left every tier before a copy was made"
             return msg if starting else (Reason.OPERATION_FAILED, msg)
         if missing:
+            # Most-recently-used first, so the host LRU does not make room for the
+            # missing copies by evicting this operation's ready ones.
+            absent = set(missing)
+            ctl.touch_host([d for d in op.digests if d not in absent])
             failure = self._store_missing(op, missing, starting)
             if failure is not None:
                 return failure
@@ -631,8 +745,9 @@ class TierRuntime:
         bpb = self.bytes_per_block
         if op.action is Action.DEMOTE:
             moved = (op.stored_blocks + op.written_blocks) * bpb
-            self._complete(op, {op.target: len(op.exts)}, moved)
             self.core.on_transfer(list(op.exts), Tier.DEVICE, op.target, moved, op.op_id)
+            self._complete(op, {op.target: len(op.exts)}, moved)
+            self._mark_demoted(op.exts)
             # Reclamation is a separate, later step: the G1 copies become the first
             # eviction candidates now (tail first), and go when room is needed.
             self.adapter.demote_first(op.exts)
@@ -646,13 +761,6 @@ class TierRuntime:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvhint-share")
         self._pool.submit(self._share_worker, op, written)
         return None
-
-    def _cascade_in_flight(self, d: bytes) -> bool:
-        jobs = getattr(self.ctl.manager, "_jobs", None)
-        if not jobs:
-            return False
-        keys = {self.ctl.key(d, g) for g in self.ctl.group_ids}
-        return any(not m.transfer_job.is_promotion and not keys.isdisjoint(m.transfer_job.keys) for m in jobs.values())
 
     def _force_cascade(self, digests: list[bytes]) -> None:
         """Write READY host copies to the file tier(s) now (the cascade the tiering
@@ -681,6 +789,21 @@ class TierRuntime:
             pf.poll()
             if not pf.closed:
                 return None
+        if pf is not None:
+            op.promoted.extend(pf.hits)
+            op.prefetch = None
+            # A promotion answers MISS when the host tier has no evictable chunk at
+            # that moment (e.g. chunks pinned by file writes still in flight): retry
+            # while such work is pending, a few more times otherwise, then fail.
+            retry = [d for d in pf.misses if not ctl.g1_has(d) and ctl.host_state(d) is HostState.ABSENT
+                     and ctl.file_has(d)]
+            if retry:
+                pending = ctl.manager.has_pending_work()
+                if pending or op.store_tries < MAX_STORE_RETRIES:
+                    if not pending:
+                        op.store_tries += 1
+                    op.prefetch = Prefetch(ctl, retry)
+                    return None
         staged, waiting, lost = [], 0, 0
         for d in op.digests:
             if ctl.g1_has(d):
@@ -694,7 +817,7 @@ class TierRuntime:
                 lost += 1
         if waiting:
             return None
-        promoted = pf.hits if pf is not None else []
+        promoted = list(dict.fromkeys(op.promoted))
         moved = len(promoted) * self.bytes_per_block
         if promoted:
             ext_of = {d: e for e, d in zip(op.exts, op.digests)}
@@ -746,7 +869,7 @@ class TierRuntime:
                 prefetch=pb.PrefetchAction(),
             )
             hint.prefetch.deadline.FromNanoseconds(int(max(remaining(), 0.1) * 1e9))
-            resp = stub.ApplyHints(pb.ApplyHintsRequest(hints=[hint]), timeout=max(min(remaining(), 30.0), 0.1),
+            resp = stub.ApplyHints(pb.ApplyHintsRequest(hints=[hint]), timeout=max(min(remaining(), 10.0), 0.1),
                                    metadata=metadata)
             r = resp.results[0]
             if r.outcome in (pb.OUTCOME_ACCEPTED, pb.OUTCOME_CLIPPED) and not r.operation_id:
@@ -754,6 +877,9 @@ class TierRuntime:
             elif r.outcome == pb.OUTCOME_DEFERRED:
                 while True:
                     left = remaining()
+                    if self._closed:
+                        reason, message = Reason.SHUTTING_DOWN, "the engine is shutting down"
+                        break
                     if left <= 0:
                         reason, message = Reason.DEADLINE_EXCEEDED, f"destination {op.destination} did not finish in time"
                         break
@@ -793,9 +919,9 @@ class TierRuntime:
             return
         moved = written + remote_bytes
         if ok:
+            self.core.on_transfer(list(op.exts), Tier.DISK, Tier.REMOTE, remote_bytes, op.op_id)
             self._complete(op, {Tier.DISK: len(op.exts), Tier.REMOTE: remote_blocks}, moved,
                            message=f"visible on {op.destination}")
-            self.core.on_transfer(list(op.exts), Tier.DISK, Tier.REMOTE, remote_bytes, op.op_id)
         else:
             self._complete(op, {Tier.DISK: len(op.exts)}, moved, ok=False, reason=reason, message=message)
 

@@ -31,6 +31,7 @@ COMMAND_MODULES: list[str] = [
     "kvhint_client.cli.watch_cmd",
     "kvhint_client.cli.model_cmd",
     "kvhint_client.cli.demo_cmd",
+    "kvhint_client.cli.bench_cmd",
 ]
 
 __all__ = ["COMMAND_MODULES", "CliContext", "build_parser", "main"]

@@ -1,0 +1,591 @@
+"""Offline references, LRU-replay validation and outputs for `bench.agentic_engine`.
+
+* `OfflineRefs.compute`: runs (d) Belady-MIN and (e) infinite cache on the
+  block-hash sequence run (a) recorded (its real outputs, in the engine's
+  admission order), plus the validation of that run against a two-phase LRU
+  (`lru_timeline`) and the colleague's sequential simulators on the same
+  outputs for reference.
+* `Report`: collects runs, writes ``results.json``, ``results.md``,
+  ``requests.jsonl`` and ``plot.png``.
+
+``python -m bench.agentic_report DIR [DIR ...]`` prints one combined markdown
+table from several result directories (used for bench/results/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench.simulate import (
+    BlockPoolModel,
+    BlockRequest,
+    BlockTrace,
+    analyze,
+    compile_trace,
+    simulate_belady,
+    simulate_infinite,
+    simulate_lru,
+)
+from bench.trace import Trace
+
+GOAL_G1 = 0.90  # hints recover >= 90% of Belady's recomputed-token savings over LRU
+GOAL_TTFT = 0.60  # mean TTFT with hints <= 0.6 x LRU
+
+
+# --------------------------------------------------------------------------- block sequences
+
+
+def reorder(bt: BlockTrace, order: Sequence[int]) -> BlockTrace:
+    """The same block trace with requests executed in `order` (indices into
+    bt.requests); signals are dropped (LRU / Belady / infinite ignore them)."""
+    reqs = [replace(bt.requests[i], index=k) for k, i in enumerate(order)]
+    return replace(bt, items=list(reqs), requests=reqs)
+
+
+def admission_times(run: Any) -> list[float]:
+    """Engine wall time at which each request (by trace index) was admitted: its
+    continuation's first BlocksStored event, else (no full block stored) the
+    client's send time. Clamped into [send, first token]."""
+    out = [math.nan] * len(run.records)
+    for rec in run.records:
+        t = run.admission.get(rec.continuation_id, math.nan)
+        lo, hi = rec.wall_send, rec.wall_send + rec.ttft_s
+        if math.isnan(t):
+            t = lo
+        out[rec.index] = min(max(t, lo), hi)
+    return out
+
+
+def lru_timeline(bt: BlockTrace, admit: Sequence[float], finish: Sequence[float]) -> tuple[list[int | None], dict[str, int]]:
+    """Two-phase LRU over overlapping requests (vLLM BlockPool semantics as in
+    `bench.simulate`, but a request holds its blocks while it runs):
+
+    * admit (at its admission time): prefix hit (capped at (P-1)//bs), touch,
+      allocate the prompt's ceil(P/bs) blocks, cache the full prompt blocks;
+    * finish (at its completion): allocate its decode blocks, cache the rest of
+      its chain, free in reverse order.
+
+    Decode blocks are allocated at finish rather than at the step that needs
+    them. Returns the cached tokens per request (None when the pool had no room
+    for an admission: the engine would have queued or preempted) and counters.
+    """
+    bs = bt.block_size
+    pool = BlockPoolModel(bt.num_gpu_blocks)
+    events = sorted([(admit[i], 0, i) for i in range(len(bt.requests))] + [(finish[i], 1, i) for i in range(len(bt.requests))])
+    held: dict[int, list[int]] = {}
+    cached: list[int | None] = [None] * len(bt.requests)
+    stats = {"no_room": 0}
+    for _, kind, i in events:
+        r: BlockRequest = bt.requests[i]
+        P = r.num_prompt_tokens
+        if kind == 0:
+            hits = pool.lookup(r.chain, r.hit_cap_blocks)
+            n_new = -(-P // bs) - len(hits)
+            if n_new > len(pool.free):
+                stats["no_room"] += 1
+                continue
+            pool.touch(hits)
+            victims = pool.head(n_new)
+            pool.take(victims)
+            blocks = hits + victims
+            for k in range(len(hits), min(P // bs, len(r.chain))):
+                pool.cache(blocks[k], r.chain[k])
+            held[i] = blocks
+            cached[i] = len(hits) * bs
+        else:
+            blocks = held.pop(i, None)
+            if blocks is None:
+                continue
+            extra = r.num_alloc_blocks - len(blocks)
+            if extra > 0:
+                extra = min(extra, len(pool.free))
+                victims = pool.head(extra)
+                pool.take(victims)
+                blocks = blocks + victims
+            for k in range(max(P // bs, 0), min(len(r.chain), len(blocks))):
+                if pool.block_hash[blocks[k]] is None:
+                    pool.cache(blocks[k], r.chain[k])
+            pool.free_request(blocks)
+    return cached, stats
+
+
+def compare(engine: Sequence[int], sim: Sequence[int | None], ids: Sequence[str]) -> dict[str, Any]:
+    mism = [(ids[i], engine[i], sim[i]) for i in range(len(engine)) if sim[i] != engine[i]]
+    return {
+        "requests": len(engine),
+        "matched": len(engine) - len(mism),
+        "engine_cached_tokens": sum(engine),
+        "sim_cached_tokens": sum(s or 0 for s in sim),
+        "first_mismatches": [{"request": r, "engine": e, "sim": s} for r, e, s in mism[:8]],
+    }
+
+
+@dataclass
+class OfflineRefs:
+    results: dict[str, dict[str, Any]]  # belady, infinite, lru-sim on the recorded sequence
+    sequential_sims: dict[str, dict[str, Any]]  # bench.simulate.analyze on the trace order, same outputs
+    concurrent_validation: dict[str, Any]
+    num_gpu_blocks: int
+
+    @classmethod
+    def compute(cls, trace: Trace, run_a: Any, *, pin_budget_fraction: float = 0.5) -> OfflineRefs:
+        bt = compile_trace(trace, outputs=run_a.outputs)
+        admit = admission_times(run_a)
+        order = sorted(range(len(bt.requests)), key=lambda i: (admit[i], i))
+        rec = reorder(bt, order)
+        belady = simulate_belady(rec)
+        infinite = simulate_infinite(rec)
+        lru_atomic = simulate_lru(rec)
+        results = {
+            "belady": _sim_summary(belady),
+            "infinite": _sim_summary(infinite),
+            "lru-sim": _sim_summary(lru_atomic),
+        }
+        # validation 2: the concurrent run against the two-phase LRU
+        by_idx = sorted(run_a.records, key=lambda r: r.index)
+        finish = [r.wall_done - 0.002 for r in by_idx]
+        timeline, tstats = lru_timeline(bt, admit, finish)
+        engine = [r.cached_tokens for r in by_idx]
+        ids = [r.request_id for r in by_idx]
+        val = compare(engine, timeline, ids)
+        val["no_room_admissions"] = tstats["no_room"]
+        atomic = [0] * len(order)
+        for k, i in enumerate(order):
+            atomic[i] = lru_atomic.cached_tokens[k]
+        val["atomic_in_admission_order"] = {k: v for k, v in compare(engine, atomic, ids).items() if k != "first_mismatches"}
+        seq = analyze(bt, pin_budget_fraction=pin_budget_fraction)
+        sims = {name: _sim_summary(r) for name, r in seq.results.items()}
+        return cls(results, sims, val, bt.num_gpu_blocks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "results": self.results,
+            "sequential_sims": self.sequential_sims,
+            "concurrent_validation": self.concurrent_validation,
+            "num_gpu_blocks": self.num_gpu_blocks,
+        }
+
+
+def _sim_summary(r: Any) -> dict[str, Any]:
+    return {
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.hit_tokens,
+        "hit_rate": r.hit_rate,
+        "recomputed_tokens": r.recomputed_tokens,
+        "peak_blocks_in_use": r.peak_blocks_in_use,
+        "evictions": r.evictions,
+        **{k: v for k, v in r.extra.items()},
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _mean(vals: Sequence[float]) -> float:
+    vals = [v for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.fmean(vals) if vals else math.nan
+
+
+@dataclass
+class Report:
+    trace: Trace
+    plan_closed_loop: bool
+    mode: str
+    model: str
+    command: str
+    time_scale: float = 1.0
+    engine_start_s: list[float] = field(default_factory=list)
+    capabilities: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
+    validation: dict[str, Any] = field(default_factory=dict)
+    runs: dict[str, list[Any]] = field(default_factory=dict)
+    offline: OfflineRefs | None = None
+    runtime_s: float = 0.0
+
+    # -- collection
+    def set_sequential_validation(self, run: Any) -> None:
+        bt = compile_trace(self.trace, outputs=run.outputs)
+        sim = simulate_lru(bt).cached_tokens
+        by_idx = sorted(run.records, key=lambda r: r.index)
+        self.validation["sequential"] = {
+            **compare([r.cached_tokens for r in by_idx], sim, [r.request_id for r in by_idx]),
+            "prompt_tokens": sum(r.prompt_tokens for r in by_idx),
+            "seconds": round(run.makespan_s, 1),
+        }
+
+    def add_run(self, run: Any, repeat: int = 0) -> None:
+        self.runs.setdefault(run.spec.name, []).append(run)
+
+    def reference_run(self) -> Any:
+        if "lru" in self.runs:
+            return self.runs["lru"][0]
+        return next(iter(self.runs.values()))[0]
+
+    # -- metrics
+    def run_metrics(self, name: str) -> dict[str, Any]:
+        """Metrics of a run, averaged over repeats (numeric fields)."""
+        ms = [r.metrics() for r in self.runs[name]]
+        if len(ms) == 1:
+            return ms[0]
+        out = dict(ms[0])
+        for k, v in ms[0].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = _mean([m[k] for m in ms])
+        out["repeats"] = len(ms)
+        out["ttft_mean_ms_each"] = [round(m["ttft_mean_ms"], 1) for m in ms]
+        return out
+
+    def goals(self) -> dict[str, Any]:
+        g: dict[str, Any] = {}
+        if "lru" not in self.runs or self.offline is None:
+            return g
+        lru = self.run_metrics("lru")
+        belady = self.offline.results["belady"]["recomputed_tokens"]
+        infinite = self.offline.results["infinite"]["recomputed_tokens"]
+        headroom = lru["recomputed_tokens"] - belady
+        sims = self.offline.sequential_sims
+        sim_headroom = sims["lru"]["recomputed_tokens"] - sims["belady"]["recomputed_tokens"]
+        for name in self.runs:
+            if name == "lru":
+                continue
+            m = self.run_metrics(name)
+            saved = lru["recomputed_tokens"] - m["recomputed_tokens"]
+            entry = {
+                "g1_savings_vs_belady": saved / headroom if headroom > 0 else math.nan,
+                "g1_met": bool(headroom > 0 and saved / headroom >= GOAL_G1),
+                "ttft_mean_vs_lru": m["ttft_mean_ms"] / lru["ttft_mean_ms"] if lru["ttft_mean_ms"] else math.nan,
+                "recomputed_vs_infinite": m["recomputed_tokens"] / infinite if infinite else math.nan,
+            }
+            entry["ttft_met"] = bool(entry["ttft_mean_vs_lru"] <= GOAL_TTFT)
+            if name in sims and sim_headroom > 0:
+                entry["g1_sim_sequential"] = (sims["lru"]["recomputed_tokens"] - sims[name]["recomputed_tokens"]) / sim_headroom
+            g[name] = entry
+        g["belady_headroom_tokens"] = headroom
+        return g
+
+    def ttft_prefill_share(self) -> dict[str, Any]:
+        """From run (a): TTFT ~ a + b * recomputed tokens over all requests."""
+        if "lru" not in self.runs:
+            return {}
+        recs = [r for r in self.runs["lru"][0].records if r.error is None]
+        xs = [r.prompt_tokens - r.cached_tokens for r in recs]
+        ys = [r.ttft_s * 1000 for r in recs]
+        from bench.agentic_engine import linear_fit
+
+        a, b = linear_fit(xs, ys)
+        mean_ttft = statistics.fmean(ys)
+        return {
+            "intercept_ms": round(a, 1),
+            "ms_per_1k_recomputed_tokens": round(b * 1000, 1),
+            "share_of_mean_ttft_from_recomputation": round(b * statistics.fmean(xs) / mean_ttft, 3) if mean_ttft else math.nan,
+        }
+
+    # -- output
+    def to_json(self) -> dict[str, Any]:
+        h = self.trace.header
+        return {
+            "command": self.command,
+            "mode": self.mode,
+            "model": self.model,
+            "time_scale": self.time_scale,
+            "runtime_s": self.runtime_s,
+            "engine_start_s": self.engine_start_s,
+            "trace": {"preset": h.preset, "seed": h.seed, "num_gpu_blocks": h.num_gpu_blocks,
+                      "block_size": h.block_size, "stats": h.stats, "closed_loop": self.plan_closed_loop},
+            "capabilities": self.capabilities,
+            "calibration": self.calibration,
+            "ttft_vs_recomputation": self.ttft_prefill_share(),
+            "validation": {**self.validation,
+                           **({"concurrent": self.offline.concurrent_validation} if self.offline else {})},
+            "runs": {name: self.run_metrics(name) for name in self.runs},
+            "runs_each_repeat": {name: [r.metrics() for r in rs] for name, rs in self.runs.items()} if any(len(v) > 1 for v in self.runs.values()) else {},
+            "offline": self.offline.to_json() if self.offline else None,
+            "goals": self.goals(),
+        }
+
+    def table_rows(self) -> list[dict[str, Any]]:
+        from bench.agentic_engine import OFFLINE_LABELS, RUNS
+
+        rows = []
+        for name in self.runs:
+            m = self.run_metrics(name)
+            rows.append({"run": RUNS[name].label if name in RUNS else name, **m})
+        if self.offline is not None:
+            for name in ("belady", "infinite"):
+                r = self.offline.results[name]
+                rows.append({"run": OFFLINE_LABELS[name], **r, "offline": True,
+                             "peak_resident_blocks": r.get("distinct_blocks", self.offline.num_gpu_blocks - 1)})
+        return rows
+
+    def markdown_table(self) -> str:
+        def f(v: Any, fmt: str = "{:.0f}") -> str:
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                return "n/a"
+            return fmt.format(v)
+
+        lines = [
+            "| run | hit rate | recomputed prompt tokens | TTFT mean / p50 / p99 (ms) | throughput (req/s, out tok/s) "
+            "| peak blocks in use | pins broken | bytes moved between tiers |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in self.table_rows():
+            if r.get("offline"):
+                lines.append(
+                    f"| {r['run']} | {r['hit_rate']:.3f} | {r['recomputed_tokens']} | n/a (offline) | n/a "
+                    f"| {r['peak_blocks_in_use']} (sequential sim) | n/a | n/a |"
+                )
+                continue
+            lines.append(
+                f"| {r['run']} | {r['hit_rate']:.3f} | {f(r['recomputed_tokens'])} "
+                f"| {f(r['ttft_mean_ms'])} / {f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} "
+                f"| {f(r['throughput_req_s'], '{:.2f}')}, {f(r['throughput_out_tok_s'], '{:.1f}')} "
+                f"| {f(r['peak_blocks_in_use'])} | {f(r['pins_broken'])} "
+                f"| {f(r['bytes_moved_between_tiers'])} |"
+            )
+        return "\n".join(lines)
+
+    def markdown_summary(self) -> str:
+        h = self.trace.header
+        st = h.stats
+        out = [
+            f"# KvHint agentic benchmark: {h.preset} trace, seed {h.seed} ({self.mode} mode)",
+            "",
+            f"Command: `{self.command}`",
+            "",
+            f"Trace: {st.get('requests')} requests in {st.get('sessions')} sessions, {st.get('prompt_tokens')} prompt tokens, "
+            f"pool {h.num_gpu_blocks} blocks of {h.block_size} tokens (peak live set {st.get('peak_live_blocks')} blocks), "
+            f"nominal duration {st.get('duration_s')} s, time scale {self.time_scale:g}, "
+            f"{'closed-loop' if self.plan_closed_loop else 'open-loop'} concurrent replay. "
+            f"Model `{self.model}`; engine {self.capabilities.get('engine', '?')}, pin budget "
+            f"{self.capabilities.get('pin_budget_blocks', '?')} blocks. Runtime {self.runtime_s:.0f} s.",
+            "",
+            self.markdown_table(),
+            "",
+        ]
+        g = self.goals()
+        if g:
+            out.append("## Goals")
+            out.append("")
+            out.append(f"Belady's savings over LRU (engine run a): {g['belady_headroom_tokens']} recomputed prompt tokens.")
+            out.append("")
+            out.append("| run | G1: share of Belady's savings (goal >= 0.90) | same, sequential simulation | "
+                       "mean TTFT / LRU (goal <= 0.6) | recomputed / infinite |")
+            out.append("|---|---|---|---|---|")
+            for name, e in g.items():
+                if not isinstance(e, dict):
+                    continue
+                out.append(
+                    f"| {name} | {e['g1_savings_vs_belady']:.2f} ({'met' if e['g1_met'] else 'missed'}) "
+                    f"| {e.get('g1_sim_sequential', math.nan):.2f} "
+                    f"| {e['ttft_mean_vs_lru']:.2f} ({'met' if e['ttft_met'] else 'missed'}) "
+                    f"| {e['recomputed_vs_infinite']:.2f} |"
+                )
+            out.append("")
+        if self.calibration:
+            out.append("## TTFT calibration (idle engine, one request at a time, max_tokens=1)")
+            out.append("")
+            out.append("| prompt tokens | miss TTFT (ms) | hit TTFT (ms) | prefill share of miss TTFT |")
+            out.append("|---|---|---|---|")
+            for row in self.calibration["rows"]:
+                out.append(f"| {row['prompt_tokens']} | {row['miss_ttft_ms']} | {row['hit_ttft_ms']} | {row['prefill_share']:.0%} |")
+            fit = self.calibration.get("miss_fit_ms", {})
+            out.append("")
+            out.append(f"Miss TTFT ~ {fit.get('intercept')} ms + {fit.get('per_1k_tokens')} ms per 1K prompt tokens.")
+            sh = self.ttft_prefill_share()
+            if sh:
+                out.append(
+                    f"In run (a) (concurrent): TTFT ~ {sh['intercept_ms']} ms + {sh['ms_per_1k_recomputed_tokens']} ms per 1K "
+                    f"recomputed tokens; recomputation explains {sh['share_of_mean_ttft_from_recomputation']:.0%} of mean TTFT."
+                )
+            out.append("")
+        out.append("## Validation of the LRU replay")
+        out.append("")
+        v = self.validation.get("sequential")
+        if v:
+            out.append(
+                f"* Sequential replay (one request at a time, same harness, no hints): `simulate_lru` matches the engine's "
+                f"cached tokens on {v['matched']}/{v['requests']} requests ({v['engine_cached_tokens']} engine vs "
+                f"{v['sim_cached_tokens']} simulated cached tokens)."
+            )
+        if self.offline is not None:
+            c = self.offline.concurrent_validation
+            at = c["atomic_in_admission_order"]
+            out.append(
+                f"* Concurrent run (a) vs two-phase LRU in the engine's admission order: {c['matched']}/{c['requests']} "
+                f"requests match ({c['engine_cached_tokens']} engine vs {c['sim_cached_tokens']} simulated cached tokens; "
+                f"{c['no_room_admissions']} admissions found no room). The sequential simulator fed the same order matches "
+                f"{at['matched']}/{at['requests']} ({at['sim_cached_tokens']} tokens)."
+            )
+            sims = self.offline.sequential_sims
+            out.append(
+                "* Sequential simulators on the same outputs (trace order, hit rate / recomputed): "
+                + ", ".join(f"{k} {v['hit_rate']:.3f} / {v['recomputed_tokens']}" for k, v in sims.items())
+                + "."
+            )
+        out.append("")
+        out.append("## Engine runs: details")
+        out.append("")
+        out.append("| run | makespan (s) | preemptions | peak resident blocks (events) | hints sent (outcomes) "
+                   "| CPU cores: engine / other processes (of ncpu) | load avg 1m (start, end) |")
+        out.append("|---|---|---|---|---|---|---|")
+        for name in self.runs:
+            m = self.run_metrics(name)
+            hints = m.get("hints") or {}
+            oc = "; ".join(f"{a}: " + ", ".join(f"{k} {v}" for k, v in o.items()) for a, o in (hints.get("outcomes") or {}).items())
+            out.append(
+                f"| {name} | {m['makespan_s']:.0f} | {m['preemptions']:.0f} | {m['peak_resident_blocks']:.0f} | {oc or '-'} "
+                f"| {_cpu_str(m.get('cpu'))} | {', '.join(f'{x:.1f}' for x in m['loadavg_1m_start_end'])} |"
+            )
+        out.append("")
+        return "\n".join(out)
+
+
+def _cpu_str(cpu: Any) -> str:
+    if not cpu:
+        return "n/a"
+    if isinstance(cpu, list):
+        cpu = cpu[0]
+    return f"{cpu.get('engine_cores')} / {cpu.get('other_cores')} (of {cpu.get('ncpu')})"
+
+
+def plot(report: Report, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    rows = report.table_rows()
+    names = [r["run"].split(" ")[0] + " " + r["run"].split(" ", 2)[1] if " " in r["run"] else r["run"] for r in rows]
+    colors = ["#888888", "#4c72b0", "#55a868", "#c44e52", "#8172b2", "#dd8452", "#937860"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    ax = axes[0]
+    vals = [r["recomputed_tokens"] for r in rows]
+    ax.bar(range(len(rows)), vals, color=colors[: len(rows)])
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["run"].split(")")[0] + ")" for r in rows])
+    ax.set_ylabel("recomputed prompt tokens")
+    ax.set_title("Recomputed prompt tokens (lower is better)")
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v}", ha="center", va="bottom", fontsize=8)
+    engine_rows = [r for r in rows if not r.get("offline")]
+    ax = axes[1]
+    width = 0.25
+    for k, (key, lab) in enumerate((("ttft_mean_ms", "mean"), ("ttft_p50_ms", "p50"), ("ttft_p99_ms", "p99"))):
+        ax.bar([i + (k - 1) * width for i in range(len(engine_rows))], [r[key] for r in engine_rows], width, label=lab)
+    ax.set_xticks(range(len(engine_rows)))
+    ax.set_xticklabels([r["run"].split(")")[0] + ")" for r in engine_rows])
+    ax.set_ylabel("TTFT (ms, client-side)")
+    ax.set_title("TTFT on the engine")
+    ax.legend()
+    ax = axes[2]
+    for k, name in enumerate(report.runs):
+        ttft = sorted(r.ttft_s * 1000 for r in report.runs[name][0].records if r.error is None)
+        ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name, color=colors[k % len(colors)])
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF")
+    ax.legend()
+    _ = names
+    h = report.trace.header
+    fig.suptitle(f"KvHint agentic benchmark: {h.preset} trace seed {h.seed}, {len(report.reference_run().records)} requests, "
+                 f"pool {h.num_gpu_blocks} blocks, model {report.model}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(report: Report, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    p = out / "results.json"
+    p.write_text(json.dumps(report.to_json(), indent=2, default=_json_default) + "\n")
+    paths.append(p)
+    p = out / "results.md"
+    p.write_text(report.markdown_summary() + "\n")
+    paths.append(p)
+    p = out / "requests.jsonl"
+    with open(p, "w") as f:
+        for name, runs in report.runs.items():
+            for rep, run in enumerate(runs):
+                for rec in run.records:
+                    f.write(json.dumps({"run": name, "repeat": rep, **rec.to_json()}, default=_json_default) + "\n")
+    paths.append(p)
+    p = out / "usage.jsonl"
+    with open(p, "w") as f:
+        for name, runs in report.runs.items():
+            for rep, run in enumerate(runs):
+                f.write(json.dumps({"run": name, "repeat": rep, "usable_blocks": report.trace.header.num_gpu_blocks - 1,
+                                    "samples": [[round(t, 2), u] for t, u in run.usage_samples],
+                                    "cpu": [[round(t, 2), c.get("engine_cores"), c.get("other_cores")]
+                                            for t, c in run.cpu_samples]}, default=_json_default) + "\n")
+    paths.append(p)
+    png = plot(report, out / "plot.png")
+    if png is not None:
+        paths.append(png)
+    return paths
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+# --------------------------------------------------------------------------- combined table
+
+
+def combined_table(dirs: Sequence[str | Path]) -> str:
+    """One markdown table over several results.json files."""
+    lines = [
+        "| trace | run | hit rate | recomputed | x LRU | TTFT mean / p50 / p99 (ms) | TTFT / LRU | G1 | peak in use | pins broken |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for d in dirs:
+        js = json.loads((Path(d) / "results.json").read_text())
+        tr = js["trace"]
+        label = f"{tr['preset']} seed {tr['seed']}"
+        runs = js["runs"]
+        lru = runs.get("lru", {})
+        lru_re = lru.get("recomputed_tokens") or 0
+        goals = js.get("goals") or {}
+        for name, m in runs.items():
+            g = goals.get(name, {})
+            lines.append(
+                f"| {label} | {name} | {m['hit_rate']:.3f} | {m['recomputed_tokens']:.0f} "
+                f"| {m['recomputed_tokens'] / lru_re if lru_re else float('nan'):.3f} "
+                f"| {m['ttft_mean_ms']:.0f} / {m['ttft_p50_ms']:.0f} / {m['ttft_p99_ms']:.0f} "
+                f"| {m['ttft_mean_ms'] / lru['ttft_mean_ms'] if lru.get('ttft_mean_ms') else float('nan'):.2f} "
+                f"| {g['g1_savings_vs_belady']:.2f} | {m['peak_blocks_in_use']:.0f} | {m['pins_broken']:.0f} |"
+                if g else
+                f"| {label} | {name} | {m['hit_rate']:.3f} | {m['recomputed_tokens']:.0f} | 1.000 "
+                f"| {m['ttft_mean_ms']:.0f} / {m['ttft_p50_ms']:.0f} / {m['ttft_p99_ms']:.0f} | 1.00 | - "
+                f"| {m['peak_blocks_in_use']:.0f} | {m['pins_broken']:.0f} |"
+            )
+        off = (js.get("offline") or {}).get("results", {})
+        for name in ("belady", "infinite"):
+            if name in off:
+                r = off[name]
+                lines.append(
+                    f"| {label} | {name} (offline) | {r['hit_rate']:.3f} | {r['recomputed_tokens']} "
+                    f"| {r['recomputed_tokens'] / lru_re if lru_re else float('nan'):.3f} | n/a | n/a | "
+                    f"{'1.00' if name == 'belady' else '-'} | n/a | n/a |"
+                )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(combined_table(sys.argv[1:]))

@@ -1,0 +1,60 @@
+"""Zero effect when unused: with no hints, the KvHint scheduler behaves exactly
+like stock vLLM — same generated tokens, same prefix hits, same block
+admissions and evictions in the same order (vLLM's own KV events)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from engine_support import Engine, start_engine, tokens
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_model: str) -> Iterator[Engine]:
+    eng = start_engine(tiny_model, kvhint=False, zmq=True)
+    try:
+        yield eng
+    finally:
+        eng.close()
+        eng.served.stop()
+
+
+def agentic_workload() -> list[tuple[list[int], str | None, int]]:
+    """Sessions that grow turn by turn, anonymous traffic, and cache pressure."""
+    out: list[tuple[list[int], str | None, int]] = []
+    contexts = {s: tokens(f"ctx-{s}", 300) for s in ("a", "b", "c")}
+    for turn in range(4):
+        for s, ctx in contexts.items():
+            ctx += tokens(f"turn-{s}-{turn}", 120)
+            out.append((list(ctx), f"id-{s}", 12))
+        out.append((tokens(f"anon-{turn}", 600), None, 4))
+    return out
+
+
+def run(engine: Engine) -> tuple[list[tuple[int, tuple[int, ...]]], list[tuple[str, object, str | None]]]:
+    engine.complete(tokens("warm-up"))  # the first ZMQ batch can race the subscription
+    engine.zmq.settle()  # type: ignore[union-attr]
+    mark = len(engine.zmq.batches)  # type: ignore[union-attr]
+    results = []
+    for prompt, session, max_tokens in agentic_workload():
+        c = engine.complete(prompt, session, max_tokens=max_tokens)
+        results.append((c.cached_tokens, c.token_ids))
+    engine.zmq.settle()  # type: ignore[union-attr]
+    events = []
+    for e in engine.zmq.events_since(mark):  # type: ignore[union-attr]
+        kind = type(e).__name__
+        if kind in ("BlockStored", "BlockRemoved"):
+            events += [(kind, h, e.medium) for h in e.block_hashes]  # type: ignore[attr-defined]
+    return results, events
+
+
+def test_tokens_hits_and_eviction_order_match_stock_vllm(stock: Engine, clean: Engine) -> None:
+    stock.reset_cache()
+    expected, expected_events = run(stock)
+    got, got_events = run(clean)
+    assert [tokens_ for _, tokens_ in got] == [tokens_ for _, tokens_ in expected]
+    assert [cached for cached, _ in got] == [cached for cached, _ in expected]
+    assert any(cached for cached, _ in got), "the workload should produce prefix hits"
+    assert any(kind == "BlockRemoved" for kind, _, _ in expected_events), "the workload should evict"
+    assert got_events == expected_events

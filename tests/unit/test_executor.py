@@ -1,0 +1,360 @@
+"""HintExecutor through ApplyHints over real gRPC, on the fake engine.
+
+The fake engine (kvhint_unit_support.FakeEngine) reports residency through the
+core's hooks on its engine thread; the results and the state they leave
+behind are read back over the wire (ApplyHints, QueryResidency, ListSessions)
+and from the event bus.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+from kvhint_unit_support import FakeClock, error_info, h, pin, retain, session_sel
+
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_server.events import HintApplied
+
+R = pb.RetentionState
+
+
+def residency(harness, session: str) -> dict[bytes, pb.BlockInfo]:
+    resp = harness.stub.QueryResidency(pb.QueryResidencyRequest(selector=session_sel(session)), timeout=5)
+    return {b.block_hash: b for b in resp.blocks}
+
+
+def sessions(harness) -> list[str]:
+    return [s.session_id for s in harness.stub.ListSessions(pb.ListSessionsRequest(), timeout=5).sessions]
+
+
+def hint_events(harness, after: int) -> list[HintApplied]:
+    events = harness.bus.read_after(after, 10_000)
+    assert events is not None
+    return [e.payload for e in events if isinstance(e.payload, HintApplied)]
+
+
+def test_exactly_one_result_per_hint_in_request_order(harness):
+    harness.engine.store([h(1), h(2), h(3)], session="a")
+    before = harness.bus.last_sequence
+    batch = [
+        retain("a", 30, priority=2, hint_id="r"),
+        pin("nobody", 30, hint_id="m"),
+        pb.Hint(hint_id="bad", release=pb.ReleaseAction()),  # no selector
+        pb.Hint(hint_id="", selector=pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=[h(3)])),
+                evict=pb.EvictAction()),
+        pb.Hint(hint_id="d", selector=session_sel("a"), demote=pb.DemoteAction()),
+        retain("a", 30, hint_id="r2"),
+    ]
+    resp = harness.apply(*batch)
+    assert [r.hint_id for r in resp.results] == ["r", "m", "bad", "", "d", "r2"]
+    assert [r.outcome for r in resp.results] == [
+        pb.OUTCOME_ACCEPTED, pb.OUTCOME_MISSING, pb.OUTCOME_REJECTED, pb.OUTCOME_ACCEPTED, pb.OUTCOME_REJECTED,
+        pb.OUTCOME_ACCEPTED,
+    ]
+    assert [r.reason for r in resp.results] == [
+        pb.REASON_UNSPECIFIED, pb.REASON_NOT_RESIDENT, pb.REASON_INVALID_HINT, pb.REASON_UNSPECIFIED,
+        pb.REASON_UNSUPPORTED, pb.REASON_UNSPECIFIED,
+    ]
+    # The evict ran after the first retain and before the second: r2 covers 2 blocks.
+    assert [(c.tier, c.blocks) for c in resp.results[0].affected_blocks] == [(pb.TIER_DEVICE, 3)]
+    assert [(c.tier, c.blocks) for c in resp.results[5].affected_blocks] == [(pb.TIER_DEVICE, 2)]
+    # Every hint is observable, in order, at or before applied_at_sequence.
+    events = harness.bus.read_after(before, 1000)
+    assert events is not None and max(e.sequence for e in events) == resp.applied_at_sequence
+    applied = [e.payload for e in events if isinstance(e.payload, HintApplied)]
+    assert [a.result.hint_id for a in applied] == [r.hint_id for r in resp.results]
+    assert [int(a.result.outcome) for a in applied] == [r.outcome for r in resp.results]
+    assert resp.epoch == harness.bus.epoch
+
+
+def test_idempotent_hint_ids(harness):
+    harness.engine.store([h(1), h(2)], session="a")
+    first = harness.apply(retain("a", 30, priority=7, hint_id="same"))
+    assert first.results[0].outcome == pb.OUTCOME_ACCEPTED and not first.results[0].replayed
+    seq = harness.bus.last_sequence
+    again = harness.apply(retain("a", 30, priority=7, hint_id="same"))
+    r = again.results[0]
+    assert r.replayed is True
+    assert (r.outcome, list(r.affected_blocks), r.effective_ttl) == (
+        first.results[0].outcome, list(first.results[0].affected_blocks), first.results[0].effective_ttl)
+    assert harness.bus.last_sequence == seq, "a replayed hint must not publish a second HintApplied"
+    assert again.applied_at_sequence == seq
+    # Same id, different hint: rejected, and the first grant is untouched.
+    conflict = harness.apply(retain("a", 30, priority=1, hint_id="same")).results[0]
+    assert (conflict.outcome, conflict.reason) == (pb.OUTCOME_REJECTED, pb.REASON_HINT_ID_CONFLICT)
+    assert not conflict.replayed
+    assert {b.retention.priority for b in residency(harness, "a").values()} == {7}
+    # Hints without an id are never deduplicated.
+    before = harness.bus.last_sequence
+    a1 = harness.apply(retain("a", 30, priority=3)).results[0]
+    a2 = harness.apply(retain("a", 30, priority=3)).results[0]
+    assert not a1.replayed and not a2.replayed
+    assert len(hint_events(harness, before)) == 2
+
+
+def test_ttl_above_the_cap_is_clipped_to_the_cap(make_harness):
+    harness = make_harness(max_ttl_s=60.0)
+    harness.engine.store([h(1)], session="a")
+    t0 = time.time()
+    r = harness.apply(retain("a", 3600.5, priority=1, hint_id="t")).results[0]
+    assert (r.outcome, r.reason) == (pb.OUTCOME_CLIPPED, pb.REASON_TTL_CAPPED)
+    [clip] = r.clips
+    assert clip.reason == pb.REASON_TTL_CAPPED
+    assert clip.requested_ttl.ToTimedelta().total_seconds() == pytest.approx(3600.5)
+    assert clip.granted_ttl.ToTimedelta().total_seconds() == 60.0
+    assert r.effective_ttl.ToTimedelta().total_seconds() == 60.0
+    block = residency(harness, "a")[h(1)]
+    assert block.retention.retention_class == R.CLASS_RETAINED
+    assert block.retention.expires_at.ToMicroseconds() / 1e6 == pytest.approx(t0 + 60, abs=2)
+    # Within the cap: accepted as asked.
+    r = harness.apply(pin("a", 59)).results[0]
+    assert r.outcome == pb.OUTCOME_ACCEPTED and r.effective_ttl.ToTimedelta().total_seconds() == 59
+
+
+def test_pin_budget_clips_to_the_budget(harness):
+    # 11 device blocks, pin_budget_fraction 0.5 -> 5 blocks (GetCapabilities says so).
+    budget = harness.stub.GetCapabilities(pb.GetCapabilitiesRequest()).limits.pin_budget_blocks
+    assert budget == 5
+    chain = [h(i) for i in range(1, 9)]
+    harness.engine.store(chain, session="a")
+    r = harness.apply(pin("a", 30, hint_id="p")).results[0]
+    assert (r.outcome, r.reason) == (pb.OUTCOME_CLIPPED, pb.REASON_PIN_BUDGET)
+    [clip] = r.clips
+    assert (clip.requested_blocks, clip.granted_blocks) == (8, budget)
+    assert [(c.tier, c.blocks) for c in r.affected_blocks] == [(pb.TIER_DEVICE, budget)]
+    blocks = residency(harness, "a")
+    classes = [blocks[x].retention.retention_class for x in chain]
+    assert classes == [R.CLASS_PINNED] * 5 + [R.CLASS_ORDINARY] * 3  # from the start of the chain
+    # Another session pinning blocks that are already pinned costs no budget.
+    harness.engine.store(chain[:3], session="b", prefix_hit=True)
+    harness.engine.store([h(20)], session="b", first_position=3, parent=chain[2])
+    r = harness.apply(pin("b", 30)).results[0]
+    assert (r.outcome, r.reason) == (pb.OUTCOME_CLIPPED, pb.REASON_PIN_BUDGET)
+    assert (r.clips[0].requested_blocks, r.clips[0].granted_blocks) == (4, 3)
+    assert residency(harness, "b")[h(20)].retention.retention_class == R.CLASS_ORDINARY
+    # Releasing a's pins frees budget only for blocks nobody else pins.
+    harness.apply(pb.Hint(selector=session_sel("a"), release=pb.ReleaseAction()))
+    r = harness.apply(pin("b", 30)).results[0]
+    assert r.outcome == pb.OUTCOME_ACCEPTED
+    assert residency(harness, "b")[h(20)].retention.retention_class == R.CLASS_PINNED
+
+
+@pytest.mark.parametrize("action", ["retain", "pin", "evict", "release"])
+def test_unknown_session_is_missing(harness, action):
+    harness.engine.store([h(1)], session="a")
+    hint = pb.Hint(hint_id="x", selector=session_sel("ghost"))
+    if action == "retain":
+        hint.retain.ttl.FromSeconds(10)
+    elif action == "pin":
+        hint.pin.ttl.FromSeconds(10)
+    else:
+        getattr(hint, action).SetInParent()
+    r = harness.apply(hint).results[0]
+    assert (r.outcome, r.reason) == (pb.OUTCOME_MISSING, pb.REASON_NOT_RESIDENT)
+    assert not r.affected_blocks
+    assert residency(harness, "a")[h(1)].retention.retention_class == R.CLASS_ORDINARY
+
+
+def test_release_drops_only_that_sessions_retention(harness):
+    engine = harness.engine
+    engine.store([h(1), h(2), h(3)], session="a")
+    engine.store([h(1), h(2)], session="b", prefix_hit=True)
+    engine.store([h(4)], session="b", first_position=2, parent=h(2))
+    assert harness.apply(retain("a", 60, priority=5)).results[0].outcome == pb.OUTCOME_ACCEPTED
+    assert harness.apply(retain("b", 60, priority=1)).results[0].outcome == pb.OUTCOME_ACCEPTED
+    assert residency(harness, "b")[h(1)].retention.priority == 5  # highest priority over all sessions
+    r = harness.apply(pb.Hint(hint_id="rel", selector=session_sel("a"), release=pb.ReleaseAction())).results[0]
+    assert r.outcome == pb.OUTCOME_ACCEPTED
+    blocks = residency(harness, "b")
+    for x in (h(1), h(2), h(4)):
+        assert (blocks[x].retention.retention_class, blocks[x].retention.priority) == (R.CLASS_RETAINED, 1)
+    # a's own block lost its protection and became a first eviction candidate.
+    q = harness.stub.QueryResidency(pb.QueryResidencyRequest(
+        selector=pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=[h(3)]))))
+    assert q.blocks[0].retention.retention_class == R.CLASS_ORDINARY
+    assert list(q.blocks[0].tiers) == [pb.TIER_DEVICE]  # still cached, still reusable
+    assert engine.demoted_first == [h(3)]
+    assert sessions(harness) == ["b"]
+    # Releasing again: nothing selected and no retention held.
+    r = harness.apply(pb.Hint(selector=session_sel("a"), release=pb.ReleaseAction())).results[0]
+    assert r.outcome == pb.OUTCOME_MISSING
+
+
+def test_evict_skips_blocks_in_use_and_pinned_by_other_sessions(harness):
+    engine = harness.engine
+    engine.store([h(1), h(2), h(3), h(4)], session="a")
+    engine.store([h(1)], session="b", prefix_hit=True)
+    assert harness.apply(pin("b", 60)).results[0].outcome == pb.OUTCOME_ACCEPTED
+    engine.set_in_use([h(2)])
+    before = harness.bus.last_sequence
+    r = harness.apply(pb.Hint(selector=session_sel("a"), evict=pb.EvictAction())).results[0]
+    assert r.outcome == pb.OUTCOME_CLIPPED
+    assert {c.reason for c in r.clips} == {pb.REASON_PINNED_BY_OTHER_SESSION, pb.REASON_BLOCKS_IN_USE}
+    assert [(c.tier, c.blocks) for c in r.affected_blocks] == [(pb.TIER_DEVICE, 2)]
+    assert set(engine.device) == {h(1), h(2)}
+    removed = [e.payload for e in harness.bus.read_after(before, 100) if e.kind.name == "BLOCKS_REMOVED"]
+    assert [x for p in removed for x in p.block_hashes] == [h(4), h(3)]  # tail first
+    assert all(p.cause.name == "EVICT_HINT" for p in removed)
+
+
+def test_max_blocks_takes_retain_from_the_start_and_evict_from_the_end(harness):
+    chain = [h(i) for i in range(1, 6)]
+    harness.engine.store(chain, session="a")
+    r = harness.apply(retain("a", 60, priority=1, max_blocks=2)).results[0]
+    assert (r.outcome, r.reason) == (pb.OUTCOME_CLIPPED, pb.REASON_MAX_BLOCKS)
+    assert (r.clips[0].requested_blocks, r.clips[0].granted_blocks) == (5, 2)
+    blocks = residency(harness, "a")
+    assert [blocks[x].retention.retention_class for x in chain] == [R.CLASS_RETAINED] * 2 + [R.CLASS_ORDINARY] * 3
+    r = harness.apply(pb.Hint(selector=session_sel("a"), evict=pb.EvictAction(), max_blocks=2)).results[0]
+    assert r.reason == pb.REASON_MAX_BLOCKS
+    assert set(harness.engine.device) == set(chain[:3])
+
+
+def test_expired_retention_reads_as_ordinary(harness):
+    harness.engine.store([h(1)], session="a")
+    harness.apply(pin("a", 0.2))
+    assert residency(harness, "a")[h(1)].retention.retention_class == R.CLASS_PINNED
+    time.sleep(0.3)
+    assert residency(harness, "a")[h(1)].retention.retention_class == R.CLASS_ORDINARY
+    assert h(1) in harness.engine.refiled  # the engine was asked to re-file it
+
+
+@pytest.mark.parametrize("action", ["demote", "prefetch", "share"])
+def test_unadvertised_tier_actions_are_rejected_unsupported(harness, action):
+    harness.engine.store([h(1)], session="a")
+    hint = pb.Hint(hint_id=action, selector=session_sel("a"))
+    getattr(hint, action).SetInParent()
+    if action == "share":
+        hint.share.destination = "peer:1"
+    r = harness.apply(hint).results[0]
+    assert (r.outcome, r.reason) == (pb.OUTCOME_REJECTED, pb.REASON_UNSUPPORTED)
+    assert harness.engine.tier_tasks == []
+
+
+def test_empty_and_oversized_batches_fail_with_error_info(make_harness):
+    harness = make_harness(max_hints_per_batch=4)
+    with pytest.raises(grpc.RpcError) as exc:
+        harness.stub.ApplyHints(pb.ApplyHintsRequest(), timeout=5)
+    assert exc.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    info = error_info(exc.value)
+    assert info is not None
+    assert (info.domain, info.reason, info.metadata["field"]) == ("kvhint.v1", "REASON_MALFORMED_REQUEST", "hints")
+
+    before = harness.bus.last_sequence
+    with pytest.raises(grpc.RpcError) as exc:
+        harness.apply(*[retain("a", 1)] * 5)
+    assert exc.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    info = error_info(exc.value)
+    assert info is not None
+    assert (info.domain, info.reason, info.metadata["field"]) == ("kvhint.v1", "REASON_TOO_MANY_HINTS", "hints")
+    assert harness.bus.last_sequence == before, "a failed batch must apply nothing"
+    assert len(harness.apply(*[retain("a", 1)] * 4).results) == 4
+
+
+HUGE_TTL = duration_pb2.Duration(seconds=2**63 - 1)  # a valid int64, far outside Duration's +-10000 years
+
+
+def test_out_of_range_ttl_never_fails_the_rpc(harness):
+    harness.engine.store([h(1)], session="a")
+    r = harness.apply(pb.Hint(hint_id="huge", selector=session_sel("a"), retain=pb.RetainAction(ttl=HUGE_TTL))).results[0]
+    assert (r.outcome, r.reason) in {
+        (pb.OUTCOME_CLIPPED, pb.REASON_TTL_CAPPED), (pb.OUTCOME_REJECTED, pb.REASON_INVALID_HINT)}
+
+
+def test_out_of_range_ttl_never_breaks_watch_streams(harness):
+    harness.engine.store([h(1)], session="a")
+    watcher = harness.stub.WatchEvents(pb.WatchEventsRequest(heartbeat_interval=duration_pb2.Duration(seconds=60)),
+                                       timeout=10)
+    harness.wait_subscribers(1)
+    try:
+        harness.apply(pb.Hint(hint_id="huge", selector=session_sel("a"), pin=pb.PinAction(ttl=HUGE_TTL)))
+    except grpc.RpcError:
+        pass  # see test_out_of_range_ttl_never_fails_the_rpc
+    harness.engine.store([h(2)], session="a")
+    try:
+        kinds = [next(watcher).WhichOneof("payload") for _ in range(2)]
+    finally:
+        watcher.cancel()
+    assert kinds == ["hint_applied", "blocks_stored"]
+
+
+def test_evicted_pinned_blocks_give_their_budget_back(harness):
+    chain = [h(i) for i in range(1, 6)]
+    harness.engine.store(chain, session="a")
+    assert harness.apply(pin("a", 60)).results[0].outcome == pb.OUTCOME_ACCEPTED  # 5 of 5
+    harness.engine.store([h(10)], session="b")
+    assert harness.apply(pin("b", 60)).results[0].reason == pb.REASON_PIN_BUDGET  # budget exhausted
+    harness.engine.remove(chain[3:])  # the engine evicts two of a's pinned blocks
+    r = harness.apply(pin("b", 60)).results[0]
+    assert r.outcome == pb.OUTCOME_ACCEPTED
+    assert residency(harness, "b")[h(10)].retention.retention_class == R.CLASS_PINNED
+
+
+# ---- residency reported by anonymous requests (no session coordinates)
+
+
+def _parent_only_then_anonymous_restore(harness) -> None:
+    """s owns a -> b -> c; b is evicted (parent-only, it connects c), then an
+    anonymous request with the same prefix recomputes b on the device."""
+    engine = harness.engine
+    engine.store([h(1), h(2), h(3)], session="s")
+    engine.remove([h(2)])
+    engine.store([h(2)], first_position=1, parent=h(1))  # no session: RequestCoords() as the vLLM adapter passes
+
+
+def test_anonymous_restore_and_eviction_does_not_expire_the_session(harness):
+    _parent_only_then_anonymous_restore(harness)
+    harness.engine.remove([h(2)])  # evicted again
+    harness.engine.remove([h(1)])
+    assert h(3) in harness.engine.device
+    assert sessions(harness) == ["s"]
+    blocks = residency(harness, "s")
+    assert list(blocks[h(3)].tiers) == [pb.TIER_DEVICE]
+
+
+def test_pin_covers_a_block_restored_by_an_anonymous_request(harness):
+    _parent_only_then_anonymous_restore(harness)
+    r = harness.apply(pin("s", 60)).results[0]
+    assert [(c.tier, c.blocks) for c in r.affected_blocks] == [(pb.TIER_DEVICE, 3)]
+    assert residency(harness, "s")[h(2)].retention.retention_class == R.CLASS_PINNED
+
+
+def test_expired_retention_is_refiled_at_the_next_step_boundary(make_harness):
+    clock = FakeClock()
+    harness = make_harness(monotonic=clock)
+    harness.engine.store([h(1), h(2)], session="a")
+    harness.apply(pin("a", 1))
+    harness.apply(retain("a", 3, priority=4))  # replaces the pin (same session)
+    harness.engine.refiled.clear()
+    harness.engine.run(lambda: clock.advance(2))
+    time.sleep(0.05)
+    assert harness.engine.refiled == [], "nothing expired yet"
+    harness.engine.run(lambda: clock.advance(2))
+    time.sleep(0.05)
+    assert sorted(harness.engine.refiled) == [h(1), h(2)]
+    assert {b.retention.retention_class for b in residency(harness, "a").values()} == {R.CLASS_ORDINARY}
+
+
+def test_expired_pins_are_refiled_even_when_a_pin_hint_expires_them(make_harness):
+    clock = FakeClock()
+    harness = make_harness(monotonic=clock)
+    engine = harness.engine
+    engine.store([h(1)], session="a")
+    engine.store([h(2)], session="b")
+    assert harness.apply(pin("a", 1)).results[0].outcome == pb.OUTCOME_ACCEPTED
+    engine.refiled.clear()
+
+    def time_passes() -> None:
+        clock.advance(5)  # a's pin ends ...
+        time.sleep(0.3)  # ... and b's Pin hint is queued behind this task, before the next expiry pass
+
+    done = harness.core.submit(time_passes)
+    time.sleep(0.05)
+    assert harness.apply(pin("b", 60)).results[0].outcome == pb.OUTCOME_ACCEPTED
+    done.result(timeout=5)
+    time.sleep(0.1)  # several step boundaries
+    assert residency(harness, "a")[h(1)].retention.retention_class == R.CLASS_ORDINARY
+    assert h(1) in engine.refiled, "the engine was never asked to re-file the block whose pin ended"

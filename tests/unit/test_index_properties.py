@@ -1,0 +1,579 @@
+"""Property tests of SessionPrefixIndex against an obviously-correct reference model.
+
+Block hashes come from a small fixed tree of token-content-derived hashes
+(depth 4, fan-out 2), so sessions share prefixes and branch. The operations
+mirror what an engine adapter reports (see engine_integration/adapter.py):
+
+* a request of session S reaching leaf L: if S already belongs to the block
+  before the new part, only the new part is recorded (with its parent);
+  otherwise the cached prefix is recorded as a prefix hit from position 0 and
+  the new part after it (both `record_chain`, the same call the adapter uses);
+* a connector copy of a known device-resident block appearing on HOST
+  (`mark_resident`);
+* the removal of a copy the index knows about, on DEVICE or HOST
+  (`mark_removed`), and of untracked blocks (anonymous traffic);
+* `clear_tier` and an explicit `forget_session`.
+
+The reference model keeps plain dicts and sets and derives everything
+(frontiers, residency, liveness) from scratch after every step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import HealthCheck, assume, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvhint_server.index import SessionPrefixIndex
+from kvhint_server.model import RequestCoords, Tier
+
+# --------------------------------------------------------------------------- tree
+
+DEPTH = 4
+FANOUT = 2
+
+
+def _paths() -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = []
+    frontier: list[tuple[int, ...]] = [()]
+    for _ in range(DEPTH):
+        frontier = [p + (i,) for p in frontier for i in range(FANOUT)]
+        out.extend(frontier)
+    return out
+
+
+def _hash(path: tuple[int, ...]) -> bytes:
+    # Content-derived: the hash of a block depends on every token before it.
+    tokens = b"".join(bytes([10 + t]) * 4 for t in path)
+    return hashlib.sha256(b"kvhint-test" + tokens).digest()[:8]
+
+
+PATHS = _paths()
+HASH = {p: _hash(p) for p in PATHS}
+PATH_OF = {h: p for p, h in HASH.items()}
+PARENT = {HASH[p]: (HASH[p[:-1]] if len(p) > 1 else None) for p in PATHS}
+POSITION = {HASH[p]: len(p) - 1 for p in PATHS}
+CHILDREN = {h: [c for c, par in PARENT.items() if par == h] for h in HASH.values()}
+LEAVES = [p for p in PATHS if len(p) == DEPTH]
+ALL_HASHES = sorted(HASH.values())
+SESSIONS = ["s0", "s1", "s2", "s3"]
+CONTINUATIONS = ["c0", "c1", "c2"]
+TIERS = [Tier.DEVICE, Tier.HOST]
+
+
+def chain_to(h: bytes) -> list[bytes]:
+    """Root-first chain ending at h."""
+    p = PATH_OF[h]
+    return [HASH[p[:i]] for i in range(1, len(p) + 1)]
+
+
+def descendants(h: bytes) -> list[bytes]:
+    out, stack = [], list(CHILDREN[h])
+    while stack:
+        c = stack.pop()
+        out.append(c)
+        stack.extend(CHILDREN[c])
+    return out
+
+
+def mask(tiers: set[Tier]) -> int:
+    m = 0
+    for t in tiers:
+        m |= t.bit
+    return m
+
+
+# --------------------------------------------------------------------------- reference model
+
+
+class RefIndex:
+    """What the index should contain, kept in the most direct way possible."""
+
+    def __init__(self) -> None:
+        self.tiers: dict[bytes, set[Tier]] = {}  # tracked node -> tiers the index was told about
+        self.members: dict[bytes, set[str]] = {}  # tracked node -> sessions
+        self.parent_session: dict[str, str | None] = {}  # live sessions
+        self.session_conts: dict[str, set[str]] = {}
+        self.conts: dict[str, bytes] = {}
+
+    # ---- derived views
+    def tracked(self, h: bytes) -> bool:
+        return h in self.tiers
+
+    def resident(self, h: bytes) -> bool:
+        return bool(self.tiers.get(h))
+
+    def blocks_of(self, s: str) -> set[bytes]:
+        return {h for h, m in self.members.items() if s in m}
+
+    def resident_blocks_of(self, s: str) -> set[bytes]:
+        return {h for h in self.blocks_of(s) if self.resident(h)}
+
+    def frontiers(self, s: str) -> set[bytes]:
+        """Last resident block of each branch: resident member blocks with no
+        resident member descendant."""
+        mine = self.resident_blocks_of(s)
+        return {h for h in mine if not any(d in mine for d in descendants(h))}
+
+    def session_tree(self, s: str, include_children: bool) -> list[str]:
+        out = [s] if s in self.parent_session else []
+        if include_children:
+            seen, stack = {s}, [s]
+            while stack:
+                cur = stack.pop()
+                for child, par in self.parent_session.items():
+                    if par == cur and child not in seen:
+                        seen.add(child)
+                        out.append(child)
+                        stack.append(child)
+        return out
+
+    def resolve_session(self, s: str, include_children: bool) -> set[bytes]:
+        out: set[bytes] = set()
+        for member in self.session_tree(s, include_children):
+            out |= self.blocks_of(member)
+        return out
+
+    def resolve_continuation(self, c: str) -> list[bytes]:
+        h = self.conts.get(c)
+        return chain_to(h) if h is not None else []
+
+    # ---- updates
+    def record(self, hashes: list[bytes], tier: Tier, coords: RequestCoords) -> None:
+        s = coords.session_id
+        if s:
+            ps = coords.parent_session_id if coords.parent_session_id and coords.parent_session_id != s else None
+            if s not in self.parent_session:
+                self.parent_session[s] = ps
+                self.session_conts[s] = set()
+            elif self.parent_session[s] is None and ps is not None:
+                self.parent_session[s] = ps
+        for h in hashes:
+            self.tiers.setdefault(h, set()).add(tier)
+            self.members.setdefault(h, set())
+            if s:
+                self.members[h].add(s)
+        if s and coords.continuation_id:
+            self.session_conts[s].add(coords.continuation_id)
+        if coords.continuation_id:
+            self.conts[coords.continuation_id] = hashes[-1]
+        self._settle()
+
+    def mark_resident(self, h: bytes, tier: Tier) -> bool:
+        if h not in self.tiers:
+            return False
+        self.tiers[h].add(tier)
+        return True
+
+    def mark_removed(self, h: bytes, tier: Tier) -> tuple[bool, set[str]] | None:
+        if h not in self.tiers:
+            return None
+        self.tiers[h].discard(tier)
+        members = set(self.members[h])
+        last = not self.tiers[h]
+        self._settle()
+        return last, members
+
+    def clear_tier(self, tier: Tier) -> None:
+        for tiers in self.tiers.values():
+            tiers.discard(tier)
+        self._settle()
+
+    def forget(self, s: str) -> bool:
+        if s not in self.parent_session:
+            return False
+        self._forget(s)
+        self._prune()
+        return True
+
+    def _forget(self, s: str) -> None:
+        del self.parent_session[s]
+        conts = self.session_conts.pop(s)
+        for m in self.members.values():
+            m.discard(s)
+        for c in conts:
+            if not any(c in other for other in self.session_conts.values()):
+                self.conts.pop(c, None)
+
+    def _settle(self) -> None:
+        # Sessions expire with their last resident block.
+        for s in list(self.parent_session):
+            if not self.resident_blocks_of(s):
+                self._forget(s)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drop nodes that are neither resident and held (by a session or a
+        continuation pointing at them) nor connect tracked descendants
+        (deepest first); continuations retreat."""
+        changed = True
+        while changed:
+            changed = False
+            for h in sorted(self.tiers, key=lambda x: -POSITION[x]):
+                has_child = any(c in self.tiers for c in CHILDREN[h])
+                held = self.members[h] or h in self.conts.values()
+                if has_child or (self.tiers[h] and held):
+                    continue
+                del self.tiers[h]
+                del self.members[h]
+                for c, at in list(self.conts.items()):
+                    if at == h:
+                        if PARENT[h] is not None and PARENT[h] in self.tiers:
+                            self.conts[c] = PARENT[h]
+                        else:
+                            del self.conts[c]
+                changed = True
+
+
+# --------------------------------------------------------------------------- state machine
+
+
+class IndexMachine(RuleBasedStateMachine):
+    # STRICT_FRONTIERS checks the documented frontier contract exactly
+    # (frontiers == the last resident block of each branch of the session).
+    STRICT_FRONTIERS = True
+    # Other sessions may re-store (revive) a parent-only block of a session.
+    REVIVE_VIA_OTHERS = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = SessionPrefixIndex()
+        self.ref = RefIndex()
+        self.now = 0.0
+
+    def _coords(self, s: str, cont: str | None, parent_session: str | None) -> RequestCoords:
+        return RequestCoords(session_id=s, continuation_id=cont, parent_session_id=parent_session)
+
+    def _record(self, hashes: list[bytes], first: int, parent: bytes | None, coords: RequestCoords) -> None:
+        if not hashes:
+            return
+        self.now += 1.0
+        self.index.record_chain(hashes, first, parent, Tier.DEVICE, coords, self.now)
+        self.ref.record(hashes, Tier.DEVICE, coords)
+
+    # ---- rules
+
+    @rule(
+        s=st.sampled_from(SESSIONS),
+        leaf=st.sampled_from(LEAVES),
+        depth=st.integers(1, DEPTH),
+        anonymous_hits=st.integers(0, DEPTH),
+        cont=st.none() | st.sampled_from(CONTINUATIONS),
+        parent_session=st.none() | st.sampled_from(SESSIONS),
+    )
+    def request(self, s, leaf, depth, anonymous_hits, cont, parent_session):
+        """A request of `s` whose prompt ends at leaf[:depth]. The engine's
+        prefix cache hits the longest device-resident prefix (tracked blocks
+        on DEVICE, then up to `anonymous_hits` untracked blocks that anonymous
+        traffic cached); the rest is stored."""
+        path = [HASH[leaf[:i]] for i in range(1, depth + 1)]
+        j = 0
+        while j < len(path) and self.ref.tracked(path[j]) and Tier.DEVICE in self.ref.tiers[path[j]]:
+            j += 1
+        while j < len(path) and anonymous_hits > 0 and not self.ref.tracked(path[j]):
+            j += 1
+            anonymous_hits -= 1
+        if not self.REVIVE_VIA_OTHERS:
+            # Only the session's own requests may re-store one of its parent-only blocks.
+            assume(not any(self.ref.tracked(h) and self.ref.members[h] - {s} for h in path[j:]))
+        coords = self._coords(s, cont, parent_session)
+        if j > 0 and self.ref.tracked(path[j - 1]) and s in self.ref.members[path[j - 1]]:
+            # The adapter records no hit when the session already owns the prefix.
+            self._record(path[j:], j, path[j - 1], coords)
+        else:
+            self._record(path[:j], 0, None, coords)
+            self._record(path[j:], j, path[j - 1] if j else None, coords)
+
+    @rule(p=st.sampled_from(PATHS))
+    def connector_store_host(self, p):
+        """A HOST copy of a device-resident block appears (connector offload)."""
+        h = HASH[p]
+        assume(self.ref.tracked(h) and Tier.DEVICE in self.ref.tiers[h])
+        assert self.index.mark_resident(h, Tier.HOST) is True
+        self.ref.mark_resident(h, Tier.HOST)
+
+    @rule(p=st.sampled_from(PATHS))
+    def connector_store_untracked(self, p):
+        """Connector stores of blocks the index does not track are ignored."""
+        h = HASH[p]
+        assume(not self.ref.tracked(h))
+        assert self.index.mark_resident(h, Tier.HOST) is False
+        assert self.index.node(h) is None
+
+    @rule(p=st.sampled_from(PATHS), tier=st.sampled_from(TIERS))
+    def remove_copy(self, p, tier):
+        h = HASH[p]
+        assume(not self.ref.tracked(h) or tier in self.ref.tiers[h])
+        before_members = set(self.ref.members.get(h, ()))
+        removal = self.index.mark_removed(h, tier)
+        expected = self.ref.mark_removed(h, tier)
+        if expected is None:
+            assert removal is None
+            return
+        assert removal is not None
+        last, members = expected
+        assert removal.block_hash == h
+        assert removal.position == POSITION[h]
+        assert removal.last_copy is last
+        assert set(removal.sessions) == before_members == members
+
+    @rule(tier=st.sampled_from(TIERS))
+    def clear_tier(self, tier):
+        self.index.clear_tier(tier)
+        self.ref.clear_tier(tier)
+
+    @rule(s=st.sampled_from(SESSIONS))
+    def forget_session(self, s):
+        assert self.index.forget_session(s) is self.ref.forget(s)
+
+    # ---- invariants
+
+    @invariant()
+    def nodes_match(self):
+        idx, ref = self.index, self.ref
+        assert set(idx.nodes) == set(ref.tiers), "tracked blocks differ"
+        for h, node in idx.nodes.items():
+            assert node.position == POSITION[h]
+            assert node.parent == PARENT[h]
+            assert node.tiers == mask(ref.tiers[h]), f"tiers of {PATH_OF[h]}"
+            assert node.sessions == ref.members[h], f"sessions of {PATH_OF[h]}"
+
+    @invariant()
+    def no_node_leaks(self):
+        """Every node is resident with a session, or connects tracked descendants."""
+        idx = self.index
+        for h, node in idx.nodes.items():
+            has_child = any(c in idx.nodes for c in CHILDREN[h])
+            held = node.sessions or h in idx.continuations.values()
+            assert (node.tiers and held) or has_child, f"leaked node {PATH_OF[h]}"
+            assert node.children == sum(1 for c in CHILDREN[h] if c in idx.nodes), "child count drift"
+
+    @invariant()
+    def sessions_match(self):
+        idx, ref = self.index, self.ref
+        live = {s for s, _ in idx.iter_sessions()}
+        assert live == set(ref.parent_session), "live sessions differ (sessions expire with their last resident block)"
+        for s, state in idx.iter_sessions():
+            assert state.parent == ref.parent_session[s]
+            assert state.blocks == ref.blocks_of(s)
+            assert state.resident == len(ref.resident_blocks_of(s)), f"resident count of {s}"
+            assert state.continuations == ref.session_conts[s]
+
+    @invariant()
+    def resolve_session_is_chain_ordered_membership(self):
+        idx, ref = self.index, self.ref
+        for s in SESSIONS:
+            for inc in (False, True):
+                got = idx.resolve_session(s, inc)
+                assert len(got) == len(set(got))
+                assert set(got) == ref.resolve_session(s, inc)
+                positions = [POSITION[h] for h in got]
+                assert positions == sorted(positions), "not in chain order"
+                # Every resident block of the session (tree) is selected.
+                for member in ref.session_tree(s, inc):
+                    assert ref.resident_blocks_of(member) <= set(got)
+            assert sorted(idx.session_tree(s, True)) == sorted(ref.session_tree(s, True))
+
+    @invariant()
+    def frontiers_are_resident_branch_ends(self):
+        idx, ref = self.index, self.ref
+        for s, _state in idx.iter_sessions():
+            mine = ref.resident_blocks_of(s)
+            frontiers = idx.frontiers(s)
+            # Soundness: a frontier is a resident block of the session.
+            assert frontiers <= mine, f"non-resident or foreign frontier for {s}"
+            # Every resident block of the session lies on a chain ending at a frontier.
+            covered = set()
+            for f in frontiers:
+                covered |= set(chain_to(f))
+            if not self.REVIVE_VIA_OTHERS:
+                assert mine <= covered, f"resident blocks of {s} on no frontier chain"
+            if self.STRICT_FRONTIERS:
+                assert frontiers == ref.frontiers(s), f"frontiers of {s}"
+
+    @invariant()
+    def continuations_resolve_to_root_chains(self):
+        idx, ref = self.index, self.ref
+        for c in CONTINUATIONS:
+            got = idx.resolve_continuation(c)
+            assert got == ref.resolve_continuation(c), f"continuation {c}"
+            for a, b in zip(got, got[1:]):
+                assert PARENT[b] == a
+
+    @invariant()
+    def tier_counts_match(self):
+        counts = self.index.tier_counts(ALL_HASHES)
+        want: dict[Tier, int] = {}
+        for tiers in self.ref.tiers.values():
+            for t in tiers:
+                want[t] = want.get(t, 0) + 1
+        assert counts == want
+
+
+SETTINGS = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+)
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = SETTINGS
+
+
+# Without other sessions reviving a parent-only block, every resident block of a
+# session also lies on the chain of one of its frontiers (checked in
+# frontiers_are_resident_branch_ends).
+IndexMachineNoRevival = type("IndexMachineNoRevival", (IndexMachine,), {"REVIVE_VIA_OTHERS": False})
+TestIndexMachineNoRevival = IndexMachineNoRevival.TestCase
+TestIndexMachineNoRevival.settings = settings(SETTINGS, max_examples=100)
+
+
+# --------------------------------------------------------------------------- deterministic cases
+
+A, B, C, D = HASH[(0,)], HASH[(0, 0)], HASH[(0, 0, 0)], HASH[(0, 0, 0, 0)]
+C2 = HASH[(0, 0, 1)]  # sibling of C (a second branch after B)
+
+
+def _sess(s: str, cont: str | None = None, parent: str | None = None) -> RequestCoords:
+    return RequestCoords(session_id=s, continuation_id=cont, parent_session_id=parent)
+
+
+def _frontiers(index: SessionPrefixIndex, s: str) -> set[bytes]:
+    return index.frontiers(s)
+
+
+def test_g1_removal_keeps_extent_while_a_host_copy_remains():
+    """DESIGN §3: a G1 removal keeps the extent while a G2 copy remains."""
+    index = SessionPrefixIndex()
+    index.record_chain([A, B], 0, None, Tier.DEVICE, _sess("s"), 1.0)
+    assert index.mark_resident(B, Tier.HOST)
+    removal = index.mark_removed(B, Tier.DEVICE)
+    assert removal is not None and removal.last_copy is False and removal.sessions == ("s",)
+    assert index.resolve_session("s") == [A, B]
+    assert _frontiers(index, "s") == {B}
+    assert index.tier_counts([A, B]) == {Tier.DEVICE: 1, Tier.HOST: 1}
+    # Even with the whole device tier gone the session lives on through HOST.
+    index.mark_removed(A, Tier.DEVICE)
+    assert "s" in dict(index.iter_sessions())
+    assert index.resolve_session("s") == [A, B]
+    assert index.node(A) is not None and index.node(A).tiers == 0  # parent-only, connects B
+    # The last copy goes: the session expires and nothing is left behind.
+    removal = index.mark_removed(B, Tier.HOST)
+    assert removal is not None and removal.last_copy is True
+    assert dict(index.iter_sessions()) == {}
+    assert index.nodes == {}
+
+
+def test_frontier_retreats_to_nearest_resident_ancestor_and_session_expires():
+    index = SessionPrefixIndex()
+    index.record_chain([A, B, C], 0, None, Tier.DEVICE, _sess("s", cont="k"), 1.0)
+    assert _frontiers(index, "s") == {C}
+    index.mark_removed(C, Tier.DEVICE)
+    assert _frontiers(index, "s") == {B}
+    assert index.resolve_continuation("k") == [A, B]  # the continuation retreats with its block
+    index.mark_removed(A, Tier.DEVICE)  # parent-only: still connects B
+    assert index.node(A) is not None and index.resolve_session("s") == [A, B]
+    index.mark_removed(B, Tier.DEVICE)
+    assert dict(index.iter_sessions()) == {}
+    assert index.nodes == {} and index.resolve_continuation("k") == []
+
+
+def test_include_children_follows_parent_session_transitively():
+    index = SessionPrefixIndex()
+    index.record_chain([A], 0, None, Tier.DEVICE, _sess("root"), 1.0)
+    index.record_chain([A, B], 0, None, Tier.DEVICE, _sess("child", parent="root"), 2.0)
+    index.record_chain([A, B, C2], 0, None, Tier.DEVICE, _sess("grandchild", parent="child"), 3.0)
+    assert index.resolve_session("root") == [A]
+    assert index.resolve_session("root", include_children=True) == [A, B, C2]
+    assert index.resolve_session("child", include_children=True) == [A, B, C2]
+    assert index.resolve_session("grandchild", include_children=True) == [A, B, C2]
+    # A parent that expired does not hide its children.
+    index.forget_session("root")
+    assert index.resolve_session("root", include_children=True) == [A, B, C2]
+    index.forget_session("child")
+    assert index.resolve_session("child", include_children=False) == []
+
+
+def test_continuation_without_session_retreats_like_a_session_continuation():
+    index = SessionPrefixIndex()
+    index.record_chain([A, B], 0, None, Tier.DEVICE, RequestCoords(continuation_id="k"), 1.0)
+    assert index.resolve_continuation("k") == [A, B]
+    assert dict(index.iter_sessions()) == {}
+    index.mark_removed(B, Tier.DEVICE)
+    assert index.resolve_continuation("k") == [A]
+    index.mark_removed(A, Tier.DEVICE)
+    assert index.resolve_continuation("k") == [] and index.nodes == {}
+
+
+def test_requests_without_coordinates_leave_no_trace():
+    index = SessionPrefixIndex()
+    index.record_chain([A, B], 0, None, Tier.DEVICE, RequestCoords(), 1.0)
+    assert index.nodes == {} and dict(index.iter_sessions()) == {}
+    assert index.mark_removed(A, Tier.DEVICE) is None
+    assert index.mark_resident(A, Tier.HOST) is False
+
+
+# ---- SessionInfo.frontier_hashes is "the last block of each branch": cases
+# where an incrementally maintained frontier set would report an inner block.
+
+
+def test_restoring_an_inner_block_does_not_make_it_a_frontier():
+    index = SessionPrefixIndex()
+    index.record_chain([A, B, C], 0, None, Tier.DEVICE, _sess("s"), 1.0)
+    index.mark_removed(B, Tier.DEVICE)  # B parent-only; C still resident
+    index.record_chain([B], 1, A, Tier.DEVICE, _sess("s"), 2.0)  # a request of s recomputes B
+    assert _frontiers(index, "s") == {C}
+
+
+def test_prefix_hit_on_own_chain_does_not_add_a_frontier():
+    index = SessionPrefixIndex()
+    index.record_chain([A, B, C], 0, None, Tier.DEVICE, _sess("s"), 1.0)
+    index.record_chain([A, B], 0, None, Tier.DEVICE, _sess("s"), 2.0)  # documented: hits use record_chain
+    assert _frontiers(index, "s") == {C}
+
+
+def test_frontier_retreat_does_not_duplicate_a_live_branch():
+    index = SessionPrefixIndex()
+    index.record_chain([A, B, C], 0, None, Tier.DEVICE, _sess("s"), 1.0)
+    index.record_chain([C2], 2, B, Tier.DEVICE, _sess("s"), 2.0)
+    assert _frontiers(index, "s") == {C, C2}
+    index.mark_removed(C, Tier.DEVICE)
+    # One branch is left, a -> b -> c2: B is not the last block of any branch.
+    assert _frontiers(index, "s") == {C2}
+
+
+@pytest.mark.parametrize("revive", ["other_session_store", "host_copy"])
+def test_revived_parent_only_block_becomes_a_frontier_again(revive):
+    index = SessionPrefixIndex()
+    index.record_chain([A, B, C], 0, None, Tier.DEVICE, _sess("s"), 1.0)
+    index.record_chain([A, B, C, D], 0, None, Tier.DEVICE, _sess("t"), 2.0)
+    index.mark_removed(C, Tier.DEVICE)  # C parent-only (connects t's D); s's frontier retreats to B
+    assert _frontiers(index, "s") == {B}
+    if revive == "other_session_store":
+        index.record_chain([C], 2, B, Tier.DEVICE, _sess("t"), 3.0)
+    else:
+        index.mark_resident(C, Tier.HOST)
+    assert C in index.resolve_session("s") and index.node(C).tiers
+    # s's last resident block on its only branch is C again.
+    assert _frontiers(index, "s") == {C}
+
+
+def test_removal_of_unknown_copy_does_not_expire_a_live_session():
+    index = SessionPrefixIndex()
+    # Anonymous traffic cached A, B; the connector offloaded B to HOST while the
+    # index did not track it (mark_resident returns False and records nothing).
+    assert index.mark_resident(B, Tier.HOST) is False
+    # A request of s hits A, B and stores C: the index learns the DEVICE copies only.
+    index.record_chain([A, B], 0, None, Tier.DEVICE, _sess("s"), 1.0)
+    index.record_chain([C], 2, B, Tier.DEVICE, _sess("s"), 1.0)
+    index.mark_removed(B, Tier.DEVICE)  # B parent-only (connects C)
+    index.mark_removed(B, Tier.HOST)  # the engine reports the HOST copy's eviction
+    index.mark_removed(A, Tier.DEVICE)
+    # C is still resident on the device and belongs to s.
+    assert index.node(C) is not None and index.node(C).tiers == Tier.DEVICE.bit
+    assert "s" in dict(index.iter_sessions())
+    assert C in index.resolve_session("s")
