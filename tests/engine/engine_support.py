@@ -55,9 +55,19 @@ class Engine:
         return list(self.stub.ApplyHints(pb.ApplyHintsRequest(hints=list(hints)), timeout=10).results)
 
     def reset_cache(self) -> None:
-        req = urllib.request.Request(self.http + "/reset_prefix_cache", data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            assert resp.status == 200
+        """Empty the prefix cache (retrying while a just-finished request still
+        holds blocks)."""
+        import json
+        import time
+
+        for _ in range(50):
+            req = urllib.request.Request(self.http + "/reset_prefix_cache", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                body = resp.read()
+            if not body or json.loads(body).get("success", True):
+                return
+            time.sleep(0.1)
+        raise AssertionError("reset_prefix_cache kept failing")
 
     def close(self) -> None:
         self.channel.close()

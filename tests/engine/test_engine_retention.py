@@ -94,10 +94,10 @@ def test_evict_skips_blocks_of_a_running_request(clean: Engine) -> None:
     import time
 
     prompt = tokens("running", 256)
-    reference = clean.complete(prompt, max_tokens=400).token_ids
+    reference = clean.complete(prompt, max_tokens=400, extra_body={"ignore_eos": True}).token_ids
     clean.reset_cache()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(clean.complete, prompt, "running", max_tokens=400)
+        running = pool.submit(clean.complete, prompt, "running", max_tokens=400, extra_body={"ignore_eos": True})
         outcomes = []
         while not running.done():
             (result,) = clean.apply(evict("running"))
@@ -109,6 +109,7 @@ def test_evict_skips_blocks_of_a_running_request(clean: Engine) -> None:
             time.sleep(0.01)
         output = running.result()
     assert pb.OUTCOME_CLIPPED in outcomes, f"never saw the request running: {outcomes}"
+    assert len(output.token_ids) == 400
     assert output.token_ids == reference  # the running request was not disturbed
 
 

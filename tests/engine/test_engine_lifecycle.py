@@ -1,0 +1,151 @@
+"""Engine restart, resume and backpressure on a real engine with a small event
+ring (replay window 600, subscriber buffer 64), and a router-side
+EventFollower that lives through the restart."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from engine_support import Engine, start_engine, tokens
+from events_support import Collector, latest_sequence
+
+from engine_integration.served import EngineSpec, ServedEngine
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_client.follower import EventFollower
+
+SMALL_RING = {"KVHINT_EVENT_REPLAY_WINDOW": "600", "KVHINT_SUBSCRIBER_BUFFER": "64"}
+
+
+@pytest.fixture(scope="module")
+def small(tiny_model: str) -> Iterator[Engine]:
+    eng = start_engine(tiny_model, env=SMALL_RING)
+    try:
+        yield eng
+    finally:
+        eng.close()
+        eng.served.stop()
+
+
+def latency_ms(engine: Engine, tag: str, n: int) -> list[float]:
+    out = []
+    for i in range(n):
+        t = time.perf_counter()
+        engine.complete(tokens(f"{tag}-{i}", 96), max_tokens=1)
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def big_hint_burst(engine: Engine, n: int) -> None:
+    """n ApplyHints whose HintApplied events are ~40 KB each (4096-hash selectors)."""
+    hashes = [i.to_bytes(8, "big") for i in range(4096)]
+    for i in range(n):
+        engine.apply(pb.Hint(hint_id=f"burst-{time.monotonic_ns()}-{i}", selector=pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=hashes)), evict=pb.EvictAction()))
+
+
+def test_stalled_subscriber_gets_resync_and_does_not_slow_the_engine(small: Engine) -> None:
+    quiet = latency_ms(small, "quiet-1", 40)
+    # A subscriber that never reads: ~12 MB of events fill every gRPC buffer
+    # and HTTP/2 window, its send blocks, and it falls more than 64 events behind.
+    channel = grpc.insecure_channel(small.grpc_address)
+    stalled = pb_stub(channel).WatchEvents(pb.WatchEventsRequest(start=pb.WatchEventsRequest.START_NOW), timeout=90)
+    time.sleep(0.3)
+    big_hint_burst(small, 300)
+    time.sleep(1.0)  # past the stall threshold (0.5 s)
+    big_hint_burst(small, 5)
+    loaded = latency_ms(small, "stalled", 40)
+    quiet += latency_ms(small, "quiet-2", 40)
+    q, l_ = statistics.median(quiet), statistics.median(loaded)
+    assert l_ < 1.3 * q + 2.0, f"median request latency {l_:.1f} ms with a stalled subscriber vs {q:.1f} ms without"
+
+    messages = []
+    try:
+        for m in stalled:  # it reads again: what gRPC had buffered, then the verdict, then the end
+            messages.append(m)
+    except grpc.RpcError as err:
+        pytest.fail(f"stream failed after {len(messages)} messages instead of ending with a resync: {err.code()}")
+    finally:
+        channel.close()
+    final = messages[-1]
+    assert final.HasField("resync"), final
+    assert final.resync.cause == pb.Resync.CAUSE_SUBSCRIBER_OVERFLOW
+    seqs = [m.sequence for m in messages[:-1] if not m.HasField("heartbeat")]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gap before the cut
+    assert len(seqs) < 305  # it was cut off, not fed everything
+
+
+def pb_stub(channel: grpc.Channel):  # type: ignore[no-untyped-def]
+    from kvhint.v1 import kvhint_pb2_grpc
+
+    return kvhint_pb2_grpc.KvHintServiceStub(channel)
+
+
+def test_resume_outside_the_replay_window_gets_compacted_resync(small: Engine) -> None:
+    epoch = small.stub.GetCapabilities(pb.GetCapabilitiesRequest()).epoch
+    start = latest_sequence(small.stub)
+    while latest_sequence(small.stub) < start + 700:  # more than the 600-event window
+        small.complete(tokens(f"compact-{time.monotonic()}", 96))
+    watch = Collector(
+        small.grpc_address,
+        pb.WatchEventsRequest(start=pb.WatchEventsRequest.START_RESUME, resume_epoch=epoch, resume_after_sequence=start),
+    )
+    assert watch.ended.wait(10)
+    (msg,) = watch.messages
+    assert msg.resync.cause == pb.Resync.CAUSE_COMPACTED
+    assert msg.resync.oldest_sequence > start + 1
+    assert msg.resync.oldest_sequence == latest_sequence(small.stub) - 600  # the probe itself adds one
+
+
+def test_restart_gives_a_new_epoch_resync_and_the_follower_recovers(small: Engine, tiny_model: str) -> None:
+    served = small.served
+    follower = EventFollower({"e1": small.grpc_address}, heartbeat=0.2).start()
+
+    def holders(session: str) -> list[str]:
+        return [r.engine for r in follower.index.engines_for_session(session)]
+
+    try:
+        assert follower.wait_synced(timeout=30)
+        small.complete(tokens("before-restart"), "before-restart")
+        deadline = time.monotonic() + 10
+        while holders("before-restart") != ["e1"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert holders("before-restart") == ["e1"]
+        old_epoch = small.stub.GetCapabilities(pb.GetCapabilitiesRequest()).epoch
+        old_seq = latest_sequence(small.stub)
+
+        assert served.stop(), "the engine (and its sidecar) did not shut down cleanly"
+        restarted = ServedEngine(
+            EngineSpec(
+                model=tiny_model,
+                http_port=served.http_port,
+                grpc_port=served.grpc_port,
+                env={"VLLM_SERVER_DEV_MODE": "1", **SMALL_RING},
+            )
+        ).start()
+        small.served = restarted
+        new_epoch = small.stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30, wait_for_ready=True).epoch
+        assert new_epoch != old_epoch
+
+        watch = Collector(
+            small.grpc_address,
+            pb.WatchEventsRequest(start=pb.WatchEventsRequest.START_RESUME, resume_epoch=old_epoch, resume_after_sequence=old_seq),
+        )
+        assert watch.ended.wait(10)
+        (msg,) = watch.messages
+        assert msg.resync.cause == pb.Resync.CAUSE_EPOCH_CHANGED and msg.resync.current_epoch == new_epoch
+
+        # The follower noticed by itself: old residency gone, new residency tracked.
+        small.complete(tokens("after-restart"), "after-restart")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if holders("after-restart") == ["e1"]:
+                break
+            time.sleep(0.1)
+        assert holders("after-restart") == ["e1"]
+        assert holders("before-restart") == []
+        assert follower.position("e1")[0] == new_epoch  # type: ignore[index]
+    finally:
+        follower.stop()
