@@ -121,8 +121,8 @@ class Event:
     # For filtering: sessions the event concerns, and its tier (None: no tier).
     sessions: tuple[str, ...]
     tier: Tier | None
-    # Wire form, built once on first delivery (gRPC thread only).
-    wire: Any = field(default=None, compare=False)
+    # Serialized wire form, built once on first delivery (gRPC thread only).
+    wire: bytes | None = field(default=None, compare=False)
 
 
 class EventBus:

@@ -148,7 +148,7 @@ class KvHintServicer:
             raise not_found(f"no operation {request.operation_id!r}", "operation_id")
         return pb.GetOperationResponse(operation=wire.operation(op))
 
-    async def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchEventsResponse]:
+    async def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchEventsResponse | bytes]:
         if request.start == pb.WatchEventsRequest.START_RESUME and not request.resume_epoch:
             raise invalid_argument("START_RESUME needs resume_epoch", "resume_epoch")
         if request.start not in pb.WatchEventsRequest.Start.values():
@@ -206,6 +206,7 @@ def generic_handler(servicer: KvHintServicer) -> grpc.GenericRpcHandler:
     handlers["WatchEvents"] = grpc.unary_stream_rpc_method_handler(
         _stream(servicer.WatchEvents, pb.WatchEventsRequest),
         request_deserializer=None,
-        response_serializer=lambda m: m.SerializeToString(),
+        # Events arrive pre-serialized (shared by all subscribers).
+        response_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
     )
     return grpc.method_handlers_generic_handler(SERVICE, handlers)

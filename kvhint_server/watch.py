@@ -128,7 +128,9 @@ class WatchHub:
     def _control(self, sequence: int, **payload: object) -> pb.WatchEventsResponse:
         return pb.WatchEventsResponse(epoch=self._bus.epoch, sequence=sequence, **payload)  # type: ignore[arg-type]
 
-    async def stream(self, request: pb.WatchEventsRequest) -> AsyncIterator[pb.WatchEventsResponse]:
+    async def stream(self, request: pb.WatchEventsRequest) -> AsyncIterator[pb.WatchEventsResponse | bytes]:
+        """Messages for one subscription: control messages, and events already
+        serialized (shared by all subscribers)."""
         bus = self._bus
         flt = EventFilter.from_wire(request.filter)
         heartbeat = self._config.heartbeat_interval_s
@@ -195,7 +197,7 @@ class WatchHub:
                         sub.cursor = ev.sequence
                         if flt.matches(ev):
                             sub.sending_since = loop.time()
-                            yield wire.event(ev, bus.epoch)
+                            yield wire.event_bytes(ev, bus.epoch)
                             sub.sending_since = None
                             last_sent = loop.time()
                             if sub.overflowed:

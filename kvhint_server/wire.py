@@ -159,8 +159,9 @@ def _coordinates(c: Coordinates) -> pb.SessionCoordinates:
     return pb.SessionCoordinates(session_id=c.session_id, continuation_id=c.continuation_id, member_session_ids=list(c.members))
 
 
-def event(ev: Event, epoch: str) -> pb.WatchEventsResponse:
-    """The wire form of an event (cached on the event)."""
+def event_bytes(ev: Event, epoch: str) -> bytes:
+    """The serialized WatchEventsResponse of an event, built once and shared
+    by every subscriber (cached on the event)."""
     if ev.wire is not None:
         return ev.wire
     msg = pb.WatchEventsResponse(epoch=epoch, sequence=ev.sequence)
@@ -214,5 +215,5 @@ def event(ev: Event, epoch: str) -> pb.WatchEventsResponse:
         msg.operation_completed.CopyFrom(pb.OperationCompleted(operation=operation(p.operation)))
     elif isinstance(p, AllBlocksCleared):
         msg.all_blocks_cleared.CopyFrom(pb.AllBlocksCleared(tier=int(p.tier)))
-    ev.wire = msg
-    return msg
+    ev.wire = msg.SerializeToString()
+    return ev.wire
