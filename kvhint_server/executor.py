@@ -145,13 +145,16 @@ class HintExecutor:
             hashes = hashes[-spec.max_blocks :] if spec.action in _FROM_END else hashes[: spec.max_blocks]
         return hashes
 
+    def _selected_on_device(self, spec: HintSpec, clips: list[Clip]) -> list[bytes]:
+        """The selector's device-resident blocks, capped by max_blocks."""
+        return self._cap(spec, self._resident(spec), clips)
+
     def _retain_or_pin(self, spec: HintSpec) -> HintResult:
         core = self.core
-        hashes = self._resident(spec)
+        clips: list[Clip] = []
+        hashes = self._selected_on_device(spec, clips)
         if not hashes:
             return HintResult.missing(spec.hint_id)
-        clips: list[Clip] = []
-        hashes = self._cap(spec, hashes, clips)
         assert spec.ttl_s is not None and spec.requested_ttl_s is not None
         if spec.requested_ttl_s > spec.ttl_s:
             clips.append(
@@ -226,11 +229,10 @@ class HintExecutor:
 
     def _evict(self, spec: HintSpec) -> HintResult:
         core = self.core
-        hashes = self._resident(spec)
+        clips: list[Clip] = []
+        hashes = self._selected_on_device(spec, clips)
         if not hashes:
             return HintResult.missing(spec.hint_id)
-        clips: list[Clip] = []
-        hashes = self._cap(spec, hashes, clips)
         owner = spec.selector.owner
         now = core.monotonic()
         protected = [h for h in hashes if core.ledger.pinned_by_other(h, owner, now)]
