@@ -8,18 +8,22 @@
 * `Report`: collects runs, writes ``results.json``, ``results.md``,
   ``requests.jsonl`` and ``plot.png``.
 
-``python -m bench.agentic_report DIR [DIR ...]`` prints one combined markdown
-table from several result directories (used for bench/results/README.md).
+``python -m bench.agentic_report combine DIR [DIR ...]`` prints one combined
+markdown table from several result directories (used for bench/results/README.md);
+``python -m bench.agentic_report rebuild DIR`` recomputes a result directory's
+offline references and rewrites its outputs from the recorded data.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +137,7 @@ class OfflineRefs:
     sequential_sims: dict[str, dict[str, Any]]  # bench.simulate.analyze on the trace order, same outputs
     concurrent_validation: dict[str, Any]
     num_gpu_blocks: int
+    recomputed_per_request: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def compute(cls, trace: Trace, run_a: Any, *, pin_budget_fraction: float = 0.5) -> OfflineRefs:
@@ -162,7 +167,11 @@ class OfflineRefs:
         val["atomic_in_admission_order"] = {k: v for k, v in compare(engine, atomic, ids).items() if k != "first_mismatches"}
         seq = analyze(bt, pin_budget_fraction=pin_budget_fraction)
         sims = {name: _sim_summary(r) for name, r in seq.results.items()}
-        return cls(results, sims, val, bt.num_gpu_blocks)
+        per_req = {
+            name: [q.num_prompt_tokens - c for q, c in zip(rec.requests, r.cached_tokens)]
+            for name, r in (("belady", belady), ("infinite", infinite), ("lru-sim", lru_atomic))
+        }
+        return cls(results, sims, val, bt.num_gpu_blocks, per_req)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -185,7 +194,49 @@ def _sim_summary(r: Any) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- TTFT model
+
+
+def ttft_model(calibration: dict[str, Any]) -> Any:
+    """Modelled TTFT (ms) of a request that recomputes `r` prompt tokens, from the
+    idle-engine calibration: the median hit TTFT plus the prefill time of `r`
+    tokens, interpolated between the calibrated lengths (linear beyond). No
+    queueing and no attention over the cached prefix: an idle-engine estimate,
+    immune to CPU contention, used to compare runs and the offline references."""
+    rows = (calibration or {}).get("rows") or []
+    if not rows:
+        return None
+    hit = statistics.median(r["hit_ttft_ms"] for r in rows)
+    pts = [(0.0, 0.0)] + sorted((float(r["prompt_tokens"]), max(0.0, r["miss_ttft_ms"] - hit)) for r in rows)
+
+    def f(x: float) -> float:
+        if x <= 0:
+            return hit
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x <= x1:
+                return hit + y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        return hit + y1 + (y1 - y0) / (x1 - x0) * (x - x1)
+
+    return f
+
+
 # --------------------------------------------------------------------------- report
+
+
+def code_version() -> dict[str, Any]:
+    """The repository commit and the files modified in the working tree (the
+    engine integration under test may be uncommitted work)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--", "kvhint_server", "engine_integration", "bench",
+                                 "kvhint_client"], cwd=root, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": commit, "modified": [ln[3:] for ln in status.splitlines() if ln.strip()]}
 
 
 def _mean(vals: Sequence[float]) -> float:
@@ -201,6 +252,7 @@ class Report:
     model: str
     command: str
     time_scale: float = 1.0
+    nice: int = 0
     engine_start_s: list[float] = field(default_factory=list)
     capabilities: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
@@ -208,6 +260,7 @@ class Report:
     runs: dict[str, list[Any]] = field(default_factory=dict)
     offline: OfflineRefs | None = None
     runtime_s: float = 0.0
+    code_version: dict[str, Any] = field(default_factory=lambda: code_version())
 
     # -- collection
     def set_sequential_validation(self, run: Any) -> None:
@@ -231,7 +284,8 @@ class Report:
     # -- metrics
     def run_metrics(self, name: str) -> dict[str, Any]:
         """Metrics of a run, averaged over repeats (numeric fields)."""
-        ms = [r.metrics() for r in self.runs[name]]
+        ms = [{**r.metrics(), "modelled_ttft_mean_ms": self.modelled_ttft(
+            [x.prompt_tokens - x.cached_tokens for x in r.records if x.error is None])} for r in self.runs[name]]
         if len(ms) == 1:
             return ms[0]
         out = dict(ms[0])
@@ -241,6 +295,16 @@ class Report:
         out["repeats"] = len(ms)
         out["ttft_mean_ms_each"] = [round(m["ttft_mean_ms"], 1) for m in ms]
         return out
+
+    def modelled_ttft(self, recomputed: Sequence[int]) -> float:
+        f = ttft_model(self.calibration)
+        if f is None or not recomputed:
+            return math.nan
+        return statistics.fmean(f(r) for r in recomputed)
+
+    def run_modelled_ttft(self, name: str) -> float:
+        return _mean([self.modelled_ttft([r.prompt_tokens - r.cached_tokens for r in run.records if r.error is None])
+                      for run in self.runs[name]])
 
     def goals(self) -> dict[str, Any]:
         g: dict[str, Any] = {}
@@ -264,10 +328,17 @@ class Report:
                 "recomputed_vs_infinite": m["recomputed_tokens"] / infinite if infinite else math.nan,
             }
             entry["ttft_met"] = bool(entry["ttft_mean_vs_lru"] <= GOAL_TTFT)
+            lru_mod = self.run_modelled_ttft("lru")
+            entry["modelled_ttft_vs_lru"] = self.run_modelled_ttft(name) / lru_mod if lru_mod else math.nan
             if name in sims and sim_headroom > 0:
                 entry["g1_sim_sequential"] = (sims["lru"]["recomputed_tokens"] - sims[name]["recomputed_tokens"]) / sim_headroom
             g[name] = entry
         g["belady_headroom_tokens"] = headroom
+        lru_mod = self.run_modelled_ttft("lru")
+        g["offline_modelled_ttft_vs_lru"] = {
+            k: self.modelled_ttft(v) / lru_mod if lru_mod else math.nan
+            for k, v in self.offline.recomputed_per_request.items() if k in ("belady", "infinite")
+        }
         return g
 
     def ttft_prefill_share(self) -> dict[str, Any]:
@@ -295,8 +366,10 @@ class Report:
             "mode": self.mode,
             "model": self.model,
             "time_scale": self.time_scale,
+            "nice": self.nice,
             "runtime_s": self.runtime_s,
             "engine_start_s": self.engine_start_s,
+            "code_version": self.code_version,
             "trace": {"preset": h.preset, "seed": h.seed, "num_gpu_blocks": h.num_gpu_blocks,
                       "block_size": h.block_size, "stats": h.stats, "closed_loop": self.plan_closed_loop},
             "capabilities": self.capabilities,
@@ -305,6 +378,8 @@ class Report:
             "validation": {**self.validation,
                            **({"concurrent": self.offline.concurrent_validation} if self.offline else {})},
             "runs": {name: self.run_metrics(name) for name in self.runs},
+            "runs_raw": {name: [{"makespan_s": r.makespan_s, "monitor": r.monitor, "hints": r.hints,
+                                 "loadavg": list(r.loadavg)} for r in rs] for name, rs in self.runs.items()},
             "runs_each_repeat": {name: [r.metrics() for r in rs] for name, rs in self.runs.items()} if any(len(v) > 1 for v in self.runs.values()) else {},
             "offline": self.offline.to_json() if self.offline else None,
             "goals": self.goals(),
@@ -321,6 +396,7 @@ class Report:
             for name in ("belady", "infinite"):
                 r = self.offline.results[name]
                 rows.append({"run": OFFLINE_LABELS[name], **r, "offline": True,
+                             "modelled_ttft_mean_ms": self.modelled_ttft(self.offline.recomputed_per_request.get(name, [])),
                              "peak_resident_blocks": r.get("distinct_blocks", self.offline.num_gpu_blocks - 1)})
         return rows
 
@@ -330,25 +406,34 @@ class Report:
                 return "n/a"
             return fmt.format(v)
 
+        rep = max((len(v) for v in self.runs.values()), default=1)
         lines = [
-            "| run | hit rate | recomputed prompt tokens | TTFT mean / p50 / p99 (ms) | throughput (req/s, out tok/s) "
+            "| run | hit rate | recomputed prompt tokens | TTFT mean / p50 / p99 (ms, measured) "
+            "| modelled TTFT mean (ms, idle engine) | throughput (req/s, out tok/s) "
             "| peak blocks in use | pins broken | bytes moved between tiers |",
-            "|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in self.table_rows():
             if r.get("offline"):
                 lines.append(
-                    f"| {r['run']} | {r['hit_rate']:.3f} | {r['recomputed_tokens']} | n/a (offline) | n/a "
+                    f"| {r['run']} | {r['hit_rate']:.3f} | {r['recomputed_tokens']} | n/a (offline) "
+                    f"| {f(r.get('modelled_ttft_mean_ms'))} | n/a "
                     f"| {r['peak_blocks_in_use']} (sequential sim) | n/a | n/a |"
                 )
                 continue
+            each = r.get("ttft_mean_ms_each")
             lines.append(
                 f"| {r['run']} | {r['hit_rate']:.3f} | {f(r['recomputed_tokens'])} "
-                f"| {f(r['ttft_mean_ms'])} / {f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} "
+                f"| {f(r['ttft_mean_ms'])} / {f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])}"
+                + (f" (means per repeat: {', '.join(f'{x:.0f}' for x in each)})" if each else "")
+                + f" | {f(r.get('modelled_ttft_mean_ms'))} "
                 f"| {f(r['throughput_req_s'], '{:.2f}')}, {f(r['throughput_out_tok_s'], '{:.1f}')} "
                 f"| {f(r['peak_blocks_in_use'])} | {f(r['pins_broken'])} "
                 f"| {f(r['bytes_moved_between_tiers'])} |"
             )
+        if rep > 1:
+            lines.append("")
+            lines.append(f"Engine runs: mean over {rep} interleaved repeats (a, b, c, a, b, c, ...).")
         return "\n".join(lines)
 
     def markdown_summary(self) -> str:
@@ -373,20 +458,27 @@ class Report:
         if g:
             out.append("## Goals")
             out.append("")
-            out.append(f"Belady's savings over LRU (engine run a): {g['belady_headroom_tokens']} recomputed prompt tokens.")
+            out.append(f"Belady's savings over LRU (engine run a): {g['belady_headroom_tokens']:.0f} recomputed prompt tokens.")
             out.append("")
             out.append("| run | G1: share of Belady's savings (goal >= 0.90) | same, sequential simulation | "
-                       "mean TTFT / LRU (goal <= 0.6) | recomputed / infinite |")
-            out.append("|---|---|---|---|---|")
+                       "mean TTFT / LRU, measured (goal <= 0.6) | modelled TTFT / LRU | recomputed / infinite |")
+            out.append("|---|---|---|---|---|---|")
             for name, e in g.items():
-                if not isinstance(e, dict):
+                if name not in self.runs:
                     continue
                 out.append(
                     f"| {name} | {e['g1_savings_vs_belady']:.2f} ({'met' if e['g1_met'] else 'missed'}) "
                     f"| {e.get('g1_sim_sequential', math.nan):.2f} "
                     f"| {e['ttft_mean_vs_lru']:.2f} ({'met' if e['ttft_met'] else 'missed'}) "
+                    f"| {e.get('modelled_ttft_vs_lru', math.nan):.2f} "
                     f"| {e['recomputed_vs_infinite']:.2f} |"
                 )
+            om = g.get("offline_modelled_ttft_vs_lru") or {}
+            if om:
+                out.append("")
+                out.append("Modelled mean TTFT / LRU of the offline references (the best any eviction policy could do "
+                           "on this pool, and with no eviction at all): "
+                           + ", ".join(f"{k} {v:.2f}" for k, v in om.items()) + ".")
             out.append("")
         if self.calibration:
             out.append("## TTFT calibration (idle engine, one request at a time, max_tokens=1)")
@@ -430,6 +522,17 @@ class Report:
                 + "."
             )
         out.append("")
+        others = [(name, (self.run_metrics(name).get("cpu") or {}).get("other_cores")) for name in self.runs]
+        busy = [(n, c) for n, c in others if isinstance(c, (int, float)) and not math.isnan(c) and c > 0.25]
+        if busy:
+            out.append(
+                "**Caution: other processes used CPU during the engine runs** ("
+                + ", ".join(f"{n}: {c:.2f} cores" for n, c in busy)
+                + f" of {os.cpu_count()}). TTFT includes that contention; hit rates and recomputed tokens are "
+                "unaffected except through request timing."
+                + (f" The engine ran at nice {self.nice}." if self.nice else "")
+            )
+            out.append("")
         out.append("## Engine runs: details")
         out.append("")
         out.append("| run | makespan (s) | preemptions | peak resident blocks (events) | hints sent (outcomes) "
@@ -507,20 +610,18 @@ def plot(report: Report, path: Path) -> Path | None:
 
 
 def write_outputs(report: Report, out: Path) -> list[Path]:
+    """Raw data first (requests.jsonl, usage.jsonl), then results.json, results.md
+    and plot.png, so a reporting problem never loses a run's data."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    p = out / "results.json"
-    p.write_text(json.dumps(report.to_json(), indent=2, default=_json_default) + "\n")
-    paths.append(p)
-    p = out / "results.md"
-    p.write_text(report.markdown_summary() + "\n")
-    paths.append(p)
     p = out / "requests.jsonl"
     with open(p, "w") as f:
         for name, runs in report.runs.items():
             for rep, run in enumerate(runs):
                 for rec in run.records:
-                    f.write(json.dumps({"run": name, "repeat": rep, **rec.to_json()}, default=_json_default) + "\n")
+                    f.write(json.dumps({"run": name, "repeat": rep, **rec.to_json(),
+                                        "admission_wall": run.admission.get(rec.continuation_id),
+                                        "output_ids": run.outputs.get(rec.request_id)}, default=_json_default) + "\n")
     paths.append(p)
     p = out / "usage.jsonl"
     with open(p, "w") as f:
@@ -530,6 +631,12 @@ def write_outputs(report: Report, out: Path) -> list[Path]:
                                     "samples": [[round(t, 2), u] for t, u in run.usage_samples],
                                     "cpu": [[round(t, 2), c.get("engine_cores"), c.get("other_cores")]
                                             for t, c in run.cpu_samples]}, default=_json_default) + "\n")
+    paths.append(p)
+    p = out / "results.json"
+    p.write_text(json.dumps(report.to_json(), indent=2, default=_json_default) + "\n")
+    paths.append(p)
+    p = out / "results.md"
+    p.write_text(report.markdown_summary() + "\n")
     paths.append(p)
     png = plot(report, out / "plot.png")
     if png is not None:
@@ -550,9 +657,16 @@ def _json_default(o: Any) -> Any:
 
 def combined_table(dirs: Sequence[str | Path]) -> str:
     """One markdown table over several results.json files."""
+
+    def f(v: Any, fmt: str = "{:.0f}") -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "n/a"
+        return fmt.format(v)
+
     lines = [
-        "| trace | run | hit rate | recomputed | x LRU | TTFT mean / p50 / p99 (ms) | TTFT / LRU | G1 | peak in use | pins broken |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| trace | run | hit rate | recomputed prompt tokens | x LRU | G1 (share of Belady's savings) "
+        "| TTFT mean / p50 / p99 (ms, measured) | TTFT mean / LRU | modelled TTFT / LRU | peak blocks in use | pins broken |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in dirs:
         js = json.loads((Path(d) / "results.json").read_text())
@@ -561,31 +675,95 @@ def combined_table(dirs: Sequence[str | Path]) -> str:
         runs = js["runs"]
         lru = runs.get("lru", {})
         lru_re = lru.get("recomputed_tokens") or 0
+        lru_mod = lru.get("modelled_ttft_mean_ms")
         goals = js.get("goals") or {}
         for name, m in runs.items():
-            g = goals.get(name, {})
+            g = goals.get(name, {}) if name != "lru" else {}
             lines.append(
                 f"| {label} | {name} | {m['hit_rate']:.3f} | {m['recomputed_tokens']:.0f} "
-                f"| {m['recomputed_tokens'] / lru_re if lru_re else float('nan'):.3f} "
+                f"| {m['recomputed_tokens'] / lru_re if lru_re else math.nan:.3f} "
+                f"| {f(g.get('g1_savings_vs_belady'), '{:.2f}') if g else '-'} "
                 f"| {m['ttft_mean_ms']:.0f} / {m['ttft_p50_ms']:.0f} / {m['ttft_p99_ms']:.0f} "
-                f"| {m['ttft_mean_ms'] / lru['ttft_mean_ms'] if lru.get('ttft_mean_ms') else float('nan'):.2f} "
-                f"| {g['g1_savings_vs_belady']:.2f} | {m['peak_blocks_in_use']:.0f} | {m['pins_broken']:.0f} |"
-                if g else
-                f"| {label} | {name} | {m['hit_rate']:.3f} | {m['recomputed_tokens']:.0f} | 1.000 "
-                f"| {m['ttft_mean_ms']:.0f} / {m['ttft_p50_ms']:.0f} / {m['ttft_p99_ms']:.0f} | 1.00 | - "
+                f"| {m['ttft_mean_ms'] / lru['ttft_mean_ms'] if lru.get('ttft_mean_ms') else math.nan:.2f} "
+                f"| {f(m.get('modelled_ttft_mean_ms') / lru_mod if lru_mod and m.get('modelled_ttft_mean_ms') else None, '{:.2f}')} "
                 f"| {m['peak_blocks_in_use']:.0f} | {m['pins_broken']:.0f} |"
             )
         off = (js.get("offline") or {}).get("results", {})
+        om = goals.get("offline_modelled_ttft_vs_lru") or {}
         for name in ("belady", "infinite"):
             if name in off:
                 r = off[name]
                 lines.append(
                     f"| {label} | {name} (offline) | {r['hit_rate']:.3f} | {r['recomputed_tokens']} "
-                    f"| {r['recomputed_tokens'] / lru_re if lru_re else float('nan'):.3f} | n/a | n/a | "
-                    f"{'1.00' if name == 'belady' else '-'} | n/a | n/a |"
+                    f"| {r['recomputed_tokens'] / lru_re if lru_re else math.nan:.3f} "
+                    f"| {'1.00' if name == 'belady' else '-'} | n/a | n/a | {f(om.get(name), '{:.2f}')} | n/a | n/a |"
                 )
     return "\n".join(lines)
 
 
+def load_report(d: str | Path) -> Report:
+    """Rebuild a Report from a results directory (results.json, trace.jsonl,
+    requests.jsonl with outputs, usage.jsonl) and recompute the offline parts."""
+    from bench.agentic_engine import RUNS, RequestRecord, RunRecord, RunSpec
+
+    d = Path(d)
+    js = json.loads((d / "results.json").read_text())
+    trace = Trace.load(d / "trace.jsonl")
+    rep = Report(trace=trace, plan_closed_loop=js["trace"]["closed_loop"], mode=js["mode"], model=js["model"],
+                 command=js["command"], time_scale=js.get("time_scale", 1.0), nice=js.get("nice", 0))
+    rep.engine_start_s = js.get("engine_start_s", [])
+    rep.capabilities = js.get("capabilities", {})
+    rep.calibration = js.get("calibration", {})
+    rep.validation = {k: v for k, v in (js.get("validation") or {}).items() if k != "concurrent"}
+    rep.code_version = js.get("code_version", {})
+    rep.runtime_s = js.get("runtime_s", 0.0)
+    fields = {f.name for f in dataclass_fields(RequestRecord)}
+    rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for line in (d / "requests.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault((row["run"], row["repeat"]), []).append(row)
+    usage: dict[tuple[str, int], dict[str, Any]] = {}
+    if (d / "usage.jsonl").exists():
+        for line in (d / "usage.jsonl").read_text().splitlines():
+            u = json.loads(line)
+            usage[(u["run"], u["repeat"])] = u
+    for name, raws in js["runs_raw"].items():
+        for i, raw in enumerate(raws):
+            rr = rows[(name, i)]
+            recs = [RequestRecord(**{k: (math.nan if v is None and k not in ("error",) else v)
+                                     for k, v in row.items() if k in fields}) for row in rr]
+            u = usage.get((name, i), {})
+            run = RunRecord(
+                RUNS.get(name, RunSpec(name, name)), recs, {row["request_id"]: row["output_ids"] for row in rr},
+                raw["makespan_s"], raw["monitor"], raw["hints"], tuple(raw["loadavg"]),
+                [tuple(x) for x in u.get("samples", [])],
+                [(t, {"engine_cores": e, "other_cores": o}) for t, e, o in u.get("cpu", [])],
+                {row["continuation_id"]: row["admission_wall"] for row in rr if row.get("admission_wall") is not None},
+            )
+            rep.add_run(run, i)
+    rep.offline = OfflineRefs.compute(trace, rep.reference_run(),
+                                      pin_budget_fraction=float(rep.capabilities.get("pin_budget_fraction") or 0.5))
+    return rep
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.agentic_report", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("combine", help="one markdown table over several result directories")
+    c.add_argument("dirs", nargs="+")
+    r = sub.add_parser("rebuild", help="recompute the offline references and rewrite a result directory's outputs")
+    r.add_argument("dir")
+    a = ap.parse_args(argv)
+    if a.cmd == "combine":
+        print(combined_table(a.dirs))
+        return 0
+    rep = load_report(a.dir)
+    paths = write_outputs(rep, Path(a.dir))
+    print("rewrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
 if __name__ == "__main__":  # pragma: no cover
-    print(combined_table(sys.argv[1:]))
+    raise SystemExit(main())

@@ -17,8 +17,9 @@ cleared cache (G1 and host tier; the file tier persists, fresh tokens never hit 
   pause      --pause seconds
   [prefetch] Demote + Prefetch only: Prefetch, awaited (off the TTFT path)
   resume     turn 2 = turn-1 prompt + its output + 64 new tokens; TTFT measured
-             at the client (streaming), then checked token for token against a
-             recompute of the same prompt on E0 (cache cleared)
+             at the client (streaming), then checked token for token against the
+             session replayed on the same engine under a fresh cache_salt (turn 1
+             recomputed, resume from G1), and against one full prefill
 
   no hint            E0: evicted -> recompute
   Demote             A: Demote after turn 1; resume reloads what the tiers kept
@@ -38,6 +39,7 @@ vllm:kv_offload_tiering_read_bytes (file->host) on that engine.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import statistics
 import sys
@@ -85,10 +87,22 @@ class Node:
     def complete(self, prompt: list[int], session: str | None = None, max_tokens: int = 1) -> Completion:
         return complete(self.http, prompt, session_id=session, max_tokens=max_tokens, timeout=600)
 
+    def recompute(self, prompt: list[int], max_tokens: int, salt: str | None = None) -> Completion:
+        """The prompt computed on this engine under a cache_salt (fresh unless
+        given): block hashes that no tier holds."""
+        salt = salt or f"recompute-{time.monotonic_ns()}"
+        return complete(self.http, prompt, max_tokens=max_tokens, timeout=600, extra_body={"cache_salt": salt})
+
     def reset(self) -> None:
+        """Empty G1 and the host tier (retrying while a finished request still holds blocks)."""
         url = self.http + "/reset_prefix_cache?reset_external=true"
-        with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=60) as r:
-            assert r.status == 200
+        for _ in range(50):
+            with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=60) as r:
+                body = r.read()
+            if not body or json.loads(body).get("success", True):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name}: reset_prefix_cache kept failing")
 
     def hint(self, hint: pb.Hint) -> pb.HintResult:
         assert self.stub is not None
@@ -156,8 +170,9 @@ class Sample:
     hint_bytes: int
     resume_bytes: int
     prep_s: float  # hint operations before the resume (off the TTFT path)
-    identical: bool
-    ops: list[str] = field(default_factory=list)
+    identical: bool      # = the session replayed under a fresh cache_salt, resume from G1 (bitwise the same KV)
+    same_as_full: bool   # = one full prefill of the resume prompt (differs only by vLLM's numerics, see notes)
+    ops: list[tuple[str, float]] = field(default_factory=list)  # (action, seconds until the operation completed)
 
 
 def session_selector(session: str) -> pb.Selector:
@@ -165,7 +180,7 @@ def session_selector(session: str) -> pb.Selector:
 
 
 def run_variant(variant: str, rep: int, args: argparse.Namespace, e0: Node, a: Node, b: Node) -> Sample:
-    session = f"tiers-{rep}-{VARIANTS.index(variant)}"
+    session = f"tiers-{args.seed}-{rep}-{VARIANTS.index(variant)}"
     prompt = _tokens(f"{args.seed}-{session}", args.prompt_tokens)
     home = e0 if variant == VARIANTS[0] else a
     resume_on = b if variant == VARIANTS[3] else home
@@ -183,7 +198,7 @@ def run_variant(variant: str, rep: int, args: argparse.Namespace, e0: Node, a: N
             raise RuntimeError(f"{variant}: operation failed: {pb.Reason.Name(done.reason)} {done.message}")
         hint_bytes += done.bytes_moved
         prep_s += seconds
-        ops.append(f"{pb.Action.Name(done.action)[7:].lower()} {seconds * 1000:.0f} ms")
+        ops.append((pb.Action.Name(done.action)[7:].lower(), seconds))
 
     if variant in (VARIANTS[1], VARIANTS[2]):
         op(a, pb.Hint(selector=session_selector(session), demote=pb.DemoteAction()))
@@ -208,13 +223,20 @@ def run_variant(variant: str, rep: int, args: argparse.Namespace, e0: Node, a: N
         _delta(before, after, "vllm:kv_offload_load_bytes_total")
         + _delta(before, after, "vllm:kv_offload_tiering_read_bytes_total")
     )
+    full = resume_on.recompute(resume, args.max_tokens)
     if variant == VARIANTS[0]:
-        reference = out
+        identical = out.token_ids == full.token_ids  # the resume itself was a recompute
     else:
-        e0.reset()
-        reference = e0.complete(resume, None, max_tokens=args.max_tokens)
+        # Replay the session on the resuming engine under a fresh salt: turn 1
+        # recomputed, then the resume hits that KV in G1. A reload from the tiers
+        # must give exactly these tokens (the copies are bitwise the KV computed).
+        salt = f"replay-{time.monotonic_ns()}"
+        resume_on.recompute(prompt, 16, salt)
+        replay = resume_on.recompute(resume, args.max_tokens, salt)
+        # A resume that missed the tiers (cached 0) was itself a full prefill.
+        identical = out.token_ids == (replay.token_ids if out.cached_tokens else full.token_ids)
     return Sample(variant, out.ttft_s, out.cached_tokens, len(resume), sources, hint_bytes, resume_bytes, prep_s,
-                  out.token_ids == reference.token_ids and reference.cached_tokens == 0, ops)
+                  identical, out.token_ids == full.token_ids and full.cached_tokens == 0, ops)
 
 
 def _mib(n: float) -> str:
@@ -230,8 +252,9 @@ def report(samples: list[Sample], args: argparse.Namespace, command: str, setup:
         setup,
         "",
         "| variant | resume TTFT median (ms) | min-max (ms) | cached tokens / prompt | cached from | "
-        "hint bytes (MiB) | resume bytes (MiB) | total moved (MiB) | hint ops before resume | tokens = recompute |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "hint bytes (MiB) | resume bytes (MiB) | total moved (MiB) | hint operations (median time to complete) | "
+        "tokens = G1-resident replay | tokens = full prefill |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = None
     for variant in VARIANTS:
@@ -249,24 +272,40 @@ def report(samples: list[Sample], args: argparse.Namespace, command: str, setup:
         src = ", ".join(f"{k} {v // len(rows)}" for k, v in sorted(sources.items())) or "-"
         hint_b = statistics.median(s.hint_bytes for s in rows)
         resume_b = statistics.median(s.resume_bytes for s in rows)
-        prep = statistics.median(s.prep_s for s in rows) * 1000
-        ops = "; ".join(rows[len(rows) // 2].ops) or "-"
+        names = list(dict.fromkeys(name for s in rows for name, _ in s.ops))
+        ops = "; ".join(
+            f"{name} {statistics.median(sec for s in rows for n, sec in s.ops if n == name) * 1000:.0f} ms" for name in names
+        ) or "-"
         same = "yes" if all(s.identical for s in rows) else f"NO ({sum(not s.identical for s in rows)} of {len(rows)})"
+        full_same = f"{sum(s.same_as_full for s in rows)} of {len(rows)}"
         speed = f" ({base / med:.1f}x)" if variant != VARIANTS[0] and med > 0 else ""
         lines.append(
             f"| {variant} | {med:.1f}{speed} | {min(ttft):.1f}-{max(ttft):.1f} | {cached:.0f} / {rows[0].prompt} | {src} | "
-            f"{_mib(hint_b)} | {_mib(resume_b)} | {_mib(hint_b + resume_b)} | {ops} (total {prep:.0f} ms) | {same} |"
+            f"{_mib(hint_b)} | {_mib(resume_b)} | {_mib(hint_b + resume_b)} | {ops} | {same} | "
+            f"{full_same} |"
         )
     lines += [
         "",
         "Notes:",
         "- TTFT is measured at the client (streamed /v1/completions, localhost), median over the repetitions;",
         "  (Nx) is the speed-up over the recompute. Hint operations run before the resume and are not in TTFT.",
+        "  The machine (2 cores) is shared with other workloads: see min-max for the noise.",
+        "- Demote: the copy it guarantees went to the host tier and, by vLLM's cascade, to the file tier; the",
+        "  pressure then pushed it out of the host tier, so the resume reads the files (the connector promotes them",
+        "  file -> host -> G1 inside the request). Resumed right after the pressure (--pause 0), that promotion",
+        "  can find no evictable host chunk (chunks pinned by the fillers' file writes) and vLLM then reports a miss:",
+        "  the resume recomputes. Prefetch retries until the host tier can take the copies, before the resume.",
         "- vLLM's OffloadingConnector loads KV into G1 only for a request it admits: Prefetch stages the copies",
         "  in the host tier (file -> host), so the resume's load is a host hit instead of a file read.",
         "- The Share variant applies the pressure on A and resumes on B, which got the session through the",
         "  shared file tier and its own Prefetch (Share completes only after B's Prefetch succeeded).",
-        "- \"tokens = recompute\": the resume's generated tokens equal a recompute of the same prompt on E0.",
+        "- \"tokens = G1-resident replay\": the session replayed on the resuming engine under a fresh cache_salt",
+        "  (turn 1 recomputed, the resume hits that KV in G1) gives exactly the reloaded resume's tokens: the tier",
+        "  copies are bitwise the KV the engine computed. For \"no hint\" the column compares with a full prefill.",
+        "- \"tokens = full prefill\" (how many repetitions): one prefill of the whole resume prompt. It computes",
+        "  the turn-1 decode tokens' KV (and chunk boundaries) differently from the original turn, so in bf16 a",
+        "  greedy token can differ, exactly as for a plain G1 prefix hit (stock vLLM prefix caching). Engines with",
+        "  and without a KV connector also compile different graphs, so compare tokens within one configuration.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -320,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None, help="repetitions per variant (default 5; --fast: 1)")
     p.add_argument("--prompt-tokens", type=int, default=None, help="turn-1 prompt length (default 3000; --fast 1400)")
     p.add_argument("--fillers", type=int, default=3, help="pressure prompts of the same length after turn 1")
-    p.add_argument("--pause", type=float, default=None, help="seconds between pressure and resume (default 2; --fast 0)")
+    p.add_argument("--pause", type=float, default=None, help="seconds between pressure and resume (default 2; --fast 1)")
     p.add_argument("--gpu-blocks", type=int, default=None, help="G1 blocks (default 200; --fast 80)")
     p.add_argument("--host-blocks", type=int, default=None, help="host-tier blocks (default 128; --fast 64)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -329,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help=f"markdown table (default {RESULTS}; --fast: stdout only)")
     args = p.parse_args(argv)
     fast = args.fast
-    defaults = {"preset": ("bench", "tiny"), "reps": (5, 1), "prompt_tokens": (3000, 1400), "pause": (2.0, 0.0),
+    defaults = {"preset": ("bench", "tiny"), "reps": (5, 1), "prompt_tokens": (3000, 1400), "pause": (2.0, 1.0),
                 "gpu_blocks": (200, 80), "host_blocks": (128, 64), "max_model_len": (4096, 2048)}
     for key, (full, quick) in defaults.items():
         if getattr(args, key) is None:
@@ -358,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                     samples.append(s)
                     print(f"rep {rep} {variant:22s} TTFT {s.ttft_s * 1000:7.1f} ms cached {s.cached:5d}/{s.prompt} "
                           f"{s.sources} hint {s.hint_bytes} B resume {s.resume_bytes} B identical={s.identical} "
-                          f"{'; '.join(s.ops)}", flush=True)
+                          f"full={s.same_as_full} "
+                          f"{'; '.join(f'{n} {sec * 1000:.0f} ms' for n, sec in s.ops)}", flush=True)
         finally:
             stop_engines([e0, a, b])
     text = report(samples, args, command, setup)

@@ -298,7 +298,7 @@ class VllmAdapter:
         tiers.reconcile(gone)  # lower-tier copies the index has not seen yet
         for run, run_cause in tiers.split_removed(gone, cause):  # Demote-reclaimed copies: DEMOTED
             self.core.on_removed(run, tier=Tier.DEVICE, medium=self.pool.medium, cause=run_cause,
-                                 remaining_tiers=tiers.lower_tiers_of)
+                                 remaining_tiers=tiers.residual_tiers)
 
     def on_pins_broken(self, blocks: list[Any], shortfall: int) -> None:
         hashes = [self.external(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None]

@@ -10,6 +10,7 @@ engine tasks fail UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -92,7 +93,7 @@ class KvHintServer:
         if loop is None or stop is None or thread is None or not thread.is_alive():
             return
         if grace is not None:
-            self.config = _with_grace(self.config, grace)
+            self.config = dataclasses.replace(self.config, shutdown_grace_s=grace)
         try:
             loop.call_soon_threadsafe(stop.set)
         except RuntimeError:
@@ -147,9 +148,3 @@ class KvHintServer:
         if self.servicer.hub is not None:
             self.servicer.hub.close()
         await server.stop(self.config.shutdown_grace_s)
-
-
-def _with_grace(config: ServerConfig, grace: float) -> ServerConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, shutdown_grace_s=grace)

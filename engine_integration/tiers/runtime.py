@@ -62,7 +62,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
-    LookupResult,
     Medium,
     ReqContext,
     get_offload_block_hash,
@@ -279,9 +278,9 @@ class TierRuntime:
             orig_manager_shutdown()
 
         manager.shutdown = manager_shutdown
-        engine = getattr(self.adapter, "_engine_core", None)
+        engine: Any = getattr(self.adapter, "_engine_core", None)
         orig_handle = getattr(engine, "_handle_shutdown", None)
-        if orig_handle is None:
+        if engine is None or orig_handle is None:
             return
 
         def handle_shutdown() -> bool:
@@ -498,6 +497,18 @@ class TierRuntime:
                 runs.append(([e], c))
         return runs
 
+    def residual_tiers(self, h: bytes) -> int:
+        """`lower_tiers_of` for the eviction path (a G1 copy of a block no session
+        tracks just went): only blocks this runtime saw stored are checked, so an
+        evicted decode block costs a dict lookup, not a file-system probe."""
+        d = self._digest.get(h) if self.int_hashes else h
+        if d is None:
+            return 0
+        mask = Tier.HOST.bit if self._host_ready(d) else 0
+        if self._file_has(h, d):
+            mask |= Tier.DISK.bit
+        return mask
+
     def _remaining_tiers(self, h: bytes) -> int:
         mask = self.lower_tiers_of(h)
         if self.adapter._copies(h):
@@ -517,7 +528,7 @@ class TierRuntime:
             missing = ~node.tiers & (Tier.HOST.bit | Tier.DISK.bit)
             if not missing:
                 continue
-            mask = self.lower_tiers_of(h)
+            mask = self.residual_tiers(h)
             if mask & missing & Tier.HOST.bit:
                 host.append(h)
             if mask & missing & Tier.DISK.bit:
@@ -596,10 +607,11 @@ class TierRuntime:
         hint = task.hint
         action = hint.action
         exts = tuple(dict.fromkeys(task.block_hashes))
-        digests = [self.digest_of(h) for h in exts]
-        unknown = sum(d is None for d in digests)
+        maybe = [self.digest_of(h) for h in exts]
+        unknown = sum(d is None for d in maybe)
         if unknown:
             return f"{unknown} of {len(exts)} selected blocks have no known content hash on this engine"
+        digests = [d for d in maybe if d is not None]
         cap = self.ctl.host_capacity()
         timeout = self.op_timeout_s
         if action is Action.DEMOTE:
@@ -610,7 +622,7 @@ class TierRuntime:
                 return f"host tier holds {cap} blocks; Demote selected {len(exts)} (use max_blocks)"
         elif action is Action.PREFETCH:
             target = Tier.HOST
-            need = sum(1 for d in digests if not self.ctl.g1_has(d))
+            need = sum(not self.ctl.g1_has(d) for d in digests)
             if need > cap:
                 return f"host tier holds {cap} blocks; Prefetch needs to stage {need} (use max_blocks)"
             if hint.deadline_s is not None:
@@ -626,7 +638,7 @@ class TierRuntime:
                 return f"host tier holds {cap} blocks; Share selected {len(exts)} (use max_blocks)"
         else:
             return f"{action.name} is not a tier action"
-        op = TierOp(task.operation_id, action, target, exts, list(digests), time.monotonic() + timeout)  # type: ignore[arg-type]
+        op = TierOp(task.operation_id, action, target, exts, digests, time.monotonic() + timeout)
         if action is Action.SHARE:
             op.destination, op.address = hint.destination, self.peers[hint.destination]
         self._ops[op.op_id] = op
@@ -792,19 +804,7 @@ class TierRuntime:
         if pf is not None:
             op.promoted.extend(pf.hits)
             op.prefetch = None
-            # A promotion answers MISS when the host tier has no evictable chunk at
-            # that moment (e.g. chunks pinned by file writes still in flight): retry
-            # while such work is pending, a few more times otherwise, then fail.
-            retry = [d for d in pf.misses if not ctl.g1_has(d) and ctl.host_state(d) is HostState.ABSENT
-                     and ctl.file_has(d)]
-            if retry:
-                pending = ctl.manager.has_pending_work()
-                if pending or op.store_tries < MAX_STORE_RETRIES:
-                    if not pending:
-                        op.store_tries += 1
-                    op.prefetch = Prefetch(ctl, retry)
-                    return None
-        staged, waiting, lost = [], 0, 0
+        staged, waiting, absent = [], 0, []
         for d in op.digests:
             if ctl.g1_has(d):
                 continue
@@ -814,24 +814,46 @@ class TierRuntime:
             elif st is HostState.PENDING:
                 waiting += 1
             else:
-                lost += 1
+                absent.append(d)
+        # Staged copies first in LRU order: later promotions must not evict them.
+        ctl.touch_host(staged)
         if waiting:
             return None
+        # A promotion answers MISS when the host tier has no evictable chunk at that
+        # moment (chunks pinned by file writes in flight, or just stored by a request
+        # that has not finished yet): retry while such work is pending, a few more
+        # times otherwise, then fail.
+        retry = [d for d in absent if ctl.file_has(d)]
+        if retry:
+            pending = ctl.manager.has_pending_work()
+            if pending or op.store_tries < MAX_STORE_RETRIES:
+                if not pending:
+                    op.store_tries += 1
+                op.prefetch = Prefetch(ctl, retry)
+                return None
+        lost = len(absent)
         promoted = list(dict.fromkeys(op.promoted))
         moved = len(promoted) * self.bytes_per_block
         if promoted:
             ext_of = {d: e for e, d in zip(op.exts, op.digests)}
             self.core.on_transfer([ext_of[d] for d in promoted], Tier.DISK, Tier.HOST, moved, op.op_id)
-        ctl.touch_host(staged)  # most-recently-used: the resume finds them on the host tier
         if lost:
             full = ctl.host_used() >= ctl.host_capacity()
             reason = Reason.RESOURCE_EXHAUSTED if full else Reason.OPERATION_FAILED
-            why = "the host tier is full" if full else "they are on no lower tier"
+            why = (f"the host tier is full ({self._host_usage()})" if full
+                   else "they are on no lower tier")
             self._complete(op, {Tier.HOST: len(staged)}, moved, ok=False, reason=reason,
                            message=f"{lost} of {len(op.exts)} blocks could not be staged: {why}")
             return None
         self._complete(op, {Tier.HOST: len(staged)}, moved)
         return None
+
+    def _host_usage(self) -> str:
+        p = self.ctl.primary
+        return (f"{self.ctl.host_used()} of {self.ctl.host_capacity()} chunks in use, "
+                f"{getattr(p, '_num_evictable_cache_chunks', '?')} evictable, "
+                f"{getattr(p, '_num_write_pending_chunks', '?')} being written; "
+                f"{len(getattr(self.ctl.manager, '_jobs', ()))} file transfers in flight")
 
     # ------------------------------------------------------------ Share: destination side of the handshake
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -105,3 +106,23 @@ def test_fast_mode_pipeline(tmp_path):
     else:
         assert (out / "plot.png").stat().st_size > 10_000
     print(f"fast mode took {elapsed:.0f} s")
+
+
+def test_plan_without_closed_loop_fields_is_open_loop():
+    """A recorded trace with only arrival times: requests go out at `t`, still
+    after the requests whose outputs they contain."""
+    from bench.trace import Request, Trace
+
+    tr = generate_trace(PRESETS["fast"], 0, preset="fast")
+    events = [
+        dataclasses.replace(e, after=None, delay_s=None, cause=None, t_done=None) if isinstance(e, Request) else e
+        for e in tr.events
+    ]
+    plan = build_plan(Trace(tr.header, events))
+    assert not plan.closed_loop
+    assert all(a is None for a in plan.anchor)
+    idx = {r.request_id: i for i, r in enumerate(plan.requests)}
+    for i, r in enumerate(plan.requests):
+        for seg in r.prompt:
+            if hasattr(seg, "request_id"):
+                assert idx[seg.request_id] in plan.deps[i]
