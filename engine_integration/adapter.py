@@ -23,13 +23,14 @@ from vllm import envs
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, make_block_hash_with_group_id, resolve_block_hashes
 from vllm.v1.engine import EngineCoreRequestType
 
-from kvhint_server.adapter import EvictReport, TierTask
+from kvhint_server.adapter import EvictReport, TierRefusal, TierTask
 from kvhint_server.core import KvHintCore
 from kvhint_server.model import (
     Action,
     ActionSupport,
     BlockState,
     EngineInfo,
+    Reason,
     RemovalCause,
     RetentionView,
     SelectorKind,
@@ -191,9 +192,9 @@ class VllmAdapter:
             evicted.append(h)
         return EvictReport(tuple(evicted), tuple(in_use))
 
-    def start_tier_task(self, task: TierTask) -> str | None:
+    def start_tier_task(self, task: TierTask) -> TierRefusal | None:
         if self.tiers is None:
-            return f"{task.hint.action.name} needs a lower KV tier; none is configured"
+            return TierRefusal(Reason.UNSUPPORTED, f"{task.hint.action.name} needs a lower KV tier; none is configured")
         return self.tiers.start(task)
 
     # ------------------------------------------------------------ retention (for the pool)

@@ -17,13 +17,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from .model import BlockState, EngineInfo, HintSpec, Tier
+from .model import BlockState, EngineInfo, HintSpec, Reason, Tier
 
 
 @dataclass(frozen=True, slots=True)
 class EvictReport:
     evicted: tuple[bytes, ...]
     in_use: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TierRefusal:
+    """Why a tier operation cannot start (UNSUPPORTED, RESOURCE_EXHAUSTED, ...)."""
+
+    reason: Reason
+    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,18 +73,19 @@ class EngineAdapter(Protocol):
         """Free the device copies now, skipping blocks in use. Removals are
         reported through the core's hooks as usual."""
 
-    def start_tier_task(self, task: TierTask) -> str | None:
+    def start_tier_task(self, task: TierTask) -> TierRefusal | None:
         """Begin Demote/Prefetch/Share work. Return None if it started (the
-        adapter completes the operation later through the registry), or a
-        reason string to fail it right away. Only called for actions `info()`
-        advertises."""
+        adapter then completes `task.operation_id` exactly once through
+        `KvHintCore.operations`), or why it cannot start: the hint is then
+        REJECTED with that reason and the operation is discarded unseen. Only
+        called for actions `info()` advertises."""
 
 
 class DeviceOnlyTiers:
     """Mixin for adapters without lower tiers: tier actions are never advertised."""
 
-    def start_tier_task(self, task: TierTask) -> str | None:
-        return f"{task.hint.action.name} is not supported by this engine"
+    def start_tier_task(self, task: TierTask) -> TierRefusal | None:
+        return TierRefusal(Reason.UNSUPPORTED, f"{task.hint.action.name} is not supported by this engine")
 
 
-__all__ = ["BlockState", "EngineAdapter", "EvictReport", "TierTask", "Tier", "DeviceOnlyTiers"]
+__all__ = ["BlockState", "DeviceOnlyTiers", "EngineAdapter", "EvictReport", "Tier", "TierRefusal", "TierTask"]

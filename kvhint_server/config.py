@@ -46,6 +46,10 @@ class ServerConfig:
     heartbeat_interval_s: float = 1.0
     # How long an RPC waits for the engine thread before failing UNAVAILABLE.
     engine_task_timeout_s: float = 30.0
+    # Blocks the SessionPrefixIndex tracks at most. Past it, the least recently
+    # active sessions are forgotten (as if released) until 90% remain; this
+    # bounds memory when a lower tier never evicts (a persistent file tier).
+    max_index_blocks: int = 1_000_000
     # Operations (deferred work) remembered after completion.
     operation_history: int = 10_000
     # Graceful-shutdown grace period.

@@ -161,6 +161,8 @@ class KvHintCore:
             return
         if coords:
             self.index.record_chain(hashes, first_position, parent, tier, coords, self.wall())
+            if len(self.index.nodes) > self.config.max_index_blocks:
+                self._trim_index()
             members = self._members(hashes[-1])
             coordinates = Coordinates(coords.session_id or "", coords.continuation_id or "", members)
         else:
@@ -265,6 +267,20 @@ class KvHintCore:
             sessions=members,
             tier=to_tier,
         )
+
+    def _trim_index(self) -> None:
+        """Forget the least recently active sessions until the index is at 90%
+        of max_index_blocks (their blocks stay cached, anonymously)."""
+        index = self.index
+        target = int(self.config.max_index_blocks * 0.9)
+        by_age = sorted(index.sessions, key=lambda s: index.sessions[s].last_active)
+        forgotten = 0
+        for session in by_age:
+            if len(index.nodes) <= target:
+                break
+            index.forget_session(session)
+            forgotten += 1
+        log.warning("kvhint: index over %d blocks; forgot %d least recently active sessions", self.config.max_index_blocks, forgotten)
 
     def _members(self, h: bytes) -> tuple[str, ...]:
         return self.index.resident_sessions_of(h)[:MAX_MEMBERS_REPORTED]

@@ -31,6 +31,7 @@ from .model import (
     Selector,
     SelectorKind,
     Tier,
+    tiers_of,
 )
 
 _FROM_END = (Action.RELEASE, Action.EVICT, Action.DEMOTE)
@@ -262,13 +263,9 @@ class HintExecutor:
 
     def _tier_action(self, spec: HintSpec) -> HintResult:
         core = self.core
-        source = Tier.DEVICE if spec.action in (Action.DEMOTE, Action.SHARE) else None
         hashes = self.resolve(spec.selector)
         tiers = self.tiers_of(hashes)
-        if source is not None:
-            hashes = [h for h in hashes if tiers.get(h, 0) & source.bit]
-        else:
-            hashes = [h for h in hashes if tiers.get(h, 0)]
+        hashes = [h for h in hashes if tiers.get(h, 0) & _source_tiers(spec)]
         if not hashes:
             return HintResult.missing(spec.hint_id)
         clips: list[Clip] = []
@@ -276,15 +273,28 @@ class HintExecutor:
         if spec.action is Action.PREFETCH and all(tiers[h] & Tier.DEVICE.bit for h in hashes):
             return _result(spec, clips, {Tier.DEVICE: len(hashes)}, message="already resident on the device tier")
         op = core.operations.create(spec.hint_id, spec.action, _sessions_of(spec), spec.destination)
-        failure = core.adapter.start_tier_task(TierTask(op.operation_id, spec, tuple(hashes)))
-        if failure is not None:
-            core.operations.complete(op.operation_id, ok=False, reason=Reason.RESOURCE_EXHAUSTED, message=failure)
-            return HintResult.rejected(spec.hint_id, Reason.RESOURCE_EXHAUSTED, failure)
-        result = _result(spec, clips, {Tier.DEVICE: len(hashes)})
+        refusal = core.adapter.start_tier_task(TierTask(op.operation_id, spec, tuple(hashes)))
+        if refusal is not None:
+            core.operations.discard(op.operation_id)
+            return HintResult.rejected(spec.hint_id, refusal.reason, refusal.message)
+        counts: dict[Tier, int] = {}
+        for h in hashes:
+            for t in tiers_of(tiers[h]):
+                counts[t] = counts.get(t, 0) + 1
+        result = _result(spec, clips, counts)
         result.outcome = Outcome.DEFERRED
         result.reason = Reason.UNSPECIFIED
         result.operation_id = op.operation_id
         return result
+
+
+def _source_tiers(spec: HintSpec) -> int:
+    """Tiers a tier action may start from (bitmask)."""
+    lower = Tier.HOST.bit | Tier.DISK.bit | Tier.REMOTE.bit
+    if spec.action is Action.DEMOTE:
+        # To the host tier: from the device copy; to disk: from either.
+        return Tier.DEVICE.bit | (Tier.HOST.bit if spec.target_tier is Tier.DISK else 0)
+    return Tier.DEVICE.bit | lower  # Prefetch and Share start from any copy
 
 
 def _result(

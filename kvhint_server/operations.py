@@ -68,6 +68,13 @@ class OperationRegistry:
             self._trim()
         return op
 
+    def discard(self, operation_id: str) -> None:
+        """Forget an operation that never started (no event is published)."""
+        with self._lock:
+            op = self._ops.get(operation_id)
+            if op is not None and not op.state.done:
+                del self._ops[operation_id]
+
     def get(self, operation_id: str) -> Operation | None:
         with self._lock:
             return self._ops.get(operation_id)

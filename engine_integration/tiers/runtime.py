@@ -68,7 +68,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 
-from kvhint_server.adapter import TierTask
+from kvhint_server.adapter import TierRefusal, TierTask
 from kvhint_server.model import Action, ActionSupport, Reason, RemovalCause, SelectorKind, Tier, TierInfo
 
 from .control import HostState, Prefetch, StoreOp, TierControl
@@ -597,47 +597,47 @@ class TierRuntime:
     def needs_steps(self) -> bool:
         return any(op.phase is Phase.COPY for op in self._ops.values())
 
-    def start(self, task: TierTask) -> str | None:
-        """Engine thread. None when the operation started; otherwise why it cannot
-        (answered REJECTED / RESOURCE_EXHAUSTED by the executor)."""
+    def start(self, task: TierTask) -> TierRefusal | None:
+        """Engine thread. None when the operation started; otherwise why it
+        cannot (the executor answers REJECTED with that reason)."""
         if self._closed:
-            return "the engine is shutting down"
+            return TierRefusal(Reason.SHUTTING_DOWN, "the engine is shutting down")
         if len(self._ops) >= MAX_PENDING_OPS:
-            return f"{len(self._ops)} tier operations already in flight (limit {MAX_PENDING_OPS})"
+            return TierRefusal(Reason.RESOURCE_EXHAUSTED, f"{len(self._ops)} tier operations already in flight (limit {MAX_PENDING_OPS})")
         hint = task.hint
         action = hint.action
         exts = tuple(dict.fromkeys(task.block_hashes))
         maybe = [self.digest_of(h) for h in exts]
         unknown = sum(d is None for d in maybe)
         if unknown:
-            return f"{unknown} of {len(exts)} selected blocks have no known content hash on this engine"
+            return TierRefusal(Reason.NOT_RESIDENT, f"{unknown} of {len(exts)} selected blocks have no known content hash on this engine")
         digests = [d for d in maybe if d is not None]
         cap = self.ctl.host_capacity()
         timeout = self.op_timeout_s
         if action is Action.DEMOTE:
             target = hint.target_tier or Tier.HOST
             if target is Tier.DISK and not self.has_file:
-                return "no file tier is configured"
+                return TierRefusal(Reason.UNSUPPORTED, "no file tier is configured")
             if len(exts) > cap:
-                return f"host tier holds {cap} blocks; Demote selected {len(exts)} (use max_blocks)"
+                return TierRefusal(Reason.RESOURCE_EXHAUSTED, f"host tier holds {cap} blocks; Demote selected {len(exts)} (use max_blocks)")
         elif action is Action.PREFETCH:
             target = Tier.HOST
             need = sum(not self.ctl.g1_has(d) for d in digests)
             if need > cap:
-                return f"host tier holds {cap} blocks; Prefetch needs to stage {need} (use max_blocks)"
+                return TierRefusal(Reason.RESOURCE_EXHAUSTED, f"host tier holds {cap} blocks; Prefetch needs to stage {need} (use max_blocks)")
             if hint.deadline_s is not None:
                 timeout = hint.deadline_s
         elif action is Action.SHARE:
             target = Tier.DISK
             if not self.has_file:
-                return "Share needs a shared file tier"
+                return TierRefusal(Reason.UNSUPPORTED, "Share needs a shared file tier")
             address = self.peers.get(hint.destination)
             if address is None:
-                return f"destination {hint.destination!r} is not a configured peer"
+                return TierRefusal(Reason.UNKNOWN_DESTINATION, f"destination {hint.destination!r} is not a configured peer")
             if len(exts) > cap:
-                return f"host tier holds {cap} blocks; Share selected {len(exts)} (use max_blocks)"
+                return TierRefusal(Reason.RESOURCE_EXHAUSTED, f"host tier holds {cap} blocks; Share selected {len(exts)} (use max_blocks)")
         else:
-            return f"{action.name} is not a tier action"
+            return TierRefusal(Reason.UNSUPPORTED, f"{action.name} is not a tier action")
         op = TierOp(task.operation_id, action, target, exts, digests, time.monotonic() + timeout)
         if action is Action.SHARE:
             op.destination, op.address = hint.destination, self.peers[hint.destination]
@@ -647,7 +647,7 @@ class TierRuntime:
         if failure is not None:
             del self._ops[op.op_id]
             self._cleanup(op)
-            return failure
+            return TierRefusal(Reason.RESOURCE_EXHAUSTED, failure)
         self._kick()
         return None
 

@@ -22,7 +22,7 @@ from grpc_status import rpc_status
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint.v1 import kvhint_pb2_grpc
 from kvhint_server import KvHintCore, KvHintServer, ServerConfig
-from kvhint_server.adapter import EvictReport, TierTask
+from kvhint_server.adapter import EvictReport, TierRefusal, TierTask
 from kvhint_server.model import (
     Action,
     ActionSupport,
@@ -55,6 +55,20 @@ def local_engine_info(num_device_blocks: int = 11, block_size: int = 16) -> Engi
     )
 
 
+def tiered_engine_info(num_device_blocks: int = 11, block_size: int = 16) -> EngineInfo:
+    """Every action supported; a host tier and a shared disk tier; one Share peer."""
+    return EngineInfo(
+        engine="fake",
+        engine_version="0",
+        block_size=block_size,
+        num_device_blocks=num_device_blocks,
+        block_hash_encoding="sha256",
+        tiers=(TierInfo(Tier.DEVICE, "GPU", num_device_blocks), TierInfo(Tier.HOST, "CPU", 64), TierInfo(Tier.DISK, "STORAGE", 0, True)),
+        actions=tuple(ActionSupport(a, True, ALL_SELECTORS, supports_range=True) for a in LOCAL + REMOTE),
+        share_destinations=("peer-b",),
+    )
+
+
 def h(i: int) -> bytes:
     """A 32-byte block hash."""
     return i.to_bytes(4, "big") * 8
@@ -71,6 +85,7 @@ class FakeEngine:
         self.refiled: list[bytes] = []
         self.demoted_first: list[bytes] = []
         self.tier_tasks: list[TierTask] = []
+        self.refuse_tier_tasks: TierRefusal | None = None
         self.violations: list[str] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -146,8 +161,10 @@ class FakeEngine:
             )
         return EvictReport(tuple(evicted), tuple(in_use))
 
-    def start_tier_task(self, task: TierTask) -> str | None:
+    def start_tier_task(self, task: TierTask) -> TierRefusal | None:
         self._engine_only("start_tier_task")
+        if self.refuse_tier_tasks is not None:
+            return self.refuse_tier_tasks
         self.tier_tasks.append(task)
         return None
 

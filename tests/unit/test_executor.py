@@ -13,7 +13,9 @@ import time
 import grpc
 import pytest
 from google.protobuf import duration_pb2
-from kvhint_unit_support import FakeClock, error_info, h, pin, retain, session_sel
+from kvhint_server.adapter import TierRefusal
+from kvhint_server.model import Reason, Tier
+from kvhint_unit_support import FakeClock, error_info, h, pin, retain, session_sel, tiered_engine_info
 
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.events import HintApplied
@@ -234,6 +236,45 @@ def test_unadvertised_tier_actions_are_rejected_unsupported(harness, action):
     assert harness.engine.tier_tasks == []
 
 
+def share(session: str, destination: str = "peer-b") -> pb.Hint:
+    return pb.Hint(selector=session_sel(session), share=pb.ShareAction(destination=destination))
+
+
+def test_tier_actions_are_deferred_with_an_operation(make_harness):
+    harness = make_harness(info=tiered_engine_info())
+    harness.engine.store([h(1), h(2)], session="a")
+    r = harness.apply(share("a")).results[0]
+    assert r.outcome == pb.OUTCOME_DEFERRED and r.operation_id
+    (task,) = harness.engine.tier_tasks
+    assert task.operation_id == r.operation_id and task.block_hashes == (h(1), h(2))
+    op = harness.stub.GetOperation(pb.GetOperationRequest(operation_id=r.operation_id)).operation
+    assert op.state == pb.Operation.STATE_PENDING and op.destination == "peer-b"
+
+
+def test_share_and_prefetch_start_from_lower_tier_copies(make_harness):
+    harness = make_harness(info=tiered_engine_info())
+    harness.engine.store([h(1), h(2)], session="a")
+    harness.engine.store([h(1), h(2)], tier=Tier.HOST)
+    harness.engine.remove([h(1), h(2)])  # only the host copies are left
+    assert harness.apply(share("a")).results[0].outcome == pb.OUTCOME_DEFERRED
+    prefetch = pb.Hint(selector=session_sel("a"), prefetch=pb.PrefetchAction())
+    assert harness.apply(prefetch).results[0].outcome == pb.OUTCOME_DEFERRED
+    demote = pb.Hint(selector=session_sel("a"), demote=pb.DemoteAction())
+    assert harness.apply(demote).results[0].outcome == pb.OUTCOME_MISSING  # nothing left on the device
+
+
+def test_a_refused_tier_action_is_rejected_with_the_engines_reason_and_leaves_no_operation(make_harness):
+    harness = make_harness(info=tiered_engine_info())
+    harness.engine.store([h(1)], session="a")
+    harness.engine.refuse_tier_tasks = TierRefusal(Reason.RESOURCE_EXHAUSTED, "host tier full")
+    before = harness.bus.last_sequence
+    r = harness.apply(share("a")).results[0]
+    assert (r.outcome, r.reason, r.message) == (pb.OUTCOME_REJECTED, pb.REASON_RESOURCE_EXHAUSTED, "host tier full")
+    assert not r.operation_id
+    published = harness.bus.read_after(before, 100)
+    assert [type(e.payload).__name__ for e in published] == ["HintApplied"]  # no OperationCompleted
+
+
 def test_empty_and_oversized_batches_fail_with_error_info(make_harness):
     harness = make_harness(max_hints_per_batch=4)
     with pytest.raises(grpc.RpcError) as exc:
@@ -358,3 +399,14 @@ def test_expired_pins_are_refiled_even_when_a_pin_hint_expires_them(make_harness
     time.sleep(0.1)  # several step boundaries
     assert residency(harness, "a")[h(1)].retention.retention_class == R.CLASS_ORDINARY
     assert h(1) in engine.refiled, "the engine was never asked to re-file the block whose pin ended"
+
+
+def test_the_index_forgets_the_least_recently_active_sessions_past_its_cap(make_harness):
+    harness = make_harness(max_index_blocks=10)
+    for i, s in enumerate(("old", "mid", "new")):
+        harness.engine.store([h(10 * i + k) for k in range(4)], session=s)
+        time.sleep(0.01)  # distinct last_active
+    # 12 blocks > 10: the oldest session goes; its blocks stay cached but unowned.
+    assert sessions(harness) == ["mid", "new"]
+    r = harness.apply(pin("old", 10)).results[0]
+    assert r.outcome == pb.OUTCOME_MISSING
