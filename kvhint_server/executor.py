@@ -278,9 +278,9 @@ class HintExecutor:
             core.operations.discard(op.operation_id)
             return HintResult.rejected(spec.hint_id, refusal.reason, refusal.message)
         counts: dict[Tier, int] = {}
-        for h in hashes:
-            for t in tiers_of(tiers[h]):
-                counts[t] = counts.get(t, 0) + 1
+        for h in hashes:  # each block counted once, on its nearest tier
+            nearest = tiers_of(tiers[h])[0]
+            counts[nearest] = counts.get(nearest, 0) + 1
         result = _result(spec, clips, counts)
         result.outcome = Outcome.DEFERRED
         result.reason = Reason.UNSPECIFIED
