@@ -206,6 +206,10 @@ class HintExecutor:
         if sel.kind is SelectorKind.SESSION and "s:" + sel.session_id not in owners:
             owners.append("s:" + sel.session_id)  # grants may outlive index membership
         hashes = self.resolve(sel)
+        if sel.kind is SelectorKind.BLOCK_HASHES:
+            # Explicit hashes select only blocks that are resident somewhere or retained.
+            tiers = self.tiers_of(hashes)
+            hashes = [h for h in hashes if tiers.get(h, 0) or ledger.owners(h)]
         narrowed = sel.has_range or sel.kind is not SelectorKind.SESSION or bool(spec.max_blocks)
         hashes = self._cap(spec, hashes, clips)
         released: set[bytes] = set()

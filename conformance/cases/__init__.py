@@ -1,0 +1,44 @@
+"""The kvhint.v1 conformance cases, registered in run order."""
+
+from __future__ import annotations
+
+from ..model import Registry
+from . import (
+    bad_input,
+    capabilities,
+    clipping,
+    events,
+    idempotency,
+    outcomes,
+    queries,
+    release_evict,
+    requirements,
+    retention,
+    selectors,
+    unhinted,
+)
+
+MODULES = (
+    requirements,
+    capabilities,
+    outcomes,
+    clipping,
+    idempotency,
+    bad_input,
+    selectors,
+    queries,
+    release_evict,
+    retention,
+    events,
+    unhinted,
+)
+
+
+def build_registry() -> Registry:
+    reg = Registry()
+    for module in MODULES:
+        module.register(reg)
+    return reg
+
+
+REGISTRY = build_registry()

@@ -1,0 +1,206 @@
+"""Clipping: the TTL cap, the pin budget and max_blocks."""
+
+from __future__ import annotations
+
+import time
+
+from kvhint.v1 import kvhint_pb2 as pb
+
+from .. import hints as H
+from ..model import CaseSkipped, Registry, check
+from ..target import CaseContext
+from .outcomes import resident_selection
+
+
+def _seconds(d: object) -> float:
+    return d.seconds + d.nanos / 1e9  # type: ignore[attr-defined]
+
+
+def _a(action: str) -> str:
+    return "An" if action[0] in "aeiou" else "A"
+
+
+def register(reg: Registry) -> None:
+    for action in ("retain", "pin"):
+        _ttl_cap(reg, action)
+    for action in ("retain", "pin", "release", "evict"):
+        _max_blocks(reg, action)
+
+    @reg.case(
+        "clipping", "ttl-at-cap-not-clipped",
+        "A PIN whose TTL equals limits.max_ttl MUST be ACCEPTED, not CLIPPED.",
+        requires=("pin:session",),
+        needs=("traffic",),
+    )
+    def at_cap(ctx: CaseContext) -> None:
+        sel, _n, _p, _s = resident_selection(ctx, "session")
+        cap = _seconds(ctx.caps.limits.max_ttl)
+        result = ctx.apply_one(H.hint(sel, "pin", ttl=cap))
+        check(result.outcome == pb.OUTCOME_ACCEPTED, f"pin with ttl == max_ttl ({cap:g}s): {H.describe(result)}, expected ACCEPTED")
+
+    @reg.case(
+        "clipping", "pin-budget",
+        "Pins MUST NOT exceed limits.pin_budget_blocks: a PIN that would go over the budget MUST be CLIPPED with "
+        "REASON_PIN_BUDGET, pin only the blocks that fit (Clip.granted_blocks, affected_blocks), and the blocks "
+        "reported pinned (QueryResidency) MUST never exceed the budget.",
+        requires=("pin:session",),
+        needs=("traffic",),
+    )
+    def pin_budget(ctx: CaseContext) -> None:
+        plan = ctx.plan
+        budget = plan.pin_budget
+        if budget == 0:
+            raise CaseSkipped("pin_budget_blocks is 0")
+        per = plan.session_blocks
+        sessions = budget // per + 1
+        if sessions * per > plan.device_blocks - 2:
+            raise CaseSkipped(
+                f"exceeding a budget of {budget} blocks takes {sessions} sessions of {per} blocks, more than the "
+                f"{plan.device_blocks}-block pool holds at once"
+            )
+        names = [ctx.sid(f"b{i}") for i in range(sessions)]
+        for i, name in enumerate(names):
+            ctx.complete(ctx.session_prompt(f"b{i}"), name)
+        pinned = 0
+        clipped = None
+        for i, name in enumerate(names):
+            result = ctx.apply_one(H.pin(name, ttl=60))
+            granted = H.device_blocks(result)
+            fits = budget - pinned
+            if per <= fits:
+                check(
+                    result.outcome == pb.OUTCOME_ACCEPTED and granted == per,
+                    f"pin #{i + 1} of {per} blocks with {fits} of {budget} budget blocks left: {H.describe(result)}, "
+                    "expected ACCEPTED (is something else holding pins?)",
+                )
+            else:
+                check(
+                    result.outcome == pb.OUTCOME_CLIPPED and result.reason == pb.REASON_PIN_BUDGET,
+                    f"pin #{i + 1} of {per} blocks with {fits} of {budget} budget blocks left: {H.describe(result)}, "
+                    "expected CLIPPED/PIN_BUDGET",
+                )
+                clips = [c for c in result.clips if c.reason == pb.REASON_PIN_BUDGET]
+                check(clips, "CLIPPED/PIN_BUDGET without a PIN_BUDGET Clip")
+                check(
+                    clips[0].requested_blocks == per and clips[0].granted_blocks == fits,
+                    f"PIN_BUDGET clip requested={clips[0].requested_blocks} granted={clips[0].granted_blocks}, "
+                    f"expected requested={per} granted={fits}",
+                )
+                check(granted == fits, f"affected_blocks reports {granted} device blocks pinned, expected {fits}")
+                clipped = result
+            pinned += granted
+        check(clipped is not None, f"{sessions * per} blocks pinned against a budget of {budget} without a clip")
+        total = 0
+        for name in names:
+            total += sum(
+                1 for b in ctx.residency(H.session_selector(name)) if b.retention.retention_class == pb.RetentionState.CLASS_PINNED
+            )
+        check(total == budget, f"QueryResidency reports {total} pinned blocks; the budget is {budget}, all of it was granted")
+
+    @reg.case(
+        "clipping", "pin-budget-freed-by-release",
+        "Releasing a session's pins MUST return their blocks to the pin budget: after a Release, a PIN that fits the "
+        "freed budget MUST be ACCEPTED.",
+        requires=("pin:session", "release:session"),
+        needs=("traffic",),
+    )
+    def budget_freed(ctx: CaseContext) -> None:
+        plan = ctx.plan
+        per = plan.session_blocks
+        sessions = plan.pin_budget // per
+        if sessions < 1 or sessions * per + per > plan.device_blocks - 2:
+            raise CaseSkipped(f"the pin budget ({plan.pin_budget}) and pool ({plan.device_blocks}) do not allow the setup")
+        names = [ctx.sid(f"f{i}") for i in range(sessions + 1)]
+        for i, name in enumerate(names):
+            ctx.complete(ctx.session_prompt(f"f{i}"), name)
+        for name in names[:-1]:
+            ctx.apply_one(H.pin(name, ttl=60))
+        full = ctx.apply_one(H.pin(names[-1], ttl=60))
+        left = plan.pin_budget - sessions * per
+        if left < per:
+            check(full.outcome == pb.OUTCOME_CLIPPED, f"pin beyond the budget: {H.describe(full)}, expected CLIPPED")
+        ctx.apply(H.release(names[-1]), H.release(names[0]))
+        ctx.complete(ctx.session_prompt(f"f{sessions}"), names[-1])  # a hit: the session is known again
+        again = ctx.apply_one(H.pin(names[-1], ttl=60))
+        check(
+            again.outcome == pb.OUTCOME_ACCEPTED and H.device_blocks(again) == per,
+            f"pin after releasing {per} pinned blocks: {H.describe(again)}, expected ACCEPTED with {per} blocks",
+        )
+
+
+def _ttl_cap(reg: Registry, action: str) -> None:
+    @reg.case(
+        "clipping", f"{action}-ttl-capped",
+        f"{_a(action)} {action.upper()} whose TTL exceeds limits.max_ttl MUST be applied with the TTL capped at max_ttl and "
+        "reported CLIPPED with REASON_TTL_CAPPED, effective_ttl = max_ttl and a Clip naming the requested and granted "
+        "TTL; the protection QueryResidency reports MUST expire no later than max_ttl from now.",
+        requires=(f"{action}:session",),
+        needs=("traffic",),
+    )
+    def ttl_capped(ctx: CaseContext) -> None:
+        sel, _n, _p, session = resident_selection(ctx, "session")
+        cap = _seconds(ctx.caps.limits.max_ttl)
+        asked = cap * 2 + 60
+        before = time.time()
+        result = ctx.apply_one(H.hint(sel, action, ttl=asked, priority=4))
+        check(
+            result.outcome == pb.OUTCOME_CLIPPED and result.reason == pb.REASON_TTL_CAPPED,
+            f"{action} with ttl {asked:g}s over max_ttl {cap:g}s: {H.describe(result)}, expected CLIPPED/TTL_CAPPED",
+        )
+        check(abs(_seconds(result.effective_ttl) - cap) < 1e-3, f"effective_ttl={_seconds(result.effective_ttl):g}s, expected {cap:g}s")
+        clips = [c for c in result.clips if c.reason == pb.REASON_TTL_CAPPED]
+        check(clips, "CLIPPED/TTL_CAPPED without a TTL_CAPPED Clip")
+        check(
+            abs(_seconds(clips[0].requested_ttl) - asked) < 1e-3 and abs(_seconds(clips[0].granted_ttl) - cap) < 1e-3,
+            f"TTL clip requested={_seconds(clips[0].requested_ttl):g}s granted={_seconds(clips[0].granted_ttl):g}s, "
+            f"expected {asked:g}s / {cap:g}s",
+        )
+        blocks = ctx.residency(H.session_selector(session))
+        expected_class = pb.RetentionState.CLASS_PINNED if action == "pin" else pb.RetentionState.CLASS_RETAINED
+        check(
+            blocks and all(b.retention.retention_class == expected_class for b in blocks),
+            f"after the clipped {action}, QueryResidency classes are "
+            f"{sorted({pb.RetentionState.Class.Name(b.retention.retention_class) for b in blocks})}",
+        )
+        latest = max(b.retention.expires_at.seconds for b in blocks)
+        check(
+            latest <= before + cap + 5,
+            f"the {action} expires {latest - before:.0f}s from now; max_ttl is {cap:g}s",
+        )
+
+
+def _max_blocks(reg: Registry, action: str) -> None:
+    head = action in ("retain", "pin")
+    @reg.case(
+        "clipping", f"{action}-max-blocks",
+        f"{_a(action)} {action.upper()} with max_blocks smaller than its selection MUST be CLIPPED with REASON_MAX_BLOCKS "
+        "(requested and granted block counts in the Clip) and apply to the "
+        + ("first blocks of the chain." if head else "last blocks of the chain."),
+        requires=(f"{action}:session",),
+        needs=("traffic",),
+    )
+    def max_blocks(ctx: CaseContext) -> None:
+        sel, n, prompt, session = resident_selection(ctx, "session", blocks=4)
+        if action == "release":
+            ctx.apply_one(H.hint(sel, "pin", ttl=30))
+        result = ctx.apply_one(H.hint(sel, action, max_blocks=1, ttl=30, priority=2))
+        check(
+            result.outcome == pb.OUTCOME_CLIPPED and result.reason == pb.REASON_MAX_BLOCKS,
+            f"{action} of {n} blocks with max_blocks=1: {H.describe(result)}, expected CLIPPED/MAX_BLOCKS",
+        )
+        clips = [c for c in result.clips if c.reason == pb.REASON_MAX_BLOCKS]
+        check(clips and clips[0].requested_blocks == n and clips[0].granted_blocks == 1,
+              f"MAX_BLOCKS clip: {[(c.requested_blocks, c.granted_blocks) for c in clips]}, expected requested={n} granted=1")
+        blocks = ctx.residency(H.session_selector(session))
+        if action in ("retain", "pin"):
+            protected = [b.position for b in blocks if b.retention.retention_class != pb.RetentionState.CLASS_ORDINARY
+                         and b.retention.retention_class != pb.RetentionState.CLASS_UNSPECIFIED]
+            check(protected == [0], f"{action} with max_blocks=1 protected positions {protected}, expected [0]")
+        elif action == "release":
+            pinned = [b.position for b in blocks if b.retention.retention_class == pb.RetentionState.CLASS_PINNED]
+            check(pinned == list(range(n - 1)), f"release with max_blocks=1 left positions {pinned} pinned, expected {list(range(n - 1))}")
+        else:
+            resident = [b.position for b in blocks if pb.TIER_DEVICE in b.tiers]
+            check(resident == list(range(n - 1)), f"evict with max_blocks=1 left positions {resident} resident, expected {list(range(n - 1))}")
+            hit = ctx.complete(prompt, session).cached_tokens
+            check(ctx.lower_tiers or hit == (n - 1) * ctx.plan.block_size, f"after evicting the last block, a repeat hit {hit} tokens, expected {(n - 1) * ctx.plan.block_size}")

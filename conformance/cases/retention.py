@@ -1,0 +1,185 @@
+"""Retention effect, observed the way a user sees it: `cached_tokens` when a session resumes
+after cache pressure (filler prompts without a session, sized from GetCapabilities)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import time
+
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_client.openai_traffic import Completion
+
+from .. import hints as H
+from ..model import CaseSkipped, Registry, check
+from ..target import CaseContext
+
+PRESSURE = ("pressure",)
+
+
+def hit(ctx: CaseContext, prompt: list[int], session: str) -> int:
+    return ctx.complete(prompt, session).cached_tokens
+
+
+def pin_to_budget(ctx: CaseContext, tag: str) -> list[str]:
+    """Store and pin sessions until the pin budget is used up. Returns the session ids."""
+    plan = ctx.plan
+    count = math.ceil(plan.pin_budget / plan.session_blocks)
+    names = [ctx.sid(f"{tag}{i}") for i in range(count)]
+    for i, name in enumerate(names):
+        ctx.complete(ctx.session_prompt(f"{tag}{i}"), name)
+    ctx.apply(*(H.pin(n, ttl=120) for n in names))
+    return names
+
+
+def concurrent_overflow(ctx: CaseContext, tag: str, max_tokens: int = 16) -> tuple[list[list[int]], list[Completion]]:
+    """With the pin budget in use, send enough concurrent long prompts that they need more blocks
+    than the unpinned pool, though fewer than the whole pool. Returns (prompts, completions)."""
+    plan = ctx.plan
+    bs = plan.block_size
+    each = math.ceil((plan.long_prompt_tokens + max_tokens) / bs)
+    unpinned = plan.device_blocks - 1 - plan.pin_budget
+    n = unpinned // each + 1
+    if n * each > plan.device_blocks - 1:
+        raise CaseSkipped(
+            f"{n} concurrent prompts of {each} blocks exceed the unpinned pool ({unpinned} blocks) only by also "
+            f"exceeding the whole pool ({plan.device_blocks} blocks); raise max_model_len or the pin budget"
+        )
+    prompts = [ctx.tokens(f"{tag}-long-{i}", plan.long_prompt_tokens) for i in range(n)]
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        outputs = list(pool.map(lambda p: ctx.complete(p, max_tokens=max_tokens), prompts))
+    return prompts, outputs
+
+
+def register(reg: Registry) -> None:
+    @reg.case(
+        "retention", "pinned-session-survives-pressure",
+        "A session pinned with PIN MUST keep its prefix cached through pressure that evicts an unhinted control "
+        "session stored just before it: the pinned session's repeat MUST hit its whole prefix, and the control's "
+        "MUST NOT hit.",
+        requires=("pin:session",),
+        needs=PRESSURE,
+    )
+    def pinned(ctx: CaseContext) -> None:
+        control, kept = ctx.session_prompt("control"), ctx.session_prompt("pinned")
+        ctx.complete(control, ctx.sid("control"))
+        ctx.complete(kept, ctx.sid("pinned"))
+        result = ctx.apply_one(H.pin(ctx.sid("pinned"), ttl=120))
+        check(
+            result.outcome == pb.OUTCOME_ACCEPTED and H.device_blocks(result) == ctx.plan.session_blocks,
+            f"pin of a {ctx.plan.session_blocks}-block session: {H.describe(result)}",
+        )
+        ctx.pressure("pin")
+        got = hit(ctx, kept, ctx.sid("pinned"))
+        check(got == ctx.full_hit, f"the pinned session hit {got} of {ctx.full_hit} tokens after pressure")
+        lost = hit(ctx, control, ctx.sid("control"))
+        check(lost == 0, f"the unhinted control session still hit {lost} tokens: the pressure did not evict it")
+
+    @reg.case(
+        "retention", "retained-session-survives-pressure",
+        "A session retained with RETAIN MUST keep its prefix cached through pressure that evicts an unhinted control "
+        "session stored just before it, while ordinary blocks can serve the load.",
+        requires=("retain:session",),
+        needs=PRESSURE,
+    )
+    def retained(ctx: CaseContext) -> None:
+        control, kept = ctx.session_prompt("control"), ctx.session_prompt("kept")
+        ctx.complete(control, ctx.sid("control"))
+        ctx.complete(kept, ctx.sid("kept"))
+        result = ctx.apply_one(H.retain(ctx.sid("kept"), priority=5, ttl=120))
+        check(result.outcome == pb.OUTCOME_ACCEPTED, f"retain: {H.describe(result)}")
+        ctx.pressure("retain")
+        got = hit(ctx, kept, ctx.sid("kept"))
+        check(got == ctx.full_hit, f"the retained session hit {got} of {ctx.full_hit} tokens after pressure")
+        lost = hit(ctx, control, ctx.sid("control"))
+        check(lost == 0, f"the unhinted control session still hit {lost} tokens: the pressure did not evict it")
+
+    @reg.case(
+        "retention", "lower-priority-evicted-first",
+        "When retained blocks must be evicted, blocks of the lowest retain priority MUST go first, even when that "
+        "session is the most recently used: the higher-priority sessions MUST keep their whole prefix.",
+        requires=("retain:session",),
+        needs=PRESSURE,
+    )
+    def priority(ctx: CaseContext) -> None:
+        plan = ctx.plan
+        bs, per = plan.block_size, plan.session_blocks
+        ordinary = plan.device_blocks - 1 - 3 * per
+        filler_blocks = ordinary + math.ceil(per / 2)
+        max_blocks = (ctx.target.options.max_model_len - 1) // bs
+        if filler_blocks < 2 or filler_blocks > max_blocks:
+            raise CaseSkipped(f"a filler of {filler_blocks} blocks is needed (at most {max_blocks} fit max_model_len)")
+        names = ("high", "mid", "low")  # oldest first: plain LRU would evict `high` first
+        prompts = {n: ctx.session_prompt(n) for n in names}
+        for n in names:
+            ctx.complete(prompts[n], ctx.sid(n))
+        ctx.apply(H.retain(ctx.sid("high"), 9, 120), H.retain(ctx.sid("mid"), 5, 120), H.retain(ctx.sid("low"), 1, 120))
+        # About half a session more than the ordinary blocks: only `low` may lose blocks.
+        ctx.pressure("priority", count=1, tokens=(filler_blocks - 1) * bs + max(1, bs // 2))
+        high, mid = hit(ctx, prompts["high"], ctx.sid("high")), hit(ctx, prompts["mid"], ctx.sid("mid"))
+        low = hit(ctx, prompts["low"], ctx.sid("low"))
+        check(low < ctx.full_hit, f"the lowest-priority session kept all {low} tokens; a {filler_blocks}-block prompt needed "
+              f"~{math.ceil(per / 2)} retained blocks")
+        check(high == ctx.full_hit and mid == ctx.full_hit,
+              f"priority 9 hit {high}, priority 5 hit {mid} of {ctx.full_hit} tokens (priority 1 hit {low}): a higher "
+              "priority lost blocks")
+
+    @reg.case(
+        "retention", "released-session-loses-protection",
+        "After RELEASE, a previously pinned session MUST lose its protection: pressure MUST evict it like an "
+        "unhinted session.",
+        requires=("pin:session", "release:session"),
+        needs=PRESSURE,
+    )
+    def released(ctx: CaseContext) -> None:
+        prompt = ctx.session_prompt("was-pinned")
+        ctx.complete(prompt, ctx.sid("was-pinned"))
+        ctx.apply_one(H.pin(ctx.sid("was-pinned"), ttl=120))
+        result = ctx.apply_one(H.release(ctx.sid("was-pinned")))
+        check(result.outcome == pb.OUTCOME_ACCEPTED, f"release of a pinned session: {H.describe(result)}, expected ACCEPTED")
+        ctx.pressure("released")
+        got = hit(ctx, prompt, ctx.sid("was-pinned"))
+        check(got == 0, f"the released session still hit {got} tokens after pressure")
+
+    @reg.case(
+        "retention", "expired-pin-is-ordinary",
+        "A pin whose TTL has passed MUST no longer protect its blocks: QueryResidency MUST NOT report them pinned, "
+        "and pressure MUST evict them.",
+        requires=("pin:session",),
+        needs=PRESSURE,
+    )
+    def expired(ctx: CaseContext) -> None:
+        session = ctx.sid("short")
+        prompt = ctx.session_prompt("short")
+        ctx.complete(prompt, session)
+        result = ctx.apply_one(H.pin(session, ttl=1))
+        check(result.outcome == pb.OUTCOME_ACCEPTED, f"pin with ttl 1s: {H.describe(result)}")
+        time.sleep(1.5)
+        classes = {b.retention.retention_class for b in ctx.residency(H.session_selector(session))}
+        check(pb.RetentionState.CLASS_PINNED not in classes, "QueryResidency reports blocks pinned 1.5s after a 1s pin")
+        ctx.pressure("expired")
+        got = hit(ctx, prompt, session)
+        check(got == 0, f"the session whose pin expired still hit {got} tokens after pressure")
+
+    @reg.case(
+        "retention", "pins-never-fail-allocations",
+        "Pins MUST NOT fail a request the engine could serve without them: with the whole pin budget in use, "
+        "concurrent requests that need more than the unpinned pool MUST all complete, with the same greedy tokens "
+        "as when nothing is pinned.",
+        requires=("pin:session", "release:session"),
+        needs=PRESSURE,
+    )
+    def never_fail(ctx: CaseContext) -> None:
+        names = pin_to_budget(ctx, "p")
+        prompts, outputs = concurrent_overflow(ctx, "never-fail")
+        ctx.apply(*(H.release(n) for n in names))
+        for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+            check(out.prompt_tokens == len(prompt), f"request {i}: usage.prompt_tokens={out.prompt_tokens}")
+        # Same prompts again, nothing pinned, after pressure evicted them: both runs compute the prompt.
+        ctx.pressure("never-fail")
+        for i, prompt in enumerate(prompts):
+            again = ctx.complete(prompt, max_tokens=16)
+            check(
+                (tuple(again.token_ids), again.text) == (tuple(outputs[i].token_ids), outputs[i].text),
+                f"request {i} generated different tokens under pin pressure than without pins",
+            )

@@ -1,0 +1,206 @@
+"""kvhint-conformance: run the kvhint.v1 conformance suite against one engine.
+
+    kvhint-conformance --target HOST:PORT --openai-url http://HOST:PORT [options]
+    python -m conformance --target ... --openai-url ...
+
+Exit status: 0 when every selected case passed or was skipped (or failed and is listed in
+--known-failing), 1 when a case failed or a --known-failing entry passed (stale), 2 on a usage
+error. See conformance/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from .cases import REGISTRY
+from .model import RELEASE, SUITE, Case, CaseFailed, CaseResult, CaseSkipped, Registry, Status
+from .report import RunInfo, junit_xml, one_line, summary
+from .target import CaseContext, Options, Target
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="kvhint-conformance",
+        description=f"Black-box conformance suite for engines that serve {SUITE} ({RELEASE}).",
+    )
+    p.add_argument("--target", metavar="HOST:PORT", help="the engine's kvhint.v1 gRPC endpoint")
+    p.add_argument("--openai-url", metavar="URL", help="the engine's OpenAI-compatible HTTP endpoint (base URL)")
+    p.add_argument("--model", help="model name for /v1/completions (default: the first of /v1/models)")
+    p.add_argument("--max-model-len", type=int, default=1024,
+                   help="longest prompt + completion the endpoint accepts (default 1024)")
+    p.add_argument("--token-range", default="3:4000", metavar="LOW:HIGH",
+                   help="token ids used for synthetic prompts, [LOW, HIGH) (default 3:4000)")
+    p.add_argument("--max-pressure-prompts", type=int, default=64,
+                   help="most filler prompts one pressure round may take (default 64)")
+    p.add_argument("--max-window-rpcs", type=int, default=1000,
+                   help="most ApplyHints batches used to pass the event replay window (default 1000)")
+    p.add_argument("--rpc-timeout", type=float, default=30.0, help="per-RPC deadline in seconds (default 30)")
+    p.add_argument("--run", action="append", default=[], metavar="REGEX",
+                   help="only cases whose id matches (re.search); repeatable")
+    p.add_argument("--skip", action="append", default=[], metavar="REGEX",
+                   help="leave out cases whose id matches; repeatable")
+    p.add_argument("--known-failing", metavar="FILE",
+                   help="case ids (or globs) expected to fail, one per line, '#' comments; a listed case that "
+                        "passes fails the run as stale")
+    p.add_argument("--junit-xml", metavar="FILE", help="also write a JUnit XML report")
+    p.add_argument("--list", action="store_true", help="print the selected case ids and exit")
+    p.add_argument("--describe", action="store_true", help="print the selected cases (id, requires, statement) and exit")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every case's result as it finishes")
+    p.add_argument("--nonce", help="run nonce used in session ids and prompts (default: random)")
+    args = p.parse_args(argv)
+    if not (args.list or args.describe) and not args.target:
+        p.error("--target is required")
+    try:
+        low, high = (int(x) for x in args.token_range.split(":"))
+        if not 0 <= low < high:
+            raise ValueError
+    except ValueError:
+        p.error(f"--token-range {args.token_range!r}: expected LOW:HIGH with 0 <= LOW < HIGH")
+    args.token_low, args.token_high = low, high
+    return args
+
+
+def select(registry: Registry, run: Sequence[str], skip: Sequence[str]) -> list[Case]:
+    runs = [re.compile(r) for r in run]
+    skips = [re.compile(r) for r in skip]
+    return [
+        c for c in registry.cases
+        if (not runs or any(r.search(c.id) for r in runs)) and not any(s.search(c.id) for s in skips)
+    ]
+
+
+def read_known_failing(path: str, registry: Registry) -> list[str]:
+    """Patterns from a known-failing file. Every pattern must match a registered case."""
+    patterns = []
+    for raw in Path(path).read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            patterns.append(line)
+    ids = registry.ids()
+    unknown = [p for p in patterns if not any(fnmatch.fnmatchcase(i, p) for i in ids)]
+    if unknown:
+        raise SystemExit(f"kvhint-conformance: --known-failing entries match no case: {', '.join(unknown)}")
+    return patterns
+
+
+def run_case(target: Target, case: Case, index: int) -> CaseResult:
+    start = time.monotonic()
+    ctx: CaseContext | None = None
+    try:
+        missing = target.missing_capabilities(case)
+        if missing:
+            return CaseResult(case, Status.SKIPPED, f"not advertised by the target: {', '.join(missing)}")
+        for need in case.needs:
+            ok, reason = target.need(need)
+            if not ok:
+                return CaseResult(case, Status.SKIPPED, f"requirement {need!r} not met: {reason}")
+        ctx = CaseContext(target, case, index)
+        case.run(ctx)
+        return CaseResult(case, Status.PASSED, details="\n".join(ctx.notes))
+    except CaseSkipped as exc:
+        return CaseResult(case, Status.SKIPPED, str(exc) or "skipped")
+    except (CaseFailed, AssertionError) as exc:
+        return CaseResult(case, Status.FAILED, str(exc) or type(exc).__name__, details=traceback.format_exc())
+    except Exception as exc:  # noqa: BLE001 - any error fails the case, not the run
+        return CaseResult(case, Status.FAILED, f"error: {type(exc).__name__}: {exc}", details=traceback.format_exc())
+    finally:
+        if ctx is not None:
+            try:
+                ctx.cleanup()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def apply_known_failing(result: CaseResult, patterns: Sequence[str]) -> CaseResult:
+    if not any(fnmatch.fnmatchcase(result.case.id, p) for p in patterns):
+        return result
+    if result.status is Status.FAILED:
+        result.status = Status.KNOWN_FAILING
+    elif result.status is Status.PASSED:
+        result.status = Status.STALE
+        result.reason = "listed in --known-failing but passed: remove it from the list"
+    return result
+
+
+def run_suite(options: Options, cases: Sequence[Case], known_failing: Sequence[str] = (),
+              out: TextIO | None = None, verbose: bool = False) -> tuple[list[CaseResult], RunInfo]:
+    target = Target(options)
+    started = time.monotonic()
+    results: list[CaseResult] = []
+    try:
+        for index, case in enumerate(cases):
+            case_started = time.monotonic()
+            result = run_case(target, case, index)
+            result.duration_s = time.monotonic() - case_started
+            result = apply_known_failing(result, known_failing)
+            results.append(result)
+            if out is not None and (verbose or result.failed):
+                label = result.status.value.upper()
+                reason = f": {one_line(result.reason, 200)}" if result.reason else ""
+                print(f"{label:13} {case.id} ({result.duration_s:.2f}s){reason}", file=out, flush=True)
+        engine, epoch, plan = "", "", ""
+        try:
+            caps = target.caps
+            engine, epoch = f"{caps.engine} {caps.engine_version}".strip(), caps.epoch
+            plan = target.plan.summary()
+        except Exception:  # noqa: BLE001
+            pass
+        info = RunInfo(options.target, options.openai_url or "", engine, epoch, plan, time.monotonic() - started, options.nonce)
+    finally:
+        target.close()
+    return results, info
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0) if isinstance(exc.code, int) else 2
+    cases = select(REGISTRY, args.run, args.skip)
+    if args.list or args.describe:
+        try:
+            for c in cases:
+                if args.list:
+                    print(c.id, file=out)
+                    continue
+                requires = f" [requires {', '.join(c.requires)}]" if c.requires else ""
+                needs = f" [needs {', '.join(c.needs)}]" if c.needs else ""
+                print(f"{c.id} (since {c.since}){requires}{needs}\n    {c.statement}", file=out)
+            out.flush()
+        except BrokenPipeError:  # `kvhint-conformance --list | head`: quiet exit
+            if out is sys.stdout:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    try:
+        known = read_known_failing(args.known_failing, REGISTRY) if args.known_failing else []
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if not cases:
+        print("kvhint-conformance: no case matches --run/--skip", file=sys.stderr)
+        return 2
+    kw = {"nonce": args.nonce} if args.nonce else {}
+    options = Options(
+        target=args.target, openai_url=args.openai_url, model=args.model, max_model_len=args.max_model_len,
+        token_low=args.token_low, token_high=args.token_high, max_pressure_prompts=args.max_pressure_prompts,
+        max_window_rpcs=args.max_window_rpcs, rpc_timeout=args.rpc_timeout, **kw,
+    )
+    results, info = run_suite(options, cases, known, out=out, verbose=args.verbose)
+    print(summary(results, info), file=out, flush=True)
+    if args.junit_xml:
+        Path(args.junit_xml).write_bytes(junit_xml(results, info))
+    return 1 if any(r.failed for r in results) else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,482 @@
+"""The target under test: its gRPC surface, its OpenAI-compatible endpoint, what it advertises,
+and the pressure plan derived from it.
+
+Everything here is black-box: GetCapabilities, ApplyHints, QueryResidency, WatchEvents and
+/v1/completions (token-id prompts, `X-Session-ID` header, `vllm_xargs.continuation_id`).
+
+Capability vocabulary (`Case.requires`), derived from GetCapabilitiesResponse:
+
+    <action>                 ActionSupport.supported (retain, pin, release, evict, demote, prefetch, share)
+    <action>:<selector>      the action accepts that selector (session, continuation, block-hashes)
+    <action>:range           ActionSupport.supports_range
+    tier:<name>              a configured tier (device, host, disk, remote)
+    share-destination        at least one Share destination is configured
+
+Target requirements (`Case.needs`), checked by the `requirements/*` cases:
+
+    traffic        --openai-url is given and /v1/completions accepts token-id prompts
+    cached-tokens  responses report usage.prompt_tokens_details.cached_tokens for prefix hits
+    pressure       the pool is small enough to be overflowed by at most --max-pressure-prompts
+                   prompts, and no lower tier of unknown capacity can hold evicted blocks
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2
+
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint.v1 import kvhint_pb2_grpc as pbg
+from kvhint_client.errors import KvHintError
+from kvhint_client.openai_traffic import Completion, CompletionError, complete, first_model
+
+from . import hints as H
+from .model import Case, CaseFailed, CaseSkipped, check
+from .watch import Collector
+
+
+@dataclass(frozen=True)
+class Options:
+    target: str
+    openai_url: str | None = None
+    model: str | None = None
+    # Longest prompt + completion the target's OpenAI endpoint accepts.
+    max_model_len: int = 1024
+    # Token ids used for synthetic prompts: [low, high). Must be ordinary tokens of the model.
+    token_low: int = 3
+    token_high: int = 4000
+    # Upper bound on filler prompts one pressure round may take.
+    max_pressure_prompts: int = 64
+    # Upper bound on ApplyHints batches used to push events past the replay window.
+    max_window_rpcs: int = 1000
+    # Per-RPC deadline, seconds.
+    rpc_timeout: float = 30.0
+    # Per-request deadline for /v1/completions, seconds.
+    http_timeout: float = 120.0
+    nonce: str = field(default_factory=lambda: secrets.token_hex(4))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes derived from GetCapabilities and the options (see README "Requirements")."""
+
+    block_size: int
+    device_blocks: int
+    # Device blocks plus the capacity of every bounded lower tier.
+    capacity_blocks: int
+    pin_budget: int
+    # A "session prompt": session_blocks full blocks plus half a block.
+    session_blocks: int
+    session_tokens: int
+    # Filler prompts (no session) that together overflow capacity_blocks plus a session.
+    filler_tokens: int
+    filler_count: int
+    # The longest prompt used (concurrent-pressure cases), with room for 16 generated tokens.
+    long_prompt_tokens: int
+    pressure_ok: bool
+    pressure_reason: str
+
+    def summary(self) -> str:
+        return (
+            f"block_size={self.block_size} device_blocks={self.device_blocks} capacity_blocks={self.capacity_blocks} "
+            f"pin_budget={self.pin_budget} session_prompt={self.session_tokens} tokens ({self.session_blocks} blocks) "
+            f"pressure={self.filler_count}x{self.filler_tokens} tokens"
+        )
+
+
+def make_plan(caps: pb.GetCapabilitiesResponse, options: Options) -> Plan:
+    bs = max(1, caps.block_size)
+    device = int(caps.num_device_blocks)
+    budget = caps.limits.pin_budget_blocks
+    problems: list[str] = []
+    lower = [t for t in caps.tiers if t.tier != pb.TIER_DEVICE]
+    unbounded = [H.TIER_NAME.get(t.tier, str(t.tier)) for t in lower if not t.capacity_blocks]
+    if unbounded:
+        problems.append(
+            f"lower tier(s) {', '.join(unbounded)} report no capacity, so no bounded load can push a session out of them"
+        )
+    capacity = device + sum(int(t.capacity_blocks) for t in lower)
+    half = max(1, bs // 2)
+    max_full = (options.max_model_len - 1 - half) // bs  # full blocks in a prompt that leaves room for 1 token
+    # Three session prompts (plus a partial block each) must fit the device pool together, and
+    # one session must fit the pin budget.
+    session_blocks = min(max_full, (device - 4) // 3, budget if budget else max_full)
+    if session_blocks < 2:
+        problems.append(
+            f"a session prompt would have {session_blocks} blocks (max_model_len={options.max_model_len}, "
+            f"block_size={bs}, device blocks={device}, pin budget={budget}); at least 2 are needed"
+        )
+        session_blocks = 2
+    session_tokens = session_blocks * bs + half
+    filler_count = math.ceil((capacity + session_blocks) / session_blocks) + 1
+    if filler_count > options.max_pressure_prompts:
+        problems.append(
+            f"{filler_count} prompts of {session_tokens} tokens are needed to overflow {capacity} blocks; "
+            f"--max-pressure-prompts is {options.max_pressure_prompts} (use a smaller pool or raise the bound)"
+        )
+    long_prompt = options.max_model_len - 24
+    return Plan(
+        block_size=bs,
+        device_blocks=device,
+        capacity_blocks=capacity,
+        pin_budget=budget,
+        session_blocks=session_blocks,
+        session_tokens=session_tokens,
+        filler_tokens=session_tokens,
+        filler_count=filler_count,
+        long_prompt_tokens=long_prompt,
+        pressure_ok=not problems,
+        pressure_reason="; ".join(problems),
+    )
+
+
+def advertised(caps: pb.GetCapabilitiesResponse) -> set[str]:
+    out: set[str] = set()
+    for support in caps.actions:
+        name = H.ACTION_NAME.get(support.action)
+        if name is None or not support.supported:
+            continue
+        out.add(name)
+        for kind in support.selectors:
+            if kind in H.SELECTOR_NAME:
+                out.add(f"{name}:{H.SELECTOR_NAME[kind]}")
+        if support.supports_range:
+            out.add(f"{name}:range")
+    for tier in caps.tiers:
+        if tier.tier in H.TIER_NAME:
+            out.add(f"tier:{H.TIER_NAME[tier.tier]}")
+    if caps.share_destinations:
+        out.add("share-destination")
+    return out
+
+
+class Target:
+    """One engine under test. Shared by all cases of a run."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.channel = grpc.insecure_channel(options.target)
+        self.stub = pbg.KvHintServiceStub(self.channel)
+        self._caps: pb.GetCapabilitiesResponse | None = None
+        self._caps_error: str | None = None
+        self._needs: dict[str, tuple[bool, str]] = {}
+        self._model: str | None = options.model
+        self._model_checked = options.model is not None
+        self.full_hit_tokens: int | None = None  # cached tokens of an immediate session-prompt repeat
+        self._lock = threading.Lock()
+
+    # -- capabilities ---------------------------------------------------------------------
+
+    @property
+    def caps(self) -> pb.GetCapabilitiesResponse:
+        if self._caps is None and self._caps_error is None:
+            try:
+                self._caps = self.stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=self.options.rpc_timeout, wait_for_ready=True)
+            except grpc.RpcError as err:
+                self._caps_error = f"GetCapabilities failed: {err.code().name}: {err.details()}"
+        if self._caps is None:
+            raise CaseFailed(self._caps_error or "GetCapabilities failed")
+        return self._caps
+
+    def refresh_caps(self) -> pb.GetCapabilitiesResponse:
+        self._caps = None
+        self._caps_error = None
+        return self.caps
+
+    @property
+    def capabilities(self) -> set[str]:
+        return advertised(self.caps)
+
+    @property
+    def plan(self) -> Plan:
+        return make_plan(self.caps, self.options)
+
+    def missing_capabilities(self, case: Case) -> list[str]:
+        have = self.capabilities
+        return [c for c in case.requires if c not in have]
+
+    # -- requirements ---------------------------------------------------------------------
+
+    def need(self, name: str) -> tuple[bool, str]:
+        """(met, reason) for a target requirement; probes run once per run."""
+        with self._lock:
+            if name not in self._needs:
+                self._needs[name] = self._probe(name)
+            return self._needs[name]
+
+    def _probe(self, name: str) -> tuple[bool, str]:
+        try:
+            if name == "traffic":
+                return self._probe_traffic()
+            if name == "cached-tokens":
+                ok, reason = self.need_unlocked("traffic")
+                if not ok:
+                    return ok, reason
+                return self._probe_cached_tokens()
+            if name == "pressure":
+                plan = self.plan
+                if not plan.pressure_ok:
+                    return False, plan.pressure_reason
+                return self.need_unlocked("cached-tokens")
+        except CaseFailed as exc:
+            return False, str(exc)
+        raise ValueError(f"unknown requirement {name!r}")
+
+    def need_unlocked(self, name: str) -> tuple[bool, str]:
+        if name not in self._needs:
+            self._needs[name] = self._probe(name)
+        return self._needs[name]
+
+    def _probe_traffic(self) -> tuple[bool, str]:
+        if not self.options.openai_url:
+            return False, "no --openai-url given"
+        prompt = self.token_ids("probe-traffic", 3 * max(1, self.caps.block_size) + 1)
+        try:
+            out = self.complete(prompt, session_id=f"kvc-{self.options.nonce}-probe")
+        except Exception as exc:  # noqa: BLE001
+            return False, f"/v1/completions with a token-id prompt and X-Session-ID failed: {exc}"
+        if out.prompt_tokens != len(prompt):
+            return False, f"usage.prompt_tokens={out.prompt_tokens} for a {len(prompt)}-token prompt given as token ids"
+        return True, ""
+
+    def _probe_cached_tokens(self) -> tuple[bool, str]:
+        plan = self.plan
+        prompt = self.token_ids("probe-cached", plan.session_tokens)
+        session = f"kvc-{self.options.nonce}-probe"
+        first = self.complete(prompt, session_id=session)
+        second = self.complete(prompt, session_id=session)
+        expected = plan.session_blocks * plan.block_size
+        if second.cached_tokens < expected:
+            return False, (
+                f"a repeated {len(prompt)}-token prompt reported cached_tokens={second.cached_tokens} "
+                f"(first: {first.cached_tokens}); expected at least {expected} (its {plan.session_blocks} full blocks). "
+                "The endpoint must report usage.prompt_tokens_details.cached_tokens (vLLM: --enable-prompt-tokens-details) "
+                "and keep prefix caching on"
+            )
+        self.full_hit_tokens = second.cached_tokens
+        return True, ""
+
+    # -- traffic --------------------------------------------------------------------------
+
+    def token_ids(self, seed: str, n: int) -> list[int]:
+        rng = random.Random(f"{self.options.nonce}/{seed}")
+        return [rng.randrange(self.options.token_low, self.options.token_high) for _ in range(n)]
+
+    def model(self) -> str | None:
+        if not self._model_checked:
+            self._model_checked = True
+            try:
+                self._model = first_model(self.options.openai_url or "")
+            except Exception:  # noqa: BLE001 - the endpoint may serve without /v1/models
+                self._model = None
+        return self._model
+
+    def complete(self, prompt: list[int], *, session_id: str | None = None, continuation_id: str | None = None,
+                 parent_session_id: str | None = None, max_tokens: int = 1,
+                 extra_body: dict[str, object] | None = None) -> Completion:
+        if not self.options.openai_url:
+            raise CaseSkipped("no --openai-url given")
+        try:
+            return complete(
+                self.options.openai_url, prompt, model=self.model(), session_id=session_id,
+                continuation_id=continuation_id, parent_session_id=parent_session_id, max_tokens=max_tokens,
+                timeout=self.options.http_timeout, extra_body=extra_body,
+            )
+        except CompletionError as exc:
+            raise CaseFailed(f"/v1/completions failed: HTTP {exc.status}: {exc.body[:200]}") from exc
+        except OSError as exc:
+            raise CaseFailed(f"/v1/completions failed: {exc}") from exc
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def rpc_error_text(err: grpc.RpcError) -> str:
+    e = KvHintError.from_rpc_error(err)
+    return str(e)
+
+
+class CaseContext:
+    """What a case sees: the target plus per-case names, cleanup and helpers."""
+
+    def __init__(self, target: Target, case: Case, index: int) -> None:
+        self.target = target
+        self.case = case
+        self._prefix = f"kvc-{target.options.nonce}-{index:03d}"
+        self._release: list[pb.Selector] = []
+        self._collectors: list[Collector] = []
+        self.notes: list[str] = []
+
+    # -- naming ---------------------------------------------------------------------------
+
+    def sid(self, name: str) -> str:
+        """A session id unique to this run and case."""
+        return f"{self._prefix}-{name}"
+
+    def cid(self, name: str) -> str:
+        """A continuation id unique to this run and case."""
+        return f"{self._prefix}-{name}/c"
+
+    def tokens(self, name: str, n: int) -> list[int]:
+        return self.target.token_ids(f"{self.case.id}/{name}", n)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    # -- shortcuts ------------------------------------------------------------------------
+
+    @property
+    def caps(self) -> pb.GetCapabilitiesResponse:
+        return self.target.caps
+
+    @property
+    def plan(self) -> Plan:
+        return self.target.plan
+
+    @property
+    def stub(self) -> pbg.KvHintServiceStub:
+        return self.target.stub
+
+    @property
+    def timeout(self) -> float:
+        return self.target.options.rpc_timeout
+
+    def complete(self, prompt: list[int], session: str | None = None, **kw: Any) -> Completion:
+        return self.target.complete(prompt, session_id=session, **kw)
+
+    def session_prompt(self, name: str) -> list[int]:
+        return self.tokens(name, self.plan.session_tokens)
+
+    def small_prompt(self, name: str, blocks: int = 3) -> list[int]:
+        bs = self.plan.block_size
+        return self.tokens(name, blocks * bs + max(1, bs // 2))
+
+    @property
+    def lower_tiers(self) -> bool:
+        """The target has tiers below the device pool: an evicted device block may still be hit
+        from there, so "not hit after Evict" is only checked without them."""
+        return any(t.tier != pb.TIER_DEVICE for t in self.caps.tiers)
+
+    @property
+    def full_hit(self) -> int:
+        if self.target.full_hit_tokens is None:
+            ok, reason = self.target.need("cached-tokens")
+            if not ok:
+                raise CaseSkipped(reason)
+        assert self.target.full_hit_tokens is not None
+        return self.target.full_hit_tokens
+
+    # -- RPCs -----------------------------------------------------------------------------
+
+    def apply_response(self, *hints: pb.Hint) -> pb.ApplyHintsResponse:
+        for h in hints:
+            self._remember_release(h)
+        try:
+            response: pb.ApplyHintsResponse = self.stub.ApplyHints(pb.ApplyHintsRequest(hints=list(hints)), timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise CaseFailed(f"ApplyHints failed: {rpc_error_text(err)}") from err
+        check(
+            len(response.results) == len(hints),
+            f"ApplyHints returned {len(response.results)} results for {len(hints)} hints",
+        )
+        return response
+
+    def apply(self, *hints: pb.Hint) -> list[pb.HintResult]:
+        return list(self.apply_response(*hints).results)
+
+    def apply_one(self, hint: pb.Hint) -> pb.HintResult:
+        (result,) = self.apply(hint)
+        return result
+
+    def _remember_release(self, h: pb.Hint) -> None:
+        if h.WhichOneof("action") in ("pin", "retain") and h.HasField("selector"):
+            sel = pb.Selector()
+            sel.CopyFrom(h.selector)
+            sel.ClearField("range")
+            if sel not in self._release:
+                self._release.append(sel)
+
+    def residency(self, selector: pb.Selector, tiers: Iterable[int] = (), page_size: int = 0) -> list[pb.BlockInfo]:
+        """Every QueryResidency page, in order."""
+        blocks: list[pb.BlockInfo] = []
+        token = ""
+        for _ in range(10_000):
+            try:
+                page = self.stub.QueryResidency(
+                    pb.QueryResidencyRequest(selector=selector, tiers=list(tiers), page_size=page_size, page_token=token),  # type: ignore[arg-type]
+                    timeout=self.timeout,
+                )
+            except grpc.RpcError as err:
+                raise CaseFailed(f"QueryResidency failed: {rpc_error_text(err)}") from err
+            blocks.extend(page.blocks)
+            token = page.next_page_token
+            if not token:
+                return blocks
+        raise CaseFailed("QueryResidency pagination did not end after 10000 pages")
+
+    def device_hashes(self, selector: pb.Selector) -> list[bytes]:
+        return [b.block_hash for b in self.residency(selector) if pb.TIER_DEVICE in b.tiers]
+
+    def latest_sequence(self) -> int:
+        """The current event sequence, read through a no-op ApplyHints (a Release of an unknown
+        session, which publishes one HintApplied event)."""
+        probe = H.release(f"kvc-{self.target.options.nonce}-seqprobe-{time.monotonic_ns()}")
+        try:
+            response = self.stub.ApplyHints(pb.ApplyHintsRequest(hints=[probe]), timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise CaseFailed(f"ApplyHints failed: {rpc_error_text(err)}") from err
+        return response.applied_at_sequence
+
+    def watch(self, request: pb.WatchEventsRequest | None = None, **kw: Any) -> Collector:
+        req = request if request is not None else pb.WatchEventsRequest(**kw)
+        collector = Collector(self.target.channel, req)
+        self._collectors.append(collector)
+        return collector
+
+    def watch_now(self, **kw: Any) -> Collector:
+        """A START_NOW subscription (heartbeats every 200 ms) that is known to be registered: it
+        waits for the first message, which the server only sends once the subscription exists."""
+        req = pb.WatchEventsRequest(start=pb.WatchEventsRequest.START_NOW, heartbeat_interval=duration_pb2.Duration(nanos=200_000_000), **kw)
+        collector = self.watch(req)
+        collector.wait_for(lambda ms: len(ms) > 0, 15, "the first message (a heartbeat) of a new subscription")
+        return collector
+
+    # -- load -----------------------------------------------------------------------------
+
+    def pressure(self, tag: str, count: int | None = None, tokens: int | None = None) -> None:
+        """Filler prompts without a session: enough to overflow the pool (see Plan)."""
+        plan = self.plan
+        for i in range(plan.filler_count if count is None else count):
+            self.complete(self.tokens(f"filler-{tag}-{i}", tokens or plan.filler_tokens))
+
+    # -- cleanup --------------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        for collector in self._collectors:
+            collector.stop()
+        if self._release:
+            hints = [pb.Hint(selector=s, release=pb.ReleaseAction()) for s in self._release]
+            limit = max(1, self.caps.limits.max_hints_per_batch or 1)
+            for i in range(0, len(hints), limit):
+                try:
+                    self.stub.ApplyHints(pb.ApplyHintsRequest(hints=hints[i : i + limit]), timeout=self.timeout)
+                except grpc.RpcError:
+                    pass
+
+
+def poll(fn: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if fn():
+            return True
+        time.sleep(interval)
+    return fn()

@@ -1,0 +1,1 @@
+"""Tools to test the conformance suite itself (a fault-injecting proxy)."""
