@@ -90,27 +90,37 @@ def test_evict_frees_a_session_now(clean: Engine) -> None:
     assert residency.totals[0].blocks == 22  # recomputed and cached again
 
 
-def test_evict_skips_blocks_of_a_running_request(clean: Engine) -> None:
+def evict_while_running(engine: Engine, session: str, prompt: list[int]) -> tuple[pb.HintResult | None, list[int]]:
+    """Start a long request; once QueryResidency shows its blocks in use, Evict
+    its session. Returns the Evict result (None if the request ended first)."""
     import time
 
-    prompt = tokens("running", 256)
-    reference = clean.complete(prompt, max_tokens=700, extra_body={"ignore_eos": True}).token_ids
-    clean.reset_cache()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(clean.complete, prompt, "running", max_tokens=700, extra_body={"ignore_eos": True})
-        # Fire Evicts while it runs without waiting for each reply (a loaded
-        # 2-core machine can delay replies; the hints still apply in time).
-        pending = []
-        while not running.done():
-            pending.append(clean.stub.ApplyHints.future(pb.ApplyHintsRequest(hints=[evict("running")]), timeout=60))
-            time.sleep(0.02)
-        output = running.result()
-    results = [f.result().results[0] for f in pending]
-    clipped = [r for r in results if r.outcome == pb.OUTCOME_CLIPPED]
-    assert clipped, f"no Evict saw the request running: {[r.outcome for r in results]}"
-    assert all(r.reason == pb.REASON_BLOCKS_IN_USE and r.clips[0].granted_blocks == 0 for r in clipped)
-    assert len(output.token_ids) == 700
-    assert output.token_ids == reference  # the running request was not disturbed
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = pool.submit(engine.complete, prompt, session, max_tokens=700, extra_body={"ignore_eos": True})
+        # Two more long requests keep the engine busy, so the request runs longer.
+        for i in range(2):
+            pool.submit(engine.complete, tokens(f"{session}-load-{i}", 64), max_tokens=700, extra_body={"ignore_eos": True})
+        result = None
+        while not running.done() and result is None:
+            blocks = engine.stub.QueryResidency(pb.QueryResidencyRequest(selector=session_sel(session)), timeout=60).blocks
+            if any(b.in_use for b in blocks):
+                (result,) = engine.apply(evict(session))
+            time.sleep(0.01)
+        return result, list(running.result().token_ids)
+
+
+def test_evict_skips_blocks_of_a_running_request(clean: Engine) -> None:
+    for attempt in range(5):  # a stalled client can miss the running window
+        prompt = tokens(f"running-{attempt}", 256)
+        reference = clean.complete(prompt, max_tokens=700, extra_body={"ignore_eos": True}).token_ids
+        clean.reset_cache()
+        result, output = evict_while_running(clean, f"running-{attempt}", prompt)
+        if result is not None:
+            break
+    assert result is not None, "the request always finished before Evict could see it running"
+    assert result.outcome == pb.OUTCOME_CLIPPED and result.reason == pb.REASON_BLOCKS_IN_USE, result
+    assert result.clips[0].granted_blocks == 0
+    assert len(output) == 700 and tuple(output) == reference  # the running request was not disturbed
 
 
 def test_ttl_above_the_cap_is_clipped(clean: Engine) -> None:
