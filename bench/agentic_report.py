@@ -92,7 +92,8 @@ def lru_timeline(bt: BlockTrace, admit: Sequence[float], finish: Sequence[float]
         if kind == 0:
             hits = pool.lookup(r.chain, r.hit_cap_blocks)
             n_new = -(-P // bs) - len(hits)
-            if n_new > len(pool.free):
+            free_hits = sum(1 for b in hits if pool.ref[b] == 0)  # touching them takes them off the free queue
+            if n_new > len(pool.free) - free_hits:
                 stats["no_room"] += 1
                 continue
             pool.touch(hits)
@@ -139,8 +140,32 @@ class OfflineRefs:
     num_gpu_blocks: int
     recomputed_per_request: dict[str, list[int]] = field(default_factory=dict)
 
+    @staticmethod
+    def validate_concurrent(trace: Trace, run_a: Any) -> dict[str, Any]:
+        """Validation 2 for one run: the concurrent run against the two-phase LRU
+        (and against the sequential LRU fed the same admission order)."""
+        bt = compile_trace(trace, outputs=run_a.outputs)
+        admit = admission_times(run_a)
+        order = sorted(range(len(bt.requests)), key=lambda i: (admit[i], i))
+        by_idx = sorted(run_a.records, key=lambda r: r.index)
+        finish = [r.wall_done - 0.002 for r in by_idx]
+        timeline, tstats = lru_timeline(bt, admit, finish)
+        engine = [r.cached_tokens for r in by_idx]
+        ids = [r.request_id for r in by_idx]
+        val = compare(engine, timeline, ids)
+        val["no_room_admissions"] = tstats["no_room"]
+        lru_atomic = simulate_lru(reorder(bt, order))
+        atomic = [0] * len(order)
+        for k, i in enumerate(order):
+            atomic[i] = lru_atomic.cached_tokens[k]
+        val["atomic_in_admission_order"] = {k: v for k, v in compare(engine, atomic, ids).items() if k != "first_mismatches"}
+        return val
+
     @classmethod
-    def compute(cls, trace: Trace, run_a: Any, *, pin_budget_fraction: float = 0.5) -> OfflineRefs:
+    def compute(cls, trace: Trace, run_a: Any, *, pin_budget_fraction: float = 0.5,
+                other_runs: Sequence[Any] = ()) -> OfflineRefs:
+        """References on `run_a`'s recorded sequence; validation 2 on `run_a`
+        and on `other_runs` (further repeats of run a)."""
         bt = compile_trace(trace, outputs=run_a.outputs)
         admit = admission_times(run_a)
         order = sorted(range(len(bt.requests)), key=lambda i: (admit[i], i))
@@ -153,18 +178,12 @@ class OfflineRefs:
             "infinite": _sim_summary(infinite),
             "lru-sim": _sim_summary(lru_atomic),
         }
-        # validation 2: the concurrent run against the two-phase LRU
-        by_idx = sorted(run_a.records, key=lambda r: r.index)
-        finish = [r.wall_done - 0.002 for r in by_idx]
-        timeline, tstats = lru_timeline(bt, admit, finish)
-        engine = [r.cached_tokens for r in by_idx]
-        ids = [r.request_id for r in by_idx]
-        val = compare(engine, timeline, ids)
-        val["no_room_admissions"] = tstats["no_room"]
-        atomic = [0] * len(order)
-        for k, i in enumerate(order):
-            atomic[i] = lru_atomic.cached_tokens[k]
-        val["atomic_in_admission_order"] = {k: v for k, v in compare(engine, atomic, ids).items() if k != "first_mismatches"}
+        val = cls.validate_concurrent(trace, run_a)
+        if other_runs:
+            val["each_repeat"] = [
+                {k: v for k, v in cls.validate_concurrent(trace, r).items() if k != "first_mismatches"}
+                for r in other_runs
+            ]
         seq = analyze(bt, pin_budget_fraction=pin_budget_fraction)
         sims = {name: _sim_summary(r) for name, r in seq.results.items()}
         per_req = {
@@ -256,6 +275,7 @@ class Report:
     engine_start_s: list[float] = field(default_factory=list)
     capabilities: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
+    calibration_measured: dict[str, Any] = field(default_factory=dict)
     validation: dict[str, Any] = field(default_factory=dict)
     runs: dict[str, list[Any]] = field(default_factory=dict)
     offline: OfflineRefs | None = None
@@ -277,21 +297,39 @@ class Report:
         self.runs.setdefault(run.spec.name, []).append(run)
 
     def reference_run(self) -> Any:
-        if "lru" in self.runs:
-            return self.runs["lru"][0]
-        return next(iter(self.runs.values()))[0]
+        """Run (a)'s repeat with the median recomputed tokens (the first run
+        without an `lru` run): its recorded block sequence feeds (d) and (e)."""
+        runs = self.runs.get("lru") or next(iter(self.runs.values()))
+        ranked = sorted(runs, key=lambda r: r.metrics()["recomputed_tokens"])
+        return ranked[(len(ranked) - 1) // 2]
+
+    def compute_offline(self) -> OfflineRefs:
+        ref = self.reference_run()
+        runs = self.runs.get("lru") or []
+        self.offline = OfflineRefs.compute(
+            self.trace, ref, pin_budget_fraction=float(self.capabilities.get("pin_budget_fraction") or 0.5),
+            other_runs=runs if len(runs) > 1 else (),
+        )
+        return self.offline
 
     # -- metrics
-    def run_metrics(self, name: str) -> dict[str, Any]:
-        """Metrics of a run, averaged over repeats (numeric fields)."""
-        ms = [{**r.metrics(), "modelled_ttft_mean_ms": self.modelled_ttft(
+    def repeat_metrics(self, name: str) -> list[dict[str, Any]]:
+        return [{**r.metrics(), "modelled_ttft_mean_ms": self.modelled_ttft(
             [x.prompt_tokens - x.cached_tokens for x in r.records if x.error is None])} for r in self.runs[name]]
+
+    def run_metrics(self, name: str) -> dict[str, Any]:
+        """Metrics of a run: the median over repeats of each numeric field (robust
+        to one repeat disturbed by other processes; per-repeat values are kept)."""
+        ms = self.repeat_metrics(name)
         if len(ms) == 1:
             return ms[0]
         out = dict(ms[0])
         for k, v in ms[0].items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[k] = _mean([m[k] for m in ms])
+                vals = [m[k] for m in ms if m[k] is not None and not (isinstance(m[k], float) and math.isnan(m[k]))]
+                out[k] = statistics.median(vals) if vals else math.nan
+        out["cpu"] = {k: statistics.median([(m.get("cpu") or {}).get(k, math.nan) for m in ms])
+                      for k in (ms[0].get("cpu") or {})}
         out["repeats"] = len(ms)
         out["ttft_mean_ms_each"] = [round(m["ttft_mean_ms"], 1) for m in ms]
         return out
@@ -342,10 +380,10 @@ class Report:
         return g
 
     def ttft_prefill_share(self) -> dict[str, Any]:
-        """From run (a): TTFT ~ a + b * recomputed tokens over all requests."""
+        """From run (a), all repeats pooled: TTFT ~ a + b * recomputed tokens over all requests."""
         if "lru" not in self.runs:
             return {}
-        recs = [r for r in self.runs["lru"][0].records if r.error is None]
+        recs = [r for run in self.runs["lru"] for r in run.records if r.error is None]
         xs = [r.prompt_tokens - r.cached_tokens for r in recs]
         ys = [r.ttft_s * 1000 for r in recs]
         from bench.agentic_engine import linear_fit
@@ -374,6 +412,7 @@ class Report:
                       "block_size": h.block_size, "stats": h.stats, "closed_loop": self.plan_closed_loop},
             "capabilities": self.capabilities,
             "calibration": self.calibration,
+            **({"calibration_measured": self.calibration_measured} if self.calibration_measured else {}),
             "ttft_vs_recomputation": self.ttft_prefill_share(),
             "validation": {**self.validation,
                            **({"concurrent": self.offline.concurrent_validation} if self.offline else {})},
@@ -433,7 +472,9 @@ class Report:
             )
         if rep > 1:
             lines.append("")
-            lines.append(f"Engine runs: mean over {rep} interleaved repeats (a, b, c, a, b, c, ...).")
+            lines.append(f"Engine runs: median over {rep} interleaved repeats (a, b, c, a, b, c, ...); "
+                         "per-repeat values under \"Engine runs: details\". The offline references (d, e) use the "
+                         "block sequence of run (a)'s repeat with the median recomputed tokens.")
         return "\n".join(lines)
 
     def markdown_summary(self) -> str:
@@ -481,7 +522,12 @@ class Report:
                            + ", ".join(f"{k} {v:.2f}" for k, v in om.items()) + ".")
             out.append("")
         if self.calibration:
-            out.append("## TTFT calibration (idle engine, one request at a time, max_tokens=1)")
+            stat = self.calibration.get("statistic", "median of 3")
+            src = self.calibration.get("source")
+            out.append(f"## TTFT calibration (idle engine, one request at a time, max_tokens=1, {stat})")
+            if src:
+                out.append("")
+                out.append(src)
             out.append("")
             out.append("| prompt tokens | miss TTFT (ms) | hit TTFT (ms) | prefill share of miss TTFT |")
             out.append("|---|---|---|---|")
@@ -493,7 +539,7 @@ class Report:
             sh = self.ttft_prefill_share()
             if sh:
                 out.append(
-                    f"In run (a) (concurrent): TTFT ~ {sh['intercept_ms']} ms + {sh['ms_per_1k_recomputed_tokens']} ms per 1K "
+                    f"In run (a) (concurrent, repeats pooled): TTFT ~ {sh['intercept_ms']} ms + {sh['ms_per_1k_recomputed_tokens']} ms per 1K "
                     f"recomputed tokens; recomputation explains {sh['share_of_mean_ttft_from_recomputation']:.0%} of mean TTFT."
                 )
             out.append("")
@@ -514,6 +560,9 @@ class Report:
                 f"requests match ({c['engine_cached_tokens']} engine vs {c['sim_cached_tokens']} simulated cached tokens; "
                 f"{c['no_room_admissions']} admissions found no room). The sequential simulator fed the same order matches "
                 f"{at['matched']}/{at['requests']} ({at['sim_cached_tokens']} tokens)."
+                + (" Every repeat of run (a), two-phase LRU: "
+                   + ", ".join(f"{e['matched']}/{e['requests']}" for e in c["each_repeat"]) + "."
+                   if c.get("each_repeat") else "")
             )
             sims = self.offline.sequential_sims
             out.append(
@@ -535,17 +584,23 @@ class Report:
             out.append("")
         out.append("## Engine runs: details")
         out.append("")
-        out.append("| run | makespan (s) | preemptions | peak resident blocks (events) | hints sent (outcomes) "
-                   "| CPU cores: engine / other processes (of ncpu) | load avg 1m (start, end) |")
-        out.append("|---|---|---|---|---|---|---|")
+        out.append("| run | repeat | hit rate | recomputed | TTFT mean / p99 (ms) | makespan (s) | preemptions "
+                   "| CPU cores: engine / other processes (of ncpu) | load avg 1m (start, end) | hints sent (outcomes) |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
         for name in self.runs:
-            m = self.run_metrics(name)
-            hints = m.get("hints") or {}
-            oc = "; ".join(f"{a}: " + ", ".join(f"{k} {v}" for k, v in o.items()) for a, o in (hints.get("outcomes") or {}).items())
-            out.append(
-                f"| {name} | {m['makespan_s']:.0f} | {m['preemptions']:.0f} | {m['peak_resident_blocks']:.0f} | {oc or '-'} "
-                f"| {_cpu_str(m.get('cpu'))} | {', '.join(f'{x:.1f}' for x in m['loadavg_1m_start_end'])} |"
-            )
+            for i, m in enumerate(self.repeat_metrics(name)):
+                hints = m.get("hints") or {}
+                oc = "; ".join(f"{a}: " + ", ".join(f"{k} {v}" for k, v in o.items())
+                               for a, o in (hints.get("outcomes") or {}).items())
+                out.append(
+                    f"| {name} | {i + 1} | {m['hit_rate']:.3f} | {m['recomputed_tokens']:.0f} "
+                    f"| {m['ttft_mean_ms']:.0f} / {m['ttft_p99_ms']:.0f} | {m['makespan_s']:.0f} | {m['preemptions']:.0f} "
+                    f"| {_cpu_str(m.get('cpu'))} | {', '.join(f'{x:.1f}' for x in m['loadavg_1m_start_end'])} | {oc or '-'} |"
+                )
+        out.append("")
+        out.append("Peak resident blocks (BlocksStored - BlocksRemoved on WatchEvents): "
+                   + ", ".join(f"{n} {self.run_metrics(n)['peak_resident_blocks']:.0f}" for n in self.runs)
+                   + f" of {self.trace.header.num_gpu_blocks - 1} usable.")
         out.append("")
         return "\n".join(out)
 
@@ -714,6 +769,7 @@ def load_report(d: str | Path) -> Report:
     rep.engine_start_s = js.get("engine_start_s", [])
     rep.capabilities = js.get("capabilities", {})
     rep.calibration = js.get("calibration", {})
+    rep.calibration_measured = js.get("calibration_measured", {})
     rep.validation = {k: v for k, v in (js.get("validation") or {}).items() if k != "concurrent"}
     rep.code_version = js.get("code_version", {})
     rep.runtime_s = js.get("runtime_s", 0.0)
@@ -741,8 +797,7 @@ def load_report(d: str | Path) -> Report:
                 {row["continuation_id"]: row["admission_wall"] for row in rr if row.get("admission_wall") is not None},
             )
             rep.add_run(run, i)
-    rep.offline = OfflineRefs.compute(trace, rep.reference_run(),
-                                      pin_budget_fraction=float(rep.capabilities.get("pin_budget_fraction") or 0.5))
+    rep.compute_offline()
     return rep
 
 
@@ -755,11 +810,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("dirs", nargs="+")
     r = sub.add_parser("rebuild", help="recompute the offline references and rewrite a result directory's outputs")
     r.add_argument("dir")
+    r.add_argument("--calibration-from", metavar="DIR",
+                   help="use the TTFT calibration of another result directory (same model and machine) for the "
+                        "modelled TTFT, e.g. when this run's calibration was disturbed; the measured one is kept "
+                        "as calibration_measured")
     a = ap.parse_args(argv)
     if a.cmd == "combine":
         print(combined_table(a.dirs))
         return 0
     rep = load_report(a.dir)
+    if a.calibration_from:
+        other = json.loads((Path(a.calibration_from) / "results.json").read_text())
+        rep.calibration_measured = rep.calibration_measured or rep.calibration
+        rep.calibration = {**other["calibration"],
+                           "source": f"Taken from `{a.calibration_from}` (same model, engine settings and machine): "
+                                     "this run's own calibration (`calibration_measured` in results.json) was "
+                                     "disturbed by other processes."}
     paths = write_outputs(rep, Path(a.dir))
     print("rewrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
