@@ -13,11 +13,15 @@ the prefix cache reset between them:
                          proven optimum for prefix chains)
   (e) ``infinite``       offline, the same sequence with no eviction (the hard limit)
 
-Tier runs (f: OffloadingConnector without hints, g: hints + tiers) plug in as more
-`RunSpec` entries: a RunSpec can carry engine arguments (``engine_args``, e.g.
-``--kvhint-tiers host=N``) and a policy variant; bytes moved between tiers are
-already counted from TierTransferCompleted events. A run whose engine arguments
-differ from the shared engine's gets its own engine start (`_engine_groups`).
+  (f) ``offload``        vLLM's OffloadingConnector with a host tier (``--tiers``,
+                         default ``host=<pool size>``), its own store/load policy,
+                         no hints
+  (g) ``hints+tiers``    the same tiers with run (c)'s policy plus Demote and a
+                         timed Prefetch on a long pause
+
+A RunSpec carries its engine arguments; runs with different engine arguments
+get their own engine start (`_engine_groups`), so (f) and (g) share a second
+engine.
 
 Replay model (closed loop, concurrent). Every session runs in its own causal
 chain: a request is sent ``delay_s`` (x ``--time-scale``) after the request it
@@ -47,11 +51,14 @@ re-applies the Retain, with its remaining TTL, after each completion.
 
 Measurements. Client: cached tokens (usage.prompt_tokens_details), TTFT and
 latency per request. WatchEvents: pins broken (PinBroken events and blocks),
-bytes moved between tiers (TierTransferCompleted), resident blocks
+bytes moved by hint operations (TierTransferCompleted), resident blocks
 (BlocksStored - BlocksRemoved), and the engine time of each request's first
 block admission (for the validation below). /metrics, sampled every 100 ms:
 ``vllm:kv_cache_usage_perc`` x usable blocks = blocks held by running requests
-(peak is a sampled lower bound), ``vllm:num_preemptions_total``.
+(peak is a sampled lower bound), ``vllm:num_preemptions_total``; at the start
+and end of a run: bytes moved between tiers (``vllm:kv_offload_{store,load}_bytes``
+and the file tier's ``vllm:kv_offload_tiering_{read,write}_bytes``) and prompt
+tokens served from a lower tier (``vllm:prompt_tokens_cached_by_source``).
 
 Validation of the LRU replay (`validate_sequential`, `lru_timeline`):
   1. sequential: the trace replayed one request at a time through this
@@ -76,6 +83,7 @@ import argparse
 import bisect
 import dataclasses
 import heapq
+import json
 import math
 import os
 import re
@@ -90,7 +98,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.policy import Action, Pin, PolicyConfig, ReferencePolicy, Release, Retain, policy_variant, shared_prefix_target
+from bench.policy import (
+    Action,
+    Demote,
+    Pin,
+    PolicyConfig,
+    Prefetch,
+    ReferencePolicy,
+    Release,
+    Retain,
+    policy_variant,
+    shared_prefix_target,
+)
 from bench.trace import Out, Request, Signal, Trace
 
 # --------------------------------------------------------------------------- runs
@@ -106,14 +125,20 @@ class RunSpec:
     engine_args: tuple[str, ...] = ()  # extra `vllm serve` args (tier runs: --kvhint-tiers ...)
     engine_env: tuple[tuple[str, str], ...] = ()
 
+    def resolved_args(self, tiers: str) -> tuple[str, ...]:
+        """``{tiers}`` in the engine arguments becomes the --tiers spec."""
+        return tuple(a.replace("{tiers}", tiers) for a in self.engine_args)
+
 
 RUNS: dict[str, RunSpec] = {
     "lru": RunSpec("lru", "(a) vLLM LRU, no hints"),
     "hints": RunSpec("hints", "(b) hints (Pin/Retain, no Release)", "hints"),
     "hints+release": RunSpec("hints+release", "(c) hints + Release on session end", "hints+release"),
-    # (f) "offload": RunSpec("offload", "(f) OffloadingConnector, no hints", None, ("--kvhint-tiers", "host=N")),
-    # (g) "hints+tiers": RunSpec(..., policy=<a variant that Demotes/Prefetches>, engine_args=(...)),
+    "offload": RunSpec("offload", "(f) OffloadingConnector tiers, no hints", None, ("--kvhint-tiers", "{tiers}")),
+    "hints+tiers": RunSpec("hints+tiers", "(g) hints + Release + Demote/Prefetch, tiers", "hints+tiers",
+                           ("--kvhint-tiers", "{tiers}")),
 }
+TIER_RUNS = frozenset(name for name, spec in RUNS.items() if spec.engine_args)
 OFFLINE_LABELS = {
     "belady": "(d) Belady-MIN, offline (clairvoyant reference)",
     "infinite": "(e) infinite cache, offline (hard limit)",
@@ -249,11 +274,19 @@ class EngineHandle:
     served: Any = None  # engine_integration.served.ServedEngine
     model: str = ""
 
-    def reset_cache(self) -> None:
-        req = urllib.request.Request(self.http_url + "/reset_prefix_cache", data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"/reset_prefix_cache answered {resp.status}")
+    def reset_cache(self, attempts: int = 100) -> None:
+        """Empty the device prefix cache and the connector's tiers (a no-op without a
+        connector). vLLM refuses (success=false) while blocks are held, e.g. by a
+        finishing request or an offload transfer in flight: retry, then fail loudly
+        rather than start the next run warm."""
+        req = urllib.request.Request(self.http_url + "/reset_prefix_cache?reset_external=true", data=b"", method="POST")
+        for _ in range(attempts):
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                body = resp.read()
+            if not body or json.loads(body).get("success", True):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"/reset_prefix_cache kept answering success=false ({attempts} attempts)")
 
     def stop(self) -> None:
         if self.served is not None:
@@ -286,6 +319,21 @@ def start_engine(
 
 _USAGE_RE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\}\s+(\S+)", re.M)
 _PREEMPT_RE = re.compile(r"^vllm:num_preemptions_total\{[^}]*\}\s+(\S+)", re.M)
+
+
+_TIER_BYTES_RE = re.compile(
+    r"^vllm:kv_offload_(?:store_bytes|load_bytes|tiering_read_bytes|tiering_write_bytes)_total(?:\{[^}]*\})?\s+(\S+)", re.M)
+_CACHED_BY_SOURCE_RE = re.compile(r'^vllm:prompt_tokens_cached_by_source_total\{[^}]*source="([^"]+)"[^}]*\}\s+(\S+)', re.M)
+
+
+def scrape_tier_counters(http_url: str) -> dict[str, float]:
+    """Cumulative bytes moved between tiers and prompt tokens served per cache source."""
+    with urllib.request.urlopen(http_url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out = {"tier_bytes": sum(float(v) for v in _TIER_BYTES_RE.findall(text))}
+    for src, v in _CACHED_BY_SOURCE_RE.findall(text):
+        out[f"cached:{src}"] = out.get(f"cached:{src}", 0.0) + float(v)
+    return out
 
 
 def scrape_metrics(http_url: str) -> tuple[float, float]:
@@ -394,6 +442,8 @@ class Monitor:
         self.cpu_total: dict[str, float] = {}
         self.preempt_start = math.nan
         self.preempt_end = math.nan
+        self.tier_start: dict[str, float] = {}
+        self.tier_end: dict[str, float] = {}
         self._stop = threading.Event()
         self._stream: Any = None
         self._threads: list[threading.Thread] = []
@@ -408,6 +458,7 @@ class Monitor:
         self._threads.append(t)
         try:
             self.preempt_start = scrape_metrics(self.engine.http_url)[1]
+            self.tier_start = scrape_tier_counters(self.engine.http_url)
         except OSError:
             pass
         s = threading.Thread(target=self._sample, name="bench-metrics", daemon=True)
@@ -485,9 +536,18 @@ class Monitor:
             t.join(timeout=5)
         try:
             self.preempt_end = scrape_metrics(self.engine.http_url)[1]
+            time.sleep(0.5)  # connector and cache stats reach /metrics with the next engine stats update
+            self.tier_end = scrape_tier_counters(self.engine.http_url)
         except OSError:
             pass
         self.client.close()
+
+    def tier_delta(self) -> dict[str, int]:
+        """Bytes moved between tiers and prompt tokens served from a lower tier during the run."""
+        d = {k: self.tier_end.get(k, 0.0) - self.tier_start.get(k, 0.0) for k in self.tier_end}
+        lower = sum(v for k, v in d.items() if k.startswith("cached:") and k not in ("cached:device", "cached:local"))
+        return {"tier_bytes": int(d.get("tier_bytes", 0.0)), "tier_cached_tokens": int(lower),
+                "by_source": {k.split(":", 1)[1]: int(v) for k, v in d.items() if k.startswith("cached:") and v}}
 
     @property
     def peak_in_use_blocks(self) -> int:
@@ -527,6 +587,8 @@ class HintDriver:
         self.prefix_hashes: list[bytes] | None = None
         self.prefix_covered = False
         self.prefix_applications = 0
+        self.timers: list[threading.Timer] = []
+        self.closed = False
         if monitor is not None:
             monitor.removed_listeners.append(self._on_removed)
 
@@ -588,13 +650,32 @@ class HintDriver:
                     self.prefix_covered = False
                 continue
             sel = session(self.ns(tgt.id))
-            if isinstance(a, Pin):
+            if isinstance(a, Prefetch) and a.delay_s > 0:
+                self._later(a.delay_s * self.scale, [("prefetch", sel.prefetch())])
+            elif isinstance(a, Prefetch):
+                named.append(("prefetch", sel.prefetch()))
+            elif isinstance(a, Demote):
+                named.append(("demote", sel.demote()))
+            elif isinstance(a, Pin):
                 named.append(("pin", sel.pin(ttl=a.ttl_s * self.scale)))
             elif isinstance(a, Retain):
                 named.append(("retain", sel.retain(ttl=a.ttl_s * self.scale, priority=a.priority)))
             elif isinstance(a, Release):
                 named.append(("release", sel.release()))
         self._send(named)
+
+    def _later(self, delay_s: float, named: list[tuple[str, Any]]) -> None:
+        """A runtime timer: send `named` after `delay_s` unless the run is over."""
+
+        def fire() -> None:
+            with self.lock:
+                if not self.closed:
+                    self._send(named)
+
+        t = threading.Timer(delay_s, fire)
+        t.daemon = True
+        self.timers.append(t)
+        t.start()
 
     def _maybe_prefix(self, cont: str) -> None:
         """(Re)apply the shared-prefix Retain by block hash while it is not in full effect."""
@@ -630,6 +711,10 @@ class HintDriver:
             self.prefix_covered = affected >= n
 
     def close(self) -> None:
+        with self.lock:
+            self.closed = True
+        for t in self.timers:
+            t.cancel()
         self.client.close()
 
 
@@ -907,6 +992,7 @@ def replay(
     recs = [r for r in records if r is not None]
     if len(recs) != n:
         raise ReplayError(f"run {spec.name}: only {len(recs)} of {n} requests completed")
+    tiers = monitor.tier_delta()
     run = RunRecord(
         spec, recs, outputs, makespan,
         monitor={
@@ -915,7 +1001,10 @@ def replay(
             "pins_broken": monitor.pins_broken_events,
             "pins_broken_blocks": monitor.pins_broken_blocks,
             "preemptions": monitor.preemptions,
-            "bytes_moved_between_tiers": monitor.bytes_moved,
+            "bytes_moved_between_tiers": tiers["tier_bytes"],
+            "hint_operation_bytes": monitor.bytes_moved,
+            "tier_cached_tokens": tiers["tier_cached_tokens"],
+            "cached_tokens_by_source": tiers["by_source"],
             "usage_samples": len(monitor.usage_samples),
             "event_resyncs": monitor.resyncs,
             "cpu": monitor.cpu_total,
@@ -1001,8 +1090,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 1)[0],
     )
     ap.add_argument("--mode", choices=("fast", "full"), default="full",
-                    help="fast: tiny model, `fast` preset, runs a+b, CI smoke (< 3 min). full: bench model, runs a-c "
-                         "and both validations")
+                    help="fast: tiny model, `fast` preset, runs a, b and g, CI smoke (< 3 min). full: bench model, "
+                         "runs a-c, f and g, and both validations")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--trace", help="replay this trace (JSON lines, bench/trace.py format) instead of generating one")
     src.add_argument("--preset", choices=sorted(PRESETS), help="generate a trace (default: fast for --mode fast, "
@@ -1011,7 +1100,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", help="model directory, or `tiny` / `bench` for the generated models "
                     "(default: tiny for fast, bench for full)")
     ap.add_argument("--runs", default=None, help=f"comma-separated engine runs from {list(RUNS)} "
-                    "(default: lru,hints for fast; all for full)")
+                    "(default: lru,hints,hints+tiers for fast; all for full)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiply the trace's pauses and arrival times "
                     "(and the policy's TTLs) by this (default 1.0)")
     ap.add_argument("--no-validate", action="store_true", help="skip the sequential LRU validation replay")
@@ -1019,6 +1108,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeat", type=int, default=1, help="repeat the engine runs (interleaved) to see TTFT noise")
     ap.add_argument("--num-gpu-blocks", type=int, help="override the trace header's pool size")
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--tiers", help="`--kvhint-tiers` spec of the tier runs (f, g); `{pool}` is the trace's pool size "
+                    "(default: host={pool}, a host tier as large as the device pool). "
+                    "Example: host={pool},file=/tmp/kv")
     ap.add_argument("--nice", type=int, default=0, help="scheduling priority for the engine's processes and this "
                     "client (e.g. -10 on a shared machine so other jobs disturb TTFT less; negative needs root)")
     ap.add_argument("--http", help="use a running engine at this OpenAI URL (needs VLLM_SERVER_DEV_MODE=1 and the "
@@ -1050,12 +1142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("the trace header has no num_gpu_blocks: pass --num-gpu-blocks N (pool size incl. vLLM's null block)")
     trace.validate()
     plan = build_plan(trace)
-    run_names = (a.runs.split(",") if a.runs else (["lru", "hints"] if fast else list(RUNS)))
+    run_names = (a.runs.split(",") if a.runs else (["lru", "hints", "hints+tiers"] if fast else list(RUNS)))
     for name in run_names:
         if name not in RUNS:
             raise SystemExit(f"unknown run {name!r}; choose from {list(RUNS)}")
     specs = [RUNS[nm] for nm in run_names]
     model = a.model or ("tiny" if fast else "bench")
+    tiers = (a.tiers or "host={pool}").replace("{pool}", str(trace.header.num_gpu_blocks))
     out = Path(a.out) if a.out else default_out_dir(a.mode, trace)
     out.mkdir(parents=True, exist_ok=True)
     trace.save(out / "trace.jsonl")
@@ -1066,7 +1159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     command = "python -m bench.agentic_engine " + " ".join(argv if argv is not None else sys.argv[1:])
     report = Report(trace=trace, plan_closed_loop=plan.closed_loop, mode=a.mode, model=model, command=command,
-                    time_scale=a.time_scale, nice=a.nice)
+                    time_scale=a.time_scale, nice=a.nice,
+                    tiers=tiers if any(spec.engine_args for spec in specs) else "")
     engine: EngineHandle | None = None
     try:
         for gi, group in enumerate(_engine_groups(specs)):
@@ -1079,9 +1173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 model_path = default_model(model) if model in ("tiny", "bench") else model
                 log = a.engine_log or str(out / ("engine.log" if gi == 0 else f"engine-{gi}.log"))
+                args = list(group[0].resolved_args(tiers))
                 say(f"starting vllm serve ({model_path}, {h.num_gpu_blocks} blocks x {h.block_size} tokens, "
-                    f"max_model_len {h.max_model_len}); log {log}")
-                args = [x for r in group[:1] for x in r.engine_args]
+                    f"max_model_len {h.max_model_len}{', tiers ' + tiers if args else ''}); log {log}")
                 env = dict(group[0].engine_env)
                 engine = start_engine(model_path, trace, log_path=log, extra_args=args, env=env,
                                       max_num_seqs=a.max_num_seqs)

@@ -40,7 +40,8 @@ from bench.simulate import (
 from bench.trace import Trace
 
 GOAL_G1 = 0.90  # hints recover >= 90% of Belady's recomputed-token savings over LRU
-GOAL_TTFT = 0.60  # mean TTFT with hints <= 0.6 x LRU
+GOAL_TTFT = 0.60  # mean TTFT with hints (and tiers) <= 0.6 x LRU
+GOAL_TIERS_VS_INFINITE = 1.10  # with tiers: recomputed tokens <= 1.1 x the infinite-cache bound, and below run (f)
 
 
 # --------------------------------------------------------------------------- block sequences
@@ -272,6 +273,7 @@ class Report:
     command: str
     time_scale: float = 1.0
     nice: int = 0
+    tiers: str = ""  # the --kvhint-tiers spec of the tier runs (f, g)
     engine_start_s: list[float] = field(default_factory=list)
     capabilities: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
@@ -366,6 +368,11 @@ class Report:
                 "recomputed_vs_infinite": m["recomputed_tokens"] / infinite if infinite else math.nan,
             }
             entry["ttft_met"] = bool(entry["ttft_mean_vs_lru"] <= GOAL_TTFT)
+            if name == "hints+tiers":
+                f = self.run_metrics("offload")["recomputed_tokens"] if "offload" in self.runs else math.nan
+                entry["recomputed_vs_offload"] = m["recomputed_tokens"] / f if f else math.nan
+                entry["tiers_met"] = bool(entry["recomputed_vs_infinite"] <= GOAL_TIERS_VS_INFINITE
+                                          and m["recomputed_tokens"] < f)
             lru_mod = self.run_modelled_ttft("lru")
             entry["modelled_ttft_vs_lru"] = self.run_modelled_ttft(name) / lru_mod if lru_mod else math.nan
             if name in sims and sim_headroom > 0:
@@ -405,6 +412,7 @@ class Report:
             "model": self.model,
             "time_scale": self.time_scale,
             "nice": self.nice,
+            "tiers": self.tiers,
             "runtime_s": self.runtime_s,
             "engine_start_s": self.engine_start_s,
             "code_version": self.code_version,
@@ -449,7 +457,7 @@ class Report:
         lines = [
             "| run | hit rate | recomputed prompt tokens | TTFT mean / p50 / p99 (ms, measured) "
             "| modelled TTFT mean (ms, idle engine) | throughput (req/s, out tok/s) "
-            "| peak blocks in use | pins broken | bytes moved between tiers |",
+            "| peak blocks in use | pins broken | bytes moved between tiers (prompt tokens loaded from a lower tier) |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in self.table_rows():
@@ -468,11 +476,11 @@ class Report:
                 + f" | {f(r.get('modelled_ttft_mean_ms'))} "
                 f"| {f(r['throughput_req_s'], '{:.2f}')}, {f(r['throughput_out_tok_s'], '{:.1f}')} "
                 f"| {f(r['peak_blocks_in_use'])} | {f(r['pins_broken'])} "
-                f"| {f(r['bytes_moved_between_tiers'])} |"
+                f"| {_mib(r['bytes_moved_between_tiers'])} ({f(r.get('tier_cached_tokens', 0))}) |"
             )
         if rep > 1:
             lines.append("")
-            lines.append(f"Engine runs: median over {rep} interleaved repeats (a, b, c, a, b, c, ...); "
+            lines.append(f"Engine runs: median over {rep} interleaved repeats (a, b, c, a, b, c, ..., then the tier runs f, g, f, g, ... on their own engine); "
                          "per-repeat values under \"Engine runs: details\". The offline references (d, e) use the "
                          "block sequence of run (a)'s repeat with the median recomputed tokens.")
         return "\n".join(lines)
@@ -490,7 +498,9 @@ class Report:
             f"nominal duration {st.get('duration_s')} s, time scale {self.time_scale:g}, "
             f"{'closed-loop' if self.plan_closed_loop else 'open-loop'} concurrent replay. "
             f"Model `{self.model}`; engine {self.capabilities.get('engine', '?')}, pin budget "
-            f"{self.capabilities.get('pin_budget_blocks', '?')} blocks. Runtime {self.runtime_s:.0f} s.",
+            f"{self.capabilities.get('pin_budget_blocks', '?')} blocks."
+            + (f" Tier runs (f, g): `--kvhint-tiers {self.tiers}`." if self.tiers else "")
+            + f" Runtime {self.runtime_s:.0f} s.",
             "",
             self.markdown_table(),
             "",
@@ -501,18 +511,26 @@ class Report:
             out.append("")
             out.append(f"Belady's savings over LRU (engine run a): {g['belady_headroom_tokens']:.0f} recomputed prompt tokens.")
             out.append("")
-            out.append("| run | G1: share of Belady's savings (goal >= 0.90) | same, sequential simulation | "
-                       "mean TTFT / LRU, measured (goal <= 0.6) | modelled TTFT / LRU | recomputed / infinite |")
+            out.append("| run | G1: share of Belady's savings (goal >= 0.90; device-only runs) | same, sequential simulation | "
+                       "mean TTFT / LRU, measured (goal <= 0.6) | modelled TTFT / LRU | recomputed / infinite "
+                       "(tiers goal: (g) <= 1.1 and below (f)) |")
             out.append("|---|---|---|---|---|---|")
             for name, e in g.items():
                 if name not in self.runs:
                     continue
+                tiered = name in ("offload", "hints+tiers")
+                g1 = f"{e['g1_savings_vs_belady']:.2f}" + ("" if tiered else f" ({'met' if e['g1_met'] else 'missed'})")
+                inf = f"{e['recomputed_vs_infinite']:.2f}"
+                if "tiers_met" in e:
+                    vs_f = e["recomputed_vs_offload"]
+                    inf += (f" ({vs_f:.2f} x (f)" if not math.isnan(vs_f) else " (no run f")
+                    inf += f"; {'met' if e['tiers_met'] else 'missed'})"
                 out.append(
-                    f"| {name} | {e['g1_savings_vs_belady']:.2f} ({'met' if e['g1_met'] else 'missed'}) "
+                    f"| {name} | {g1} "
                     f"| {e.get('g1_sim_sequential', math.nan):.2f} "
                     f"| {e['ttft_mean_vs_lru']:.2f} ({'met' if e['ttft_met'] else 'missed'}) "
                     f"| {e.get('modelled_ttft_vs_lru', math.nan):.2f} "
-                    f"| {e['recomputed_vs_infinite']:.2f} |"
+                    f"| {inf} |"
                 )
             om = g.get("offline_modelled_ttft_vs_lru") or {}
             if om:
@@ -603,6 +621,12 @@ class Report:
                    + f" of {self.trace.header.num_gpu_blocks - 1} usable.")
         out.append("")
         return "\n".join(out)
+
+
+def _mib(b: Any) -> str:
+    if b is None or (isinstance(b, float) and math.isnan(b)):
+        return "n/a"
+    return f"{b / 2**20:.1f} MiB" if b else "0"
 
 
 def _cpu_str(cpu: Any) -> str:
@@ -765,7 +789,7 @@ def load_report(d: str | Path) -> Report:
     js = json.loads((d / "results.json").read_text())
     trace = Trace.load(d / "trace.jsonl")
     rep = Report(trace=trace, plan_closed_loop=js["trace"]["closed_loop"], mode=js["mode"], model=js["model"],
-                 command=js["command"], time_scale=js.get("time_scale", 1.0), nice=js.get("nice", 0))
+                 command=js["command"], time_scale=js.get("time_scale", 1.0), nice=js.get("nice", 0), tiers=js.get("tiers", ""))
     rep.engine_start_s = js.get("engine_start_s", [])
     rep.capabilities = js.get("capabilities", {})
     rep.calibration = js.get("calibration", {})

@@ -13,6 +13,8 @@ abstract action                        kvhint.v1 hint
 ``Pin(target, ttl_s)``                 Pin{ttl}, selector session/continuation
 ``Retain(target, priority, ttl_s)``    Retain{priority, ttl}
 ``Release(target)``                    Release
+``Demote(target)``                     Demote (nearest lower tier)
+``Prefetch(target, delay_s)``          Prefetch, sent ``delay_s`` after the signal
 =====================================  =========================================
 
 ``Target.kind`` is ``"session"`` (``id`` = session_id) or ``"prefix"`` (the
@@ -44,7 +46,12 @@ released data. All TTLs derive from the runtime's declared duration classes
 * tool_call_started, expected ``long``: ``Retain(session, long_priority,
   retain_ttl_factor * long_class_s)``. Worth keeping over anonymous/ended
   data, but the first session data to go under pressure: it will not be read
-  for a long time (later tiers would Demote here instead).
+  for a long time. With tiers (``demote_on_long``): ``Demote(session)``
+  instead, so the device copy goes first while a host copy keeps the session,
+  plus ``Prefetch(session, delay_s=prefetch_after_factor * long_class_s)``: a
+  runtime timer set from the declared class alone, so lower-tier copies are
+  staged toward the device before the expected resume (a no-op ACCEPTED when
+  the session is still on the device, or already in the nearest tier).
 * child_spawned: ``Retain(parent, parent_priority, retain_ttl_factor *
   long_class_s)`` once per parent wait. The parent resumes only after its
   children end (a long wait), but the children re-read the parent's context as
@@ -99,7 +106,20 @@ class Release:
     name = "release"
 
 
-Action = Union[Pin, Retain, Release]
+@dataclass(frozen=True)
+class Demote:
+    target: Target
+    name = "demote"
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    target: Target
+    delay_s: float = 0.0  # the runtime sends it this long after the signal (a timer, not a prediction)
+    name = "prefetch"
+
+
+Action = Union[Pin, Retain, Release, Demote, Prefetch]
 
 
 @dataclass(frozen=True)
@@ -121,6 +141,8 @@ class PolicyConfig:
     prefix_ttl_s: float = 600.0
     release_on_end: bool = True
     retain_shared_prefix: bool = True
+    demote_on_long: bool = False  # tiers: Demote + timed Prefetch instead of the long-pause Retain
+    prefetch_after_factor: float = 0.2  # Prefetch timer, x long_class_s after a long call starts
 
     @classmethod
     def from_header(cls, header: TraceHeader, **overrides: Any) -> PolicyConfig:
@@ -173,6 +195,9 @@ class ReferencePolicy:
             if sig.expected_duration_class == "short":
                 out.append(Pin(tgt, c.pin_ttl_factor * c.short_class_s))
                 out.append(Retain(tgt, c.short_priority, c.retain_ttl_factor * c.long_class_s))
+            elif c.demote_on_long:
+                out.append(Demote(tgt))
+                out.append(Prefetch(tgt, c.prefetch_after_factor * c.long_class_s))
             else:
                 out.append(Retain(tgt, c.long_priority, c.retain_ttl_factor * c.long_class_s))
         elif isinstance(sig, ChildSpawned):
@@ -210,14 +235,18 @@ def action_to_json(a: Action) -> dict[str, Any]:
         d["ttl_s"] = a.ttl_s
     if isinstance(a, Retain):
         d["priority"] = a.priority
+    if isinstance(a, Prefetch):
+        d["delay_s"] = a.delay_s
     return d
 
 
 def policy_variant(name: str, base: PolicyConfig) -> PolicyConfig:
     """Named variants used by the benchmark runs: ``hints`` (run b: no
-    Release on session end) and ``hints+release`` (run c)."""
+    Release on session end), ``hints+release`` (run c) and ``hints+tiers``
+    (run g: run c plus Demote and a timed Prefetch on a long pause)."""
     variants: Mapping[str, dict[str, Any]] = {
         "hints": {"release_on_end": False},
         "hints+release": {"release_on_end": True},
+        "hints+tiers": {"release_on_end": True, "demote_on_long": True},
     }
     return replace(base, **variants[name])

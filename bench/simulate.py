@@ -76,8 +76,10 @@ import numpy as np
 
 from bench.policy import (
     Action,
+    Demote,
     Pin,
     PolicyConfig,
+    Prefetch,
     ReferencePolicy,
     Release,
     Retain,
@@ -495,6 +497,8 @@ class HintedPool:
             self.retains.pop(tgt, None)
             if tgt.kind == "session":
                 self.released.add(tgt.id)
+        elif isinstance(a, (Demote, Prefetch)):
+            pass  # tier actions: this model has the device tier only (tier runs are engine-only)
         else:  # pragma: no cover
             raise TypeError(a)
 

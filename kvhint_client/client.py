@@ -100,17 +100,13 @@ class WatchStream:
         self.cancel()
 
 
-class KvHintClient:
-    """Blocking kvhint.v1 client. Thread-safe (one channel, shared by all calls).
+class _ClientBase:
+    """What the sync and asyncio clients share: config, channel ownership, stubs, metadata."""
 
-    `config` is a ConnectionConfig or an address string. Pass `channel` to reuse an existing
-    grpc.Channel (the client then does not close it).
-    """
-
-    def __init__(self, config: ConfigLike = ConnectionConfig(), *, channel: Optional[grpc.Channel] = None) -> None:
+    def __init__(self, config: ConfigLike, channel: Any, make_channel: Callable[[ConnectionConfig], Any]) -> None:
         self._config = as_config(config)
         self._owns_channel = channel is None
-        self._channel = channel if channel is not None else _sync_channel(self._config)
+        self._channel = channel if channel is not None else make_channel(self._config)
         self._stub = kvhint_pb2_grpc.KvHintServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = self._config.call_metadata()
@@ -122,6 +118,17 @@ class KvHintClient:
     @property
     def address(self) -> str:
         return self._config.address
+
+
+class KvHintClient(_ClientBase):
+    """Blocking kvhint.v1 client. Thread-safe (one channel, shared by all calls).
+
+    `config` is a ConnectionConfig or an address string. Pass `channel` to reuse an existing
+    grpc.Channel (the client then does not close it).
+    """
+
+    def __init__(self, config: ConfigLike = ConnectionConfig(), *, channel: Optional[grpc.Channel] = None) -> None:
+        super().__init__(config, channel, _sync_channel)
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -316,25 +323,12 @@ class AsyncWatchStream:
         self.cancel()
 
 
-class AsyncKvHintClient:
+class AsyncKvHintClient(_ClientBase):
     """asyncio kvhint.v1 client with the same surface as KvHintClient (methods are coroutines,
     watch() returns an AsyncWatchStream). Create it inside the event loop that uses it."""
 
     def __init__(self, config: ConfigLike = ConnectionConfig(), *, channel: Optional[grpc.aio.Channel] = None) -> None:
-        self._config = as_config(config)
-        self._owns_channel = channel is None
-        self._channel = channel if channel is not None else _aio_channel(self._config)
-        self._stub = kvhint_pb2_grpc.KvHintServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = self._config.call_metadata()
-
-    @property
-    def config(self) -> ConnectionConfig:
-        return self._config
-
-    @property
-    def address(self) -> str:
-        return self._config.address
+        super().__init__(config, channel, _aio_channel)
 
     async def _unary(
         self, method: str, call: Callable[..., Awaitable[_Resp]], request: Any, timeout: Optional[float]

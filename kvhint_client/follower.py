@@ -474,7 +474,35 @@ DEFAULT_RECONNECT = RetryPolicy(max_attempts=1_000_000, initial_backoff=0.1, max
 # ---------------------------------------------------------------------------------------------
 
 
-class EventFollower:
+class _FollowerBase:
+    """What the thread and asyncio followers share: engines, index, trackers, settings."""
+
+    def __init__(
+        self,
+        engines: EnginesLike,
+        index: Optional[ResidencyIndex],
+        heartbeat: float,
+        reconnect: RetryPolicy,
+        on_event: Optional[EventCallback],
+        stall_timeout: Optional[float],
+    ) -> None:
+        self.index = index or ResidencyIndex()
+        self._configs = _named_engines(engines)
+        self._heartbeat = heartbeat
+        self._reconnect = reconnect
+        self._on_event = on_event
+        self._stall_timeout = _stall_timeout(stall_timeout, heartbeat)
+        self._trackers = {name: EngineTracker(name, cfg.address, self.index) for name, cfg in self._configs.items()}
+
+    @property
+    def engines(self) -> list[str]:
+        return list(self._configs)
+
+    def status(self) -> dict[str, EngineStatus]:
+        return {name: tracker.status for name, tracker in self._trackers.items()}
+
+
+class EventFollower(_FollowerBase):
     """Follows several engines, one daemon thread each, into `index`.
 
     engines: {name: address or ConnectionConfig}, or a list of them (named by address).
@@ -496,25 +524,13 @@ class EventFollower:
         on_event: Optional[EventCallback] = None,
         stall_timeout: Optional[float] = None,
     ) -> None:
-        self.index = index or ResidencyIndex()
-        self._configs = _named_engines(engines)
-        self._heartbeat = heartbeat
-        self._reconnect = reconnect
-        self._on_event = on_event
-        self._stall_timeout = _stall_timeout(stall_timeout, heartbeat)
-        self._trackers = {name: EngineTracker(name, cfg.address, self.index) for name, cfg in self._configs.items()}
+        super().__init__(engines, index, heartbeat, reconnect, on_event, stall_timeout)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._streams: dict[str, WatchStream] = {}
         self._last_seen: dict[str, float] = {}
         self._streams_lock = threading.Lock()
 
-    @property
-    def engines(self) -> list[str]:
-        return list(self._configs)
-
-    def status(self) -> dict[str, EngineStatus]:
-        return {name: tracker.status for name, tracker in self._trackers.items()}
 
     def position(self, engine: str) -> Optional[tuple[str, int]]:
         return self._trackers[engine].position
@@ -610,7 +626,7 @@ class EventFollower:
 # ---------------------------------------------------------------------------------------------
 
 
-class AsyncEventFollower:
+class AsyncEventFollower(_FollowerBase):
     """asyncio twin of EventFollower: one task per engine, same index and semantics.
     `await start()` inside a running loop; `await stop()` to cancel."""
 
@@ -624,22 +640,10 @@ class AsyncEventFollower:
         on_event: Optional[EventCallback] = None,
         stall_timeout: Optional[float] = None,
     ) -> None:
-        self.index = index or ResidencyIndex()
-        self._configs = _named_engines(engines)
-        self._heartbeat = heartbeat
-        self._reconnect = reconnect
-        self._on_event = on_event
-        self._stall_timeout = _stall_timeout(stall_timeout, heartbeat)
-        self._trackers = {name: EngineTracker(name, cfg.address, self.index) for name, cfg in self._configs.items()}
+        super().__init__(engines, index, heartbeat, reconnect, on_event, stall_timeout)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
 
-    @property
-    def engines(self) -> list[str]:
-        return list(self._configs)
-
-    def status(self) -> dict[str, EngineStatus]:
-        return {name: tracker.status for name, tracker in self._trackers.items()}
 
     async def start(self) -> "AsyncEventFollower":
         if self._tasks:

@@ -2,6 +2,7 @@
 
     kvhint bench run [--mode fast|full] [--trace my.jsonl] [--model DIR] ...
         replay a trace on a real vLLM engine: (a) LRU, (b) hints, (c) hints + Release,
+        (f) vLLM's offloading tiers without hints, (g) hints + Demote/Prefetch on the tiers,
         plus the offline (d) Belady-MIN and (e) infinite-cache references
         (bench.agentic_engine; `kvhint bench run -h` for every option)
     kvhint bench generate|analyze|headroom|policy ...

@@ -87,18 +87,21 @@ def test_fast_mode_pipeline(tmp_path):
         assert (out / name).is_file(), name
     res = json.loads((out / "results.json").read_text())
     n = res["trace"]["stats"]["requests"]
-    assert set(res["runs"]) == {"lru", "hints"}
+    assert set(res["runs"]) == {"lru", "hints", "hints+tiers"}
     for name, m in res["runs"].items():
         assert m["requests"] == n and m["answered"] == n, name
         for key in ("hit_rate", "recomputed_tokens", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms",
                     "throughput_req_s", "peak_blocks_in_use", "pins_broken", "bytes_moved_between_tiers"):
             assert m.get(key) is not None, (name, key)
     assert res["runs"]["hints"]["hints"]["rpcs"] > 0  # hints reached the engine
+    tiered = res["runs"]["hints+tiers"]
+    assert tiered["hints"]["outcomes"]["demote"]  # tier hints reached the tiered engine
+    assert tiered["bytes_moved_between_tiers"] > 0 and res["runs"]["lru"]["bytes_moved_between_tiers"] == 0
     assert {"belady", "infinite"} <= set(res["offline"]["results"])
     assert res["validation"]["sequential"]["requests"] == n
     assert res["validation"]["concurrent"]["requests"] == n
     rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 * n and all(r["error"] is None for r in rows)
+    assert len(rows) == 3 * n and all(r["error"] is None for r in rows)
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 
 from bench.generate import PRESETS, generate_trace
 from bench.policy import (
+    Demote,
     Pin,
     PolicyConfig,
+    Prefetch,
     ReferencePolicy,
     Release,
     Retain,
@@ -99,6 +101,24 @@ def test_priorities_are_ordered_and_no_release_variant():
     pol = ReferencePolicy(PolicyConfig(release_on_end=False, retain_shared_prefix=False))
     assert pol.start(0.0) == []
     assert pol.observe(SessionEnded(1.0, "a")) == []
+
+
+def test_tiers_variant_demotes_long_pauses_and_prefetches_on_a_class_timer():
+    from bench.policy import policy_variant
+
+    cfg = policy_variant("hints+tiers", PolicyConfig(short_class_s=2.0, long_class_s=40.0))
+    pol = ReferencePolicy(cfg)
+    b = Target.session("b")
+    # a long pause: Demote now, Prefetch on a timer derived from the declared class only
+    assert pol.observe(ToolCallStarted(1.0, "b", "long")) == [Demote(b), Prefetch(b, cfg.prefetch_after_factor * 40.0)]
+    # a short pause is still pinned and retained; the end is still a Release
+    assert pol.observe(ToolCallStarted(2.0, "a", "short"))[0] == Pin(Target.session("a"), 4.0)
+    assert pol.observe(SessionEnded(3.0, "b")) == [Release(b)]
+    assert action_to_json(Prefetch(b, 8.0)) == {"action": "prefetch", "target": {"kind": "session", "id": "b"},
+                                                "delay_s": 8.0}
+    # without tiers the long pause is a Retain, as before
+    plain = ReferencePolicy(policy_variant("hints+release", PolicyConfig(long_class_s=40.0)))
+    assert plain.observe(ToolCallStarted(1.0, "b", "long")) == [Retain(b, plain.config.long_priority, 60.0)]
 
 
 def test_config_from_header_uses_declared_classes():
