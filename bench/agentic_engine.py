@@ -769,6 +769,7 @@ class RunRecord:
         cached = sum(r.cached_tokens for r in recs)
         ttft = sorted(r.ttft_s * 1000 for r in recs)
         out_tok = sum(r.output_tokens for r in recs)
+        tpot = [(r.latency_s - r.ttft_s) * 1000 / (r.output_tokens - 1) for r in recs if r.output_tokens > 1]
         return {
             "requests": len(self.records),
             "answered": len(recs),
@@ -780,6 +781,8 @@ class RunRecord:
             "ttft_p50_ms": percentile(ttft, 50),
             "ttft_p99_ms": percentile(ttft, 99),
             "latency_mean_ms": statistics.fmean(r.latency_s * 1000 for r in recs) if recs else math.nan,
+            # time per output token after the first: decode speed, which a KV connector changes
+            "tpot_mean_ms": statistics.fmean(tpot) if tpot else math.nan,
             "makespan_s": self.makespan_s,
             "throughput_req_s": len(recs) / self.makespan_s if self.makespan_s else 0.0,
             "throughput_out_tok_s": out_tok / self.makespan_s if self.makespan_s else 0.0,
