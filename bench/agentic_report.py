@@ -540,7 +540,8 @@ class Report:
                 out.append("")
                 out.append(
                     "(f) and (g) run on an engine with vLLM's KV connector, which trades decode speed for TTFT: its "
-                    f"time per output token is {tp:.2f}x run (a)'s, and its TTFT is lower at equal recomputation. "
+                    f"time per output token is {tp:.2f}x run (a)'s (on the default trace its TTFT was also lower at "
+                    "equal recomputation; see bench/results/README.md). "
                     "So their TTFT ratios to LRU mix the connector's scheduling with the effect of the cache. "
                     f"Same engine, hints vs none: recomputed (g)/(f) = {gt['recomputed_vs_offload']:.2f}, "
                     f"mean TTFT (g)/(f) = {gt['ttft_mean_vs_offload']:.2f}.")

@@ -21,6 +21,15 @@ def hit(ctx: CaseContext, prompt: list[int], session: str) -> int:
     return ctx.complete(prompt, session).cached_tokens
 
 
+def kept_through_pressure(ctx: CaseContext, label: str, kept: list[int], session: str, control: list[int]) -> None:
+    """Apply pressure; the hinted session must keep its whole prefix, the unhinted control must lose it."""
+    ctx.pressure(label)
+    got = hit(ctx, kept, session)
+    check(got == ctx.full_hit, f"the {label} session hit {got} of {ctx.full_hit} tokens after pressure")
+    lost = hit(ctx, control, ctx.sid("control"))
+    check(lost == 0, f"the unhinted control session still hit {lost} tokens: the pressure did not evict it")
+
+
 def pin_to_budget(ctx: CaseContext, tag: str) -> list[str]:
     """Store and pin sessions until the pin budget is used up. Returns the session ids."""
     plan = ctx.plan
@@ -69,11 +78,7 @@ def register(reg: Registry) -> None:
             result.outcome == pb.OUTCOME_ACCEPTED and H.device_blocks(result) == ctx.plan.session_blocks,
             f"pin of a {ctx.plan.session_blocks}-block session: {H.describe(result)}",
         )
-        ctx.pressure("pin")
-        got = hit(ctx, kept, ctx.sid("pinned"))
-        check(got == ctx.full_hit, f"the pinned session hit {got} of {ctx.full_hit} tokens after pressure")
-        lost = hit(ctx, control, ctx.sid("control"))
-        check(lost == 0, f"the unhinted control session still hit {lost} tokens: the pressure did not evict it")
+        kept_through_pressure(ctx, "pinned", kept, ctx.sid("pinned"), control)
 
     @reg.case(
         "retention", "retained-session-survives-pressure",
@@ -88,11 +93,7 @@ def register(reg: Registry) -> None:
         ctx.complete(kept, ctx.sid("kept"))
         result = ctx.apply_one(H.retain(ctx.sid("kept"), priority=5, ttl=120))
         check(result.outcome == pb.OUTCOME_ACCEPTED, f"retain: {H.describe(result)}")
-        ctx.pressure("retain")
-        got = hit(ctx, kept, ctx.sid("kept"))
-        check(got == ctx.full_hit, f"the retained session hit {got} of {ctx.full_hit} tokens after pressure")
-        lost = hit(ctx, control, ctx.sid("control"))
-        check(lost == 0, f"the unhinted control session still hit {lost} tokens: the pressure did not evict it")
+        kept_through_pressure(ctx, "retained", kept, ctx.sid("kept"), control)
 
     @reg.case(
         "retention", "lower-priority-evicted-first",
