@@ -83,7 +83,6 @@ import argparse
 import bisect
 import dataclasses
 import heapq
-import json
 import math
 import os
 import re
@@ -274,19 +273,12 @@ class EngineHandle:
     served: Any = None  # engine_integration.served.ServedEngine
     model: str = ""
 
-    def reset_cache(self, attempts: int = 100) -> None:
+    def reset_cache(self) -> None:
         """Empty the device prefix cache and the connector's tiers (a no-op without a
-        connector). vLLM refuses (success=false) while blocks are held, e.g. by a
-        finishing request or an offload transfer in flight: retry, then fail loudly
-        rather than start the next run warm."""
-        req = urllib.request.Request(self.http_url + "/reset_prefix_cache?reset_external=true", data=b"", method="POST")
-        for _ in range(attempts):
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                body = resp.read()
-            if not body or json.loads(body).get("success", True):
-                return
-            time.sleep(0.1)
-        raise RuntimeError(f"/reset_prefix_cache kept answering success=false ({attempts} attempts)")
+        connector), so the next run never starts warm."""
+        from engine_integration.served import reset_prefix_cache
+
+        reset_prefix_cache(self.http_url, external=True)
 
     def stop(self) -> None:
         if self.served is not None:

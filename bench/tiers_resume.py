@@ -39,7 +39,6 @@ vllm:kv_offload_tiering_read_bytes (file->host) on that engine.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -52,7 +51,7 @@ from pathlib import Path
 
 import grpc
 
-from engine_integration.served import EngineSpec, ServedEngine, default_model, free_port
+from engine_integration.served import EngineSpec, ServedEngine, default_model, free_port, reset_prefix_cache
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint.v1 import kvhint_pb2_grpc as pbg
 from kvhint_client.openai_traffic import Completion, complete
@@ -95,14 +94,7 @@ class Node:
 
     def reset(self) -> None:
         """Empty G1 and the host tier (retrying while a finished request still holds blocks)."""
-        url = self.http + "/reset_prefix_cache?reset_external=true"
-        for _ in range(50):
-            with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=60) as r:
-                body = r.read()
-            if not body or json.loads(body).get("success", True):
-                return
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.name}: reset_prefix_cache kept failing")
+        reset_prefix_cache(self.http, external=True)
 
     def hint(self, hint: pb.Hint) -> pb.HintResult:
         assert self.stub is not None

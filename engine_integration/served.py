@@ -40,6 +40,21 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+def reset_prefix_cache(http_url: str, *, external: bool = False, attempts: int = 100, timeout: float = 60.0) -> None:
+    """POST /reset_prefix_cache (dev mode) until it succeeds. vLLM answers
+    success=false while blocks are held (a just-finished request, an offload
+    transfer in flight); after `attempts` tries this raises RuntimeError rather
+    than leave the cache warm. external=True also empties the connector's tiers."""
+    url = http_url + "/reset_prefix_cache" + ("?reset_external=true" if external else "")
+    for _ in range(attempts):
+        with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=timeout) as resp:
+            body = resp.read()
+        if not body or json.loads(body).get("success", True):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} kept answering success=false ({attempts} attempts)")
+
+
 def default_model(preset: str = "tiny") -> str:
     """The generated model of `preset`, created on first use."""
     from .tiny_model import make_tiny_model

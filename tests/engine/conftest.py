@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from engine_support import Engine, start_engine
+from engine_support import Engine, running_engine
 
 from engine_integration.served import default_model
 
@@ -17,12 +17,8 @@ def tiny_model() -> str:
 
 @pytest.fixture(scope="session")
 def engine(tiny_model: str) -> Iterator[Engine]:
-    eng = start_engine(tiny_model, zmq=True)
-    try:
+    with running_engine(tiny_model, zmq=True) as eng:
         yield eng
-    finally:
-        eng.close()
-        eng.served.stop()
 
 
 @pytest.fixture

@@ -10,12 +10,13 @@ can compare against it.
 
 from __future__ import annotations
 
+import contextlib
 import random
-import urllib.request
+from collections.abc import Iterator
 
 import grpc
 
-from engine_integration.served import EngineSpec, ServedEngine, default_model, free_port
+from engine_integration.served import EngineSpec, ServedEngine, free_port, reset_prefix_cache
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint.v1 import kvhint_pb2_grpc as pbg
 from kvhint_client.openai_traffic import Completion, complete
@@ -57,17 +58,7 @@ class Engine:
     def reset_cache(self) -> None:
         """Empty the prefix cache (retrying while a just-finished request still
         holds blocks)."""
-        import json
-        import time
-
-        for _ in range(50):
-            req = urllib.request.Request(self.http + "/reset_prefix_cache", data=b"", method="POST")
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                body = resp.read()
-            if not body or json.loads(body).get("success", True):
-                return
-            time.sleep(0.1)
-        raise AssertionError("reset_prefix_cache kept failing")
+        reset_prefix_cache(self.http)
 
     def close(self) -> None:
         self.channel.close()
@@ -119,3 +110,14 @@ def start_engine(model: str, *, kvhint: bool = True, zmq: bool = False, env: dic
             subscriber.close()
         raise
     return Engine(served, subscriber)
+
+
+@contextlib.contextmanager
+def running_engine(model: str, **kw: object) -> Iterator[Engine]:
+    """`start_engine(model, **kw)` for the duration of a block (a fixture's lifetime)."""
+    eng = start_engine(model, **kw)  # type: ignore[arg-type]
+    try:
+        yield eng
+    finally:
+        eng.close()
+        eng.served.stop()

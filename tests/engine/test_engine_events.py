@@ -7,7 +7,7 @@ import time
 from collections import defaultdict
 
 from engine_support import Engine, pin, release, session_sel, tokens
-from events_support import Collector, ZmqKvEvents, block_hash_int, latest_sequence
+from events_support import Collector, block_hash_int, latest_sequence
 
 from kvhint.v1 import kvhint_pb2 as pb
 

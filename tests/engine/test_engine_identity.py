@@ -7,17 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from engine_support import Engine, start_engine, tokens
+from engine_support import Engine, running_engine, tokens
 
 
 @pytest.fixture(scope="module")
 def stock(tiny_model: str) -> Iterator[Engine]:
-    eng = start_engine(tiny_model, kvhint=False, zmq=True)
-    try:
+    with running_engine(tiny_model, kvhint=False, zmq=True) as eng:
         yield eng
-    finally:
-        eng.close()
-        eng.served.stop()
 
 
 def agentic_workload() -> list[tuple[list[int], str | None, int]]:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from engine_support import Engine, start_engine, tokens
+from engine_support import Engine, running_engine, tokens
 from events_support import Collector, latest_sequence
 
 from engine_integration.served import EngineSpec, ServedEngine
@@ -22,12 +22,8 @@ SMALL_RING = {"KVHINT_EVENT_REPLAY_WINDOW": "600", "KVHINT_SUBSCRIBER_BUFFER": "
 
 @pytest.fixture(scope="module")
 def small(tiny_model: str) -> Iterator[Engine]:
-    eng = start_engine(tiny_model, env=SMALL_RING)
-    try:
+    with running_engine(tiny_model, env=SMALL_RING) as eng:
         yield eng
-    finally:
-        eng.close()
-        eng.served.stop()
 
 
 def latency_ms(engine: Engine, tag: str, n: int) -> list[float]:

@@ -30,7 +30,7 @@ import pytest
 from engine_support import Engine, session_sel, tokens
 from events_support import Collector
 
-from engine_integration.served import EngineSpec, ServedEngine, free_port
+from engine_integration.served import EngineSpec, ServedEngine, free_port, reset_prefix_cache
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint.v1 import kvhint_pb2_grpc as pbg
 from kvhint_client.openai_traffic import Completion
@@ -47,14 +47,7 @@ class TierEngine(Engine):
     def reset(self, external: bool = True) -> None:
         """Empty G1 (and, with external, the host tier; files persist), retrying
         while a just-finished request still holds blocks."""
-        url = self.http + "/reset_prefix_cache" + ("?reset_external=true" if external else "")
-        for _ in range(50):
-            with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=30) as r:
-                body = r.read()
-            if not body or json.loads(body).get("success", True):
-                return
-            time.sleep(0.1)
-        raise AssertionError("reset_prefix_cache kept failing")
+        reset_prefix_cache(self.http, external=external)
 
     def op(self, op_id: str) -> pb.Operation:
         return self.stub.GetOperation(pb.GetOperationRequest(operation_id=op_id), timeout=5).operation
