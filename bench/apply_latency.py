@@ -8,6 +8,11 @@ and a Retain on that session, fresh hint ids) with the typed client:
         idle callback (the engine thread wakes from its input queue)
   busy  a long decode runs meanwhile: hints wait for the next step boundary
 
+Each ApplyHints call alternates with a GetCapabilities call on the same
+channel. GetCapabilities is answered by the sidecar without the engine
+thread, so it is the loopback gRPC floor (client, HTTP/2, Python servicer)
+measured side by side; the difference is what reaching the engine adds.
+
   python -m bench.apply_latency               # 2000 calls per phase
   python -m bench.apply_latency --calls 300   # quick
 
@@ -31,11 +36,16 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def measure(client: object, calls: int) -> list[float]:
+def measure(client: object, calls: int, floor: list[float] | None = None) -> list[float]:
+    """ApplyHints latencies (ms); with `floor`, a GetCapabilities call before each."""
     from kvhint_client import session
 
     out = []
     for i in range(calls):
+        if floor is not None:
+            t = time.perf_counter()
+            client.capabilities()  # type: ignore[attr-defined]
+            floor.append((time.perf_counter() - t) * 1000)
         hint = session("bench").pin(ttl=30) if i % 2 == 0 else session("bench").retain(ttl=30, priority=3)
         t = time.perf_counter()
         result = client.apply(hint)  # type: ignore[attr-defined]
@@ -61,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         complete(engine.http_url, prompt, session_id="bench")
         measure(client, 100)  # warm-up: channel, code paths
         time.sleep(0.5)
-        idle = measure(client, args.calls)
+        floor: list[float] = []
+        idle = measure(client, args.calls, floor)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             busy_prompt = [rng.randint(3, 4000) for _ in range(128)]
             running = pool.submit(
@@ -72,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             while not running.done() and len(busy) < args.calls:
                 busy += measure(client, 50)
             running.result()
-        for name, xs in (("idle engine", idle), ("busy engine (decoding)", busy)):
+        for name, xs in (
+            ("GetCapabilities (gRPC floor, no engine thread)", floor),
+            ("ApplyHints, idle engine", idle),
+            ("ApplyHints, busy engine (decoding)", busy),
+        ):
             rows.append((name, len(xs), statistics.median(xs), _pct(xs, 99), max(xs)))
 
     write_markdown(
@@ -86,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             "| phase | calls | p50 ms | p99 ms | max ms |",
             "|---|---|---|---|---|",
             *(f"| {n} | {c} | {p50:.3f} | {p99:.3f} | {mx:.3f} |" for n, c, p50, p99, mx in rows),
+            "",
+            f"Idle ApplyHints over the gRPC floor, side by side: p50 +{rows[1][2] - rows[0][2]:.3f} ms, "
+            f"p99 +{rows[1][3] - rows[0][3]:.3f} ms.",
         ],
     )
     return 0

@@ -1,13 +1,20 @@
 """Scheduler step-time overhead of the KvHint integration with no hints.
 
-Runs the same request stream through two in-process vLLM engines in one
-process, the stock Scheduler and KvHintScheduler (sidecar serving, no hints
-sent), alternating rounds so machine noise hits both alike. Times every
-`Scheduler.schedule()` + `update_from_output()` call (the scheduler's share of
-a step, where the hooks live) and the whole engine step, and reports
-KvHint/stock ratios of the medians and means.
+Two in-process vLLM engines in one process, the stock Scheduler and
+KvHintScheduler (sidecar serving, no hints sent), get the same requests and
+are stepped in turns, one step each (random order per pair), so both see the
+same moment of machine noise. A synchronous engine schedules identically for
+identical requests, so step i of one engine does the same scheduling work as
+step i of the other: the report gives the median of the per-step ratios, the
+ratio of total time and the ratio of medians, for
 
-  python -m bench.step_overhead            # full run (~3 min)
+  * the scheduler's share of a step: `schedule()` + `update_from_output()`,
+    where the hooks live;
+  * the whole engine step (`EngineCore.step()`: schedule, model, update).
+
+`--aa` runs stock against stock: the noise floor of the method.
+
+  python -m bench.step_overhead            # full run (~4 min)
   python -m bench.step_overhead --rounds 2 --requests 24   # quick
 
 Target (issue 2): scheduler step time with the integration loaded and no
@@ -35,43 +42,61 @@ def _prompt(seed: object, n: int) -> list[int]:
 
 
 class StepTimer:
-    """Wraps one engine's scheduler and step() to record durations."""
+    """Wraps one engine's scheduler to time its share of each step."""
 
     def __init__(self, llm: object) -> None:
         engine = llm.llm_engine  # type: ignore[attr-defined]
         core = engine.engine_core.engine_core
-        self.scheduler = core.scheduler
+        self.engine = engine
+        self.scheduler = sched = core.scheduler
         self.sched_s: list[float] = []
         self.step_s: list[float] = []
-        sched = self.scheduler
+        self._sched = 0.0
         orig_schedule, orig_update = sched.schedule, sched.update_from_output
-        pending = [0.0]
 
         def schedule(*a: object, **k: object) -> object:
             t = time.perf_counter()
             out = orig_schedule(*a, **k)
-            pending[0] = time.perf_counter() - t
+            self._sched = time.perf_counter() - t
             return out
 
         def update(*a: object, **k: object) -> object:
             t = time.perf_counter()
             out = orig_update(*a, **k)
-            self.sched_s.append(pending[0] + time.perf_counter() - t)
+            self._sched += time.perf_counter() - t
             return out
 
         sched.schedule, sched.update_from_output = schedule, update
-        self.engine = engine
 
-    def run(self, requests: list[tuple[str, list[int], str | None]], max_tokens: int) -> None:
+    def add(self, requests: list[tuple[str, list[int], str | None]], max_tokens: int) -> None:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         for rid, ids, session in requests:
             self.engine.add_request(rid, {"prompt_token_ids": ids}, params, session_id=session)
-        while self.engine.has_unfinished_requests():
-            t = time.perf_counter()
-            self.engine.step()
-            self.step_s.append(time.perf_counter() - t)
+
+    def busy(self) -> bool:
+        return bool(self.engine.has_unfinished_requests())
+
+    def step(self) -> None:
+        t = time.perf_counter()
+        self.engine.step()
+        self.step_s.append(time.perf_counter() - t)
+        self.sched_s.append(self._sched)
+
+    def reset(self) -> None:
+        self.sched_s.clear()
+        self.step_s.clear()
+
+
+def run_paired(a: StepTimer, b: StepTimer, requests: list[tuple[str, list[int], str | None]], max_tokens: int, rng: random.Random) -> None:
+    a.add(requests, max_tokens)
+    b.add(requests, max_tokens)
+    while a.busy() or b.busy():
+        pair = [a, b] if rng.random() < 0.5 else [b, a]
+        for timer in pair:
+            if timer.busy():
+                timer.step()
 
 
 def build_engine(model: str, kvhint: bool, num_blocks: int) -> object:
@@ -102,8 +127,11 @@ def workload(round_no: int, n: int, sessions: bool) -> list[tuple[str, list[int]
     return out
 
 
-def summarize(xs: list[float]) -> tuple[float, float]:
-    return statistics.median(xs), statistics.fmean(xs)
+def paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """(median of per-step ratios b/a, ratio of totals, ratio of medians)."""
+    n = min(len(a), len(b))
+    ratios = [y / x for x, y in zip(a[:n], b[:n]) if x > 0]
+    return statistics.median(ratios), sum(b[:n]) / sum(a[:n]), statistics.median(b[:n]) / statistics.median(a[:n])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,45 +142,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=80)
     parser.add_argument("--preset", choices=("tiny", "bench"), default="tiny", help="generated model preset")
     parser.add_argument("--model", default=None, help="model directory (overrides --preset)")
+    parser.add_argument("--aa", action="store_true", help="stock against stock (noise floor)")
     parser.add_argument("--out", default="bench/results/step_overhead.md")
     args = parser.parse_args(argv)
 
     from engine_integration.served import default_model
 
     model = args.model or default_model(args.preset)
-    engines = {
-        "stock": StepTimer(build_engine(model, False, args.num_blocks)),
-        "kvhint": StepTimer(build_engine(model, True, args.num_blocks)),
-    }
-    for timer in engines.values():  # warm-up (compilation, allocator)
-        timer.run(workload(-1, 12, True), args.max_tokens)
-        timer.sched_s.clear()
-        timer.step_s.clear()
+    stock = StepTimer(build_engine(model, False, args.num_blocks))
+    other = StepTimer(build_engine(model, not args.aa, args.num_blocks))
+    rng = random.Random(0)
+    run_paired(stock, other, workload(-1, 12, True), args.max_tokens, rng)  # warm-up
+    stock.reset()
+    other.reset()
     for r in range(args.rounds):
-        order = list(engines.items()) if r % 2 == 0 else list(reversed(engines.items()))
-        for name, timer in order:
-            timer.run(workload(r, args.requests, sessions=r % 2 == 0), args.max_tokens)
+        run_paired(stock, other, workload(r, args.requests, sessions=r % 2 == 0), args.max_tokens, rng)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
-    rows = []
-    stock, kv = engines["stock"], engines["kvhint"]
-    for label, a, b in (("scheduler (schedule + update_from_output)", stock.sched_s, kv.sched_s), ("engine step", stock.step_s, kv.step_s)):
-        (ma, fa), (mb, fb) = summarize(a), summarize(b)
-        rows.append((label, len(a), ma * 1e3, mb * 1e3, mb / ma, fa * 1e3, fb * 1e3, fb / fa))
+    name = "stock (A/A)" if args.aa else "kvhint"
     lines = [
-        "| measure | steps | stock median ms | kvhint median ms | ratio (median) | stock mean ms | kvhint mean ms | ratio (mean) |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| measure | steps | stock median ms | {name} median ms | median of per-step ratios | ratio of totals | ratio of medians |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for label, n, ma, mb, rm, fa, fb, rf in rows:
-        lines.append(f"| {label} | {n} | {ma:.3f} | {mb:.3f} | {rm:.3f}x | {fa:.3f} | {fb:.3f} | {rf:.3f}x |")
+    for label, a, b in (
+        ("scheduler (schedule + update_from_output)", stock.sched_s, other.sched_s),
+        ("engine step", stock.step_s, other.step_s),
+    ):
+        per_step, totals, medians = paired(a, b)
+        lines.append(
+            f"| {label} | {min(len(a), len(b))} | {statistics.median(a) * 1e3:.3f} | {statistics.median(b) * 1e3:.3f} | "
+            f"{per_step:.3f}x | {totals:.3f}x | {medians:.3f}x |"
+        )
     write_markdown(
         args.out,
-        "Scheduler step-time overhead, no hints",
+        "Scheduler step-time overhead, no hints" + (" (A/A: stock vs stock)" if args.aa else ""),
         "bench.step_overhead",
         argv,
         [
-            f"Model: generated {args.preset} Llama, {args.num_blocks} blocks x 32 tokens; {args.rounds} alternating rounds of "
-            f"{args.requests} requests (half the rounds with session ids), max_tokens {args.max_tokens}.",
+            f"Model: generated {args.preset} Llama, {args.num_blocks} blocks x 32 tokens; {args.rounds} rounds of "
+            f"{args.requests} requests (half the rounds with session ids), max_tokens {args.max_tokens}; the two engines "
+            "step in turns (random order per pair).",
             "",
             *lines,
         ],

@@ -164,9 +164,13 @@ class VllmAdapter:
             yield BlockState(ext, Tier.DEVICE.bit, in_use=any(b.ref_cnt > 0 for b in copies))
 
     def refile(self, hashes: Iterable[bytes]) -> None:
+        core, refile_block = self.core, self.pool.kvh_refile_block
         for h in hashes:
-            for block in self._copies(h):
-                self.pool.kvh_refile_block(block)
+            copies = self._copies(h)
+            if copies:
+                view = core.retention(h)
+                for block in copies:
+                    refile_block(block, view)
 
     def demote_first(self, hashes: Iterable[bytes]) -> int:
         moved = 0

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-from kvhint_server.model import RemovalCause, RetentionClass
+from kvhint_server.model import RemovalCause, RetentionClass, RetentionView
 
 from .protected import ProtectedFreeBlocks
 
@@ -158,12 +158,14 @@ class KvHintBlockPool(BlockPool):
 
     # ------------------------------------------------------------ used by the adapter
 
-    def kvh_refile_block(self, block: Any) -> None:
-        """File one free cached block by its current retention class."""
+    def kvh_refile_block(self, block: Any, view: RetentionView | None = None) -> None:
+        """File one free cached block by its current retention class (`view`,
+        when the caller already has it)."""
         if block.ref_cnt != 0 or block.is_null:
             return
         protected = self._kvh_protected
-        view = self._kvh.retention_of_block(block)
+        if view is None:
+            view = self._kvh.retention_of_block(block)
         filed = protected.filed_as(block)
         if view.cls is RetentionClass.ORDINARY:
             if filed is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,10 +25,34 @@ SCHEDULER_CLS = "engine_integration.scheduler.KvHintScheduler"
 DEFAULT_MODEL_DIR = Path(os.environ.get("KVHINT_MODEL_CACHE", Path.home() / ".cache" / "kvhint" / "models"))
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port outside the kernel's ephemeral range.
+
+    A port taken with bind(0) and released is ephemeral: the engine's own
+    bind(0) calls (ZMQ, torch.distributed) can be handed the same port before
+    the server that was meant to use it binds. Ports below the range are never
+    handed out that way.
+    """
+    low, high = _ephemeral_range()
+    candidates = range(10000, low) if low > 11000 else range(high + 1, 65536)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port outside the ephemeral range")
 
 
 def _group_alive(pgid: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -108,6 +109,7 @@ class Reader:
     def __init__(self, harness: Harness, request: pb.WatchEventsRequest, timeout: float = 30.0) -> None:
         self.call = harness.stub.WatchEvents(request, timeout=timeout)
         self.q: queue.Queue[Any] = queue.Queue()
+        self.received = 0  # messages read off the stream so far
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -115,6 +117,7 @@ class Reader:
         try:
             for msg in self.call:
                 self.q.put(msg)
+                self.received += 1
         except grpc.RpcError as err:
             self.q.put(err)
         finally:
@@ -129,6 +132,12 @@ class Reader:
                 raise EOFError("stream cancelled")
             raise item
         return item
+
+    def wait_received(self, n: int, timeout: float = 10.0) -> None:
+        """Wait (bounded) until `n` messages were read off the stream."""
+        deadline = time.monotonic() + timeout
+        while self.received < n and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def take(self, n: int, timeout: float = 5.0, skip_heartbeats: bool = True) -> list[pb.WatchEventsResponse]:
         out = []
@@ -153,9 +162,9 @@ class Reader:
         self.thread.join(5)
 
 
-def watch(harness: Harness, **kw: Any) -> Reader:
+def watch(harness: Harness, timeout: float = 30.0, **kw: Any) -> Reader:
     kw.setdefault("heartbeat_interval", QUIET)
-    return Reader(harness, pb.WatchEventsRequest(**kw))
+    return Reader(harness, pb.WatchEventsRequest(**kw), timeout=timeout)
 
 
 def store_many(harness: Harness, start: int, n: int, session: str = "s", per_event: int = 1) -> None:
@@ -331,10 +340,18 @@ def test_snapshot_then_live_events_without_gap_or_duplicate(harness):
 BIG_EVENT_HASHES = 128  # ~4.5 kB per BlocksStored on the wire
 
 
-def publish_paced(harness: Harness, n: int, batch: int = 8) -> tuple[list[float], float]:
-    """n big BlocksStored events, `batch` per engine task with a short pause in
-    between (a pace a reading subscriber keeps up with). Returns the latency
-    of every publish, measured on the engine thread, and the total time."""
+def publish_paced(
+    harness: Harness,
+    n: int,
+    batch: int = 8,
+    keep_up: Callable[[int], None] | None = None,
+    until: Callable[[], bool] | None = None,
+) -> tuple[list[float], int]:
+    """Up to n big BlocksStored events, `batch` per engine task with a short
+    pause in between. `keep_up(published)` may wait for a reading subscriber
+    (a pace it keeps up with on a slow machine too); publishing stops after the
+    batch at which `until()` holds. Returns the latency of every publish,
+    measured on the engine thread (sorted), and the number published."""
     core = harness.core
     latencies: list[float] = []
 
@@ -346,27 +363,48 @@ def publish_paced(harness: Harness, n: int, batch: int = 8) -> tuple[list[float]
                            coords=RequestCoords(session_id="s"))
             latencies.append(time.perf_counter() - t0)
 
-    t0 = time.perf_counter()
+    published = 0
     for start in range(0, n, batch):
         harness.engine.run(lambda start=start: publish(start))
+        published = min(n, start + batch)
+        if keep_up is not None:
+            keep_up(published)
+        if until is not None and until():
+            break
         time.sleep(0.001)
-    return sorted(latencies), time.perf_counter() - t0
+    return sorted(latencies), published
+
+
+def overflowed_subscribers(harness: Harness) -> int:
+    hub = harness.server.servicer.hub
+    assert hub is not None
+    return sum(sub.overflowed for sub in tuple(hub._subs))
 
 
 def test_subscriber_that_stops_reading_ends_with_overflow_and_publish_never_blocks(make_harness):
     harness = make_harness(subscriber_buffer=256, event_replay_window=100_000)
-    stuck = harness.stub.WatchEvents(pb.WatchEventsRequest(heartbeat_interval=QUIET), timeout=60)  # never read yet
-    healthy = watch(harness)
+    stuck = harness.stub.WatchEvents(pb.WatchEventsRequest(heartbeat_interval=QUIET), timeout=120)  # never read yet
+    healthy = watch(harness, timeout=120)
     harness.wait_subscribers(2)
-    n = 2000  # ~9 MB: more than the stuck client's HTTP/2 windows absorb
-    latencies, elapsed = publish_paced(harness, n)
+    # Publish until flow control has cut the stuck client off: ~2000 events
+    # (~9 MB) usually fill its HTTP/2 windows, but the windows can grow.
+    cut_off: list[bool] = []
+
+    def stuck_cut_off() -> bool:
+        if overflowed_subscribers(harness):
+            cut_off.append(True)
+        return bool(cut_off)
+
+    latencies, n = publish_paced(
+        harness, 20_000, keep_up=lambda published: healthy.wait_received(published - 128), until=stuck_cut_off
+    )
+    assert cut_off, f"the stuck subscriber was not cut off after {n} events"
     # Had publish waited for the stuck subscriber, publish_paced would never
     # have returned. The bound on the slowest publish leaves room for GIL
     # hand-offs and GC pauses.
     p99 = latencies[int(len(latencies) * 0.99)]
     assert p99 < 0.02, f"p99 publish latency {p99 * 1e3:.1f} ms while a subscriber was stuck"
     assert latencies[-1] < 1.0, f"slowest publish took {latencies[-1] * 1e3:.0f} ms"
-    assert elapsed < 20, f"{n} publishes took {elapsed:.1f}s"
 
     # The subscriber that kept reading got everything, in order, no resync.
     got = healthy.take(n, timeout=10)
