@@ -42,10 +42,9 @@ def free_port() -> int:
     handed out that way.
     """
     low, high = _ephemeral_range()
-    candidates = range(10000, low) if low > 11000 else range(high + 1, 65536)
-    rng = random.Random()
+    candidates = range(10000, low) if low > 10000 else range(high + 1, 65536)
     for _ in range(200):
-        port = rng.choice(candidates)
+        port = random.choice(candidates)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

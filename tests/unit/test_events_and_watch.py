@@ -346,12 +346,13 @@ def publish_paced(
     batch: int = 8,
     keep_up: Callable[[int], None] | None = None,
     until: Callable[[], bool] | None = None,
-) -> tuple[list[float], int]:
+) -> tuple[list[float], int, bool]:
     """Up to n big BlocksStored events, `batch` per engine task with a short
     pause in between. `keep_up(published)` may wait for a reading subscriber
     (a pace it keeps up with on a slow machine too); publishing stops after the
     batch at which `until()` holds. Returns the latency of every publish,
-    measured on the engine thread (sorted), and the number published."""
+    measured on the engine thread (sorted), the number published, and whether
+    `until()` held."""
     core = harness.core
     latencies: list[float] = []
 
@@ -370,9 +371,9 @@ def publish_paced(
         if keep_up is not None:
             keep_up(published)
         if until is not None and until():
-            break
+            return sorted(latencies), published, True
         time.sleep(0.001)
-    return sorted(latencies), published
+    return sorted(latencies), published, False
 
 
 def overflowed_subscribers(harness: Harness) -> int:
@@ -388,15 +389,9 @@ def test_subscriber_that_stops_reading_ends_with_overflow_and_publish_never_bloc
     harness.wait_subscribers(2)
     # Publish until flow control has cut the stuck client off: ~2000 events
     # (~9 MB) usually fill its HTTP/2 windows, but the windows can grow.
-    cut_off: list[bool] = []
-
-    def stuck_cut_off() -> bool:
-        if overflowed_subscribers(harness):
-            cut_off.append(True)
-        return bool(cut_off)
-
-    latencies, n = publish_paced(
-        harness, 20_000, keep_up=lambda published: healthy.wait_received(published - 128), until=stuck_cut_off
+    latencies, n, cut_off = publish_paced(
+        harness, 20_000, keep_up=lambda published: healthy.wait_received(published - 128),
+        until=lambda: overflowed_subscribers(harness) > 0,
     )
     assert cut_off, f"the stuck subscriber was not cut off after {n} events"
     # Had publish waited for the stuck subscriber, publish_paced would never
