@@ -424,6 +424,7 @@ class Monitor:
         self.pins_broken_blocks = 0
         self.pin_broken_removals = 0
         self.bytes_moved = 0
+        self.operations_completed: dict[str, int] = {}  # final state name -> OperationCompleted events
         self.cleared = 0
         self.resyncs = 0
         self.first_store: dict[str, float] = {}  # continuation -> engine wall time of first stored/hit event
@@ -491,6 +492,9 @@ class Monitor:
                         self.pins_broken_blocks += len(msg.pin_broken.block_hashes)
                     elif kind == "tier_transfer_completed":
                         self.bytes_moved += msg.tier_transfer_completed.bytes_moved
+                    elif kind == "operation_completed":
+                        state = pb.Operation.State.Name(msg.operation_completed.operation.state)
+                        self.operations_completed[state] = self.operations_completed.get(state, 0) + 1
                     elif kind == "all_blocks_cleared":
                         if msg.all_blocks_cleared.tier in (pb.TIER_DEVICE, pb.TIER_UNSPECIFIED):
                             self.resident.clear()
@@ -998,6 +1002,7 @@ def replay(
             "preemptions": monitor.preemptions,
             "bytes_moved_between_tiers": tiers["tier_bytes"],
             "hint_operation_bytes": monitor.bytes_moved,
+            "operations_completed": dict(monitor.operations_completed),
             "tier_cached_tokens": tiers["tier_cached_tokens"],
             "cached_tokens_by_source": tiers["by_source"],
             "usage_samples": len(monitor.usage_samples),

@@ -16,6 +16,13 @@ ratio of total time and the ratio of medians, for
 
   python -m bench.step_overhead            # full run (~4 min)
   python -m bench.step_overhead --rounds 2 --requests 24   # quick
+  python -m bench.step_overhead --report-only --out bench/results/step_overhead.md
+
+Every run commits its raw per-step timings next to the table: for `--out X.md`,
+`bench/results/step_overhead/X.csv` (one row per step index: both engines'
+scheduler share and whole step, microseconds) and `X.json` (the run's
+parameters and command). The table is always computed from that raw file, so
+`--report-only` regenerates the same .md without an engine.
 
 Target (issue 2): scheduler step time with the integration loaded and no
 hints <= 1.01x stock.
@@ -24,13 +31,16 @@ hints <= 1.01x stock.
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import os
 import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
-from bench.report import write_markdown
+from bench.report import command_line, write_markdown
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process
 os.environ.setdefault("KVHINT_GRPC_ADDRESS", "127.0.0.1:0")
@@ -134,6 +144,79 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
     return statistics.median(ratios), sum(b[:n]) / sum(a[:n]), statistics.median(b[:n]) / statistics.median(a[:n])
 
 
+RAW_DIR = Path("bench/results/step_overhead")
+RAW_COLUMNS = ("step", "stock_sched_us", "other_sched_us", "stock_step_us", "other_step_us")
+
+
+def raw_paths(out: str | Path) -> tuple[Path, Path]:
+    """(per-step CSV, parameters JSON) for the table `out`: `bench/results/step_overhead/<stem>.csv|json`."""
+    stem = Path(out).stem
+    return RAW_DIR / f"{stem}.csv", RAW_DIR / f"{stem}.json"
+
+
+def write_raw(out: str | Path, meta: dict[str, object], stock: StepTimer, other: StepTimer) -> None:
+    """Commit the run's raw timings: one CSV row per step index (both engines, microseconds,
+    0.1 us resolution; an engine that took fewer steps leaves its cells empty)."""
+    csv_path, meta_path = raw_paths(out)
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    columns = (stock.sched_s, other.sched_s, stock.step_s, other.step_s)
+    with csv_path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(RAW_COLUMNS)
+        for i in range(max(len(c) for c in columns)):
+            w.writerow([i, *(f"{c[i] * 1e6:.1f}" if i < len(c) else "" for c in columns)])
+    meta_path.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+
+
+def read_raw(out: str | Path) -> tuple[dict[str, object], dict[str, list[float]]]:
+    """(parameters, column -> seconds per step) from the committed raw files of `out`."""
+    csv_path, meta_path = raw_paths(out)
+    meta = json.loads(meta_path.read_text())
+    cols: dict[str, list[float]] = {c: [] for c in RAW_COLUMNS[1:]}
+    with csv_path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            for c in cols:
+                if row[c]:
+                    cols[c].append(float(row[c]) / 1e6)
+    return meta, cols
+
+
+def report(out: str | Path) -> str:
+    """Write the table `out` from its raw files (bench/results/step_overhead/) and return it."""
+    meta, cols = read_raw(out)
+    name = "stock (A/A)" if meta["aa"] else "kvhint"
+    lines = [
+        f"| measure | steps | stock median ms | {name} median ms | median of per-step ratios | ratio of totals | ratio of medians |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, a, b in (
+        ("scheduler (schedule + update_from_output)", cols["stock_sched_us"], cols["other_sched_us"]),
+        ("engine step", cols["stock_step_us"], cols["other_step_us"]),
+    ):
+        per_step, totals, medians = paired(a, b)
+        lines.append(
+            f"| {label} | {min(len(a), len(b))} | {statistics.median(a) * 1e3:.3f} | {statistics.median(b) * 1e3:.3f} | "
+            f"{per_step:.3f}x | {totals:.3f}x | {medians:.3f}x |"
+        )
+    csv_path, meta_path = raw_paths(out)
+    return write_markdown(
+        out,
+        "Scheduler step-time overhead, no hints" + (" (A/A: stock vs stock)" if meta["aa"] else ""),
+        "bench.step_overhead",
+        list(meta["argv"]),  # type: ignore[call-overload]
+        [
+            f"Model: generated {meta['preset']} Llama, {meta['num_blocks']} blocks x 32 tokens; {meta['rounds']} rounds of "
+            f"{meta['requests']} requests (half the rounds with session ids), max_tokens {meta['max_tokens']}; the two engines "
+            "step in turns (random order per pair).  ",
+            f"Raw per-step timings: [{csv_path.name}](step_overhead/{csv_path.name}) "
+            f"([parameters](step_overhead/{meta_path.name})); regenerate this table with "
+            f"`python -m bench.step_overhead --report-only --out {out}`.",
+            "",
+            *lines,
+        ],
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
@@ -144,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model directory (overrides --preset)")
     parser.add_argument("--aa", action="store_true", help="stock against stock (noise floor)")
     parser.add_argument("--out", default="bench/results/step_overhead.md")
+    parser.add_argument("--report-only", action="store_true",
+                        help="regenerate --out from its committed raw timings (no engine)")
     args = parser.parse_args(argv)
+    if args.report_only:
+        report(args.out)
+        return 0
 
     from engine_integration.served import default_model
 
@@ -159,33 +247,14 @@ def main(argv: list[str] | None = None) -> int:
         run_paired(stock, other, workload(r, args.requests, sessions=r % 2 == 0), args.max_tokens, rng)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
-    name = "stock (A/A)" if args.aa else "kvhint"
-    lines = [
-        f"| measure | steps | stock median ms | {name} median ms | median of per-step ratios | ratio of totals | ratio of medians |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for label, a, b in (
-        ("scheduler (schedule + update_from_output)", stock.sched_s, other.sched_s),
-        ("engine step", stock.step_s, other.step_s),
-    ):
-        per_step, totals, medians = paired(a, b)
-        lines.append(
-            f"| {label} | {min(len(a), len(b))} | {statistics.median(a) * 1e3:.3f} | {statistics.median(b) * 1e3:.3f} | "
-            f"{per_step:.3f}x | {totals:.3f}x | {medians:.3f}x |"
-        )
-    write_markdown(
-        args.out,
-        "Scheduler step-time overhead, no hints" + (" (A/A: stock vs stock)" if args.aa else ""),
-        "bench.step_overhead",
-        argv,
-        [
-            f"Model: generated {args.preset} Llama, {args.num_blocks} blocks x 32 tokens; {args.rounds} rounds of "
-            f"{args.requests} requests (half the rounds with session ids), max_tokens {args.max_tokens}; the two engines "
-            "step in turns (random order per pair).",
-            "",
-            *lines,
-        ],
-    )
+    raw_argv = list(argv if argv is not None else sys.argv[1:])
+    meta = {
+        "argv": raw_argv, "command": command_line("bench.step_overhead", raw_argv), "preset": args.preset,
+        "model": args.model, "num_blocks": args.num_blocks, "rounds": args.rounds, "requests": args.requests,
+        "max_tokens": args.max_tokens, "aa": args.aa, "units": "microseconds per step",
+    }
+    write_raw(args.out, meta, stock, other)
+    report(args.out)
     return 0
 
 

@@ -19,6 +19,7 @@ class RunInfo:
     plan: str
     duration_s: float
     nonce: str
+    profile: str = ""
 
 
 def one_line(text: str, limit: int = 400) -> str:
@@ -35,7 +36,8 @@ def summary(results: Sequence[CaseResult], info: RunInfo) -> str:
     c = counts(results)
     lines = [
         f"kvhint-conformance {SUITE} {RELEASE}: target {info.target}, OpenAI endpoint {info.openai_url or '(none)'}",
-        f"  engine: {info.engine or '?'}  epoch: {info.epoch or '?'}  run nonce: {info.nonce}",
+        f"  engine: {info.engine or '?'}  epoch: {info.epoch or '?'}  run nonce: {info.nonce}"
+        + (f"  profile: {info.profile}" if info.profile else ""),
     ]
     if info.plan:
         lines.append(f"  plan: {info.plan}")

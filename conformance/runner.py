@@ -23,6 +23,8 @@ from typing import TextIO
 
 from .cases import REGISTRY
 from .model import RELEASE, SUITE, Case, CaseFailed, CaseResult, CaseSkipped, Registry, Status
+from .profiles import DEFAULT as DEFAULT_PROFILE
+from .profiles import PROFILES
 from .report import RunInfo, junit_xml, one_line, summary
 from .target import CaseContext, Options, Target
 
@@ -35,6 +37,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--target", metavar="HOST:PORT", help="the engine's kvhint.v1 gRPC endpoint")
     p.add_argument("--openai-url", metavar="URL", help="the engine's OpenAI-compatible HTTP endpoint (base URL)")
     p.add_argument("--model", help="model name for /v1/completions (default: the first of /v1/models)")
+    p.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
+                   help="the conformance profile claimed: its actions must be advertised, and cases needing them fail "
+                        f"instead of skipping (default {DEFAULT_PROFILE}; " +
+                        "; ".join(f"{p.name}: {p.summary}" for p in PROFILES.values()) + ")")
     p.add_argument("--max-model-len", type=int, default=1024,
                    help="longest prompt + completion the endpoint accepts (default 1024)")
     p.add_argument("--token-range", default="3:4000", metavar="LOW:HIGH",
@@ -97,6 +103,10 @@ def run_case(target: Target, case: Case, index: int) -> CaseResult:
     ctx: CaseContext | None = None
     try:
         missing = target.missing_capabilities(case)
+        gaps = target.profile_gaps(missing)
+        if gaps:
+            return CaseResult(case, Status.FAILED, f"the '{target.options.profile}' profile requires {', '.join(gaps)}, "
+                                                   "which the target does not advertise")
         if missing:
             return CaseResult(case, Status.SKIPPED, f"not advertised by the target: {', '.join(missing)}")
         for need in case.needs:
@@ -154,7 +164,8 @@ def run_suite(options: Options, cases: Sequence[Case], known_failing: Sequence[s
             plan = target.plan.summary()
         except Exception:  # noqa: BLE001
             pass
-        info = RunInfo(options.target, options.openai_url or "", engine, epoch, plan, time.monotonic() - started, options.nonce)
+        info = RunInfo(options.target, options.openai_url or "", engine, epoch, plan, time.monotonic() - started, options.nonce,
+                       options.profile)
     finally:
         target.close()
     return results, info
@@ -193,7 +204,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     options = Options(
         target=args.target, openai_url=args.openai_url, model=args.model, max_model_len=args.max_model_len,
         token_low=args.token_low, token_high=args.token_high, max_pressure_prompts=args.max_pressure_prompts,
-        max_window_rpcs=args.max_window_rpcs, rpc_timeout=args.rpc_timeout, **kw,
+        max_window_rpcs=args.max_window_rpcs, rpc_timeout=args.rpc_timeout, profile=args.profile, **kw,
     )
     results, info = run_suite(options, cases, known, out=out, verbose=args.verbose)
     print(summary(results, info), file=out, flush=True)

@@ -40,6 +40,7 @@ from kvhint_client.errors import KvHintError
 from kvhint_client.openai_traffic import Completion, CompletionError, complete, first_model
 
 from . import hints as H
+from . import profiles
 from .model import Case, CaseFailed, CaseSkipped, check
 from .watch import Collector
 
@@ -62,6 +63,9 @@ class Options:
     rpc_timeout: float = 30.0
     # Per-request deadline for /v1/completions, seconds.
     http_timeout: float = 120.0
+    # The conformance profile claimed (conformance.profiles): capabilities it requires fail
+    # their cases when not advertised instead of skipping them.
+    profile: str = profiles.DEFAULT
     nonce: str = field(default_factory=lambda: secrets.token_hex(4))
 
 
@@ -203,6 +207,11 @@ class Target:
     def missing_capabilities(self, case: Case) -> list[str]:
         have = self.capabilities
         return [c for c in case.requires if c not in have]
+
+    def profile_gaps(self, capabilities: Iterable[str]) -> list[str]:
+        """Those of `capabilities` that the selected profile requires (not advertised = failure)."""
+        needed = profiles.required(self.options.profile)
+        return [c for c in capabilities if c in needed]
 
     # -- requirements ---------------------------------------------------------------------
 

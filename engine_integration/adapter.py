@@ -49,7 +49,10 @@ _GROUP0 = (0).to_bytes(4, "big")
 
 def device_actions() -> tuple[ActionSupport, ...]:
     """Actions of an engine without lower tiers."""
-    local = tuple(ActionSupport(a, True, ALL_SELECTORS, supports_range=True) for a in (Action.RETAIN, Action.PIN, Action.RELEASE, Action.EVICT))
+    local = tuple(
+        ActionSupport(a, True, ALL_SELECTORS, supports_range=True, supports_expected_reuse=a in (Action.RETAIN, Action.PIN))
+        for a in (Action.RETAIN, Action.PIN, Action.RELEASE, Action.EVICT)
+    )
     remote = tuple(
         ActionSupport(a, False, notes="no lower KV tier configured (start the engine with tiers enabled)")
         for a in (Action.DEMOTE, Action.PREFETCH, Action.SHARE)

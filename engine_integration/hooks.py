@@ -44,7 +44,7 @@ class KvHintBlockPool(BlockPool):
 
     def _kvh_init(self, adapter: VllmAdapter) -> None:
         self._kvh = adapter
-        self._kvh_protected = ProtectedFreeBlocks()
+        self._kvh_protected = ProtectedFreeBlocks(adapter.core.monotonic)
         self._kvh_cause = RemovalCause.EVICTED
         self._kvh_pending = None
         self._kvh_broken = set()
@@ -172,12 +172,11 @@ class KvHintBlockPool(BlockPool):
                 protected.remove(block)
                 self.free_block_queue.prepend_n([block])
             return
-        wanted = (view.cls, view.priority)
-        if filed == wanted:
+        if filed == (view.cls, view.priority, view.reuse_at):
             return
         if filed is None:
             self.free_block_queue.remove(block)
-        protected.add(block, view.cls, view.priority)
+        protected.add(block, view.cls, view.priority, view.reuse_at)
 
     def kvh_to_queue_head(self, block: Any) -> None:
         """Make a free block the next eviction candidate."""

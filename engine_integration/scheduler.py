@@ -21,6 +21,7 @@ import inspect
 import logging
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvhint_server.config import ServerConfig
@@ -61,16 +62,37 @@ def _route_logs_through_vllm() -> None:
         ours.propagate = False
 
 
+def data_parallel_rank(vllm_config: Any) -> tuple[int, int]:
+    """(rank, size) of this EngineCore's data-parallel group ((0, 1) without DP)."""
+    parallel = vllm_config.parallel_config
+    size = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+    return rank, size
+
+
 def _config_for(vllm_config: Any) -> ServerConfig:
+    """The sidecar's config: KVHINT_* settings; DP rank r listens on port + r (port 0 stays 0)."""
     config = ServerConfig.from_env()
-    rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
-    if rank:
-        host, port = config.address.rsplit(":", 1)
+    rank, _ = data_parallel_rank(vllm_config)
+    host, port = config.address.rsplit(":", 1)
+    if rank and int(port):
         config = ServerConfig.from_env(address=f"{host}:{int(port) + rank}")
     return config
 
 
 class KvHintScheduler(Scheduler):
+    """vLLM's Scheduler with the KvHint sidecar; see the module doc.
+
+    Constructing `KvHintScheduler` yields a `KvHintAsyncScheduler` when the config asks for async
+    scheduling (`scheduler_config.async_scheduling`), so the one `--scheduler-cls` value keeps
+    whichever mode vLLM chose.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "KvHintScheduler":
+        if cls is KvHintScheduler and _async_requested(args, kwargs):
+            cls = KvHintAsyncScheduler
+        return super().__new__(cls)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _route_logs_through_vllm()
@@ -113,3 +135,19 @@ class KvHintScheduler(Scheduler):
             self.kvhint_server.stop()
         finally:
             super().shutdown()
+
+
+def _async_requested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    return bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+
+
+class KvHintAsyncScheduler(KvHintScheduler, AsyncScheduler):
+    """KvHint over vLLM's AsyncScheduler (MRO: KvHintScheduler, AsyncScheduler, Scheduler).
+
+    Built by `KvHintScheduler(...)` when async scheduling is on; name it directly only to force
+    async mode. KvHint's hooks are in the BlockPool/KVCacheManager and at schedule(), which
+    AsyncScheduler does not override; its output placeholders and deferred `cache_blocks` go
+    through the same hooked pool, so nothing KvHint-specific changes.
+    """
+

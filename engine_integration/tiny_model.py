@@ -1,4 +1,4 @@
-"""Generate random-weight Llama checkpoints with a real tokenizer, offline.
+"""Generate random-weight checkpoints with a real tokenizer, offline.
 
 Nothing can be downloaded from a model hub here, so tests, the demo and the
 benchmarks run on models this module writes. Weights are random (seeded, so a
@@ -10,6 +10,11 @@ Presets:
   tiny   hidden 256, 2 layers, 4 heads of dim 64   (tests, demo)
   bench  hidden 512, 4 layers, 8 heads of dim 64, intermediate 1536
          (benchmarks: prefill dominates TTFT, as on a real model)
+  hybrid Gemma 2 architecture: hidden 256, 4 layers alternating sliding-window
+         (128 tokens) and full attention, 4 heads / 2 KV heads of dim 64,
+         intermediate 512. vLLM serves it with two KV-cache groups (one
+         sliding-window, one full attention), the layout of Gemma 2/3, gpt-oss
+         and Cohere 2.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from pathlib import Path
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 512},
     "bench": {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "intermediate_size": 1536},
+    "hybrid": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
 }
+HYBRID_SLIDING_WINDOW = 128
 VOCAB_SIZE = 4096
 MAX_POSITIONS = 4096
 _MARKER = "kvhint_model.json"
@@ -97,11 +104,20 @@ def make_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0) -> Ti
         return TinyModel(out, preset)
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     _build_tokenizer(out)
     dims = PRESETS[preset]
+    torch.manual_seed(seed)
+    model = _hybrid_model(dims) if preset == "hybrid" else _llama_model(dims)
+    model.save_pretrained(str(out), safe_serialization=True)
+    marker.write_text(json.dumps({"preset": preset, "seed": seed, **dims}))
+    return TinyModel(out, preset)
+
+
+def _llama_model(dims: dict[str, int]) -> object:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         num_key_value_heads=dims["num_attention_heads"],
@@ -113,8 +129,23 @@ def make_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0) -> Ti
         torch_dtype="float32",
         **dims,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(str(out), safe_serialization=True)
-    marker.write_text(json.dumps({"preset": preset, "seed": seed, **dims}))
-    return TinyModel(out, preset)
+    return LlamaForCausalLM(config)
+
+
+def _hybrid_model(dims: dict[str, int]) -> object:
+    """Gemma 2: even layers sliding-window, odd layers full attention."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=VOCAB_SIZE,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=HYBRID_SLIDING_WINDOW,
+        max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+        **dims,
+    )
+    return Gemma2ForCausalLM(config)

@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from google.protobuf import duration_pb2
+
 from kvhint.v1 import kvhint_pb2
 
 from .durations import Seconds, to_duration
@@ -72,6 +74,14 @@ def block_hash(value: BlockHashLike) -> bytes:
     if not 1 <= len(raw) <= MAX_HASH_BYTES:
         raise ValueError(f"block hash must be 1..{MAX_HASH_BYTES} bytes, got {len(raw)}")
     return raw
+
+
+def _expected_reuse(value: Seconds) -> duration_pb2.Duration:
+    """expected_reuse_in as a Duration; negative values raise ValueError."""
+    duration = to_duration(value, name="expected_reuse_in", positive=False)
+    if duration.seconds < 0 or duration.nanos < 0:
+        raise ValueError(f"expected_reuse_in must be >= 0 seconds, got {value!r}")
+    return duration
 
 
 def _check_uint32(value: int, what: str) -> int:
@@ -169,20 +179,43 @@ class Target:
         return hint
 
     def retain(
-        self, ttl: Seconds, priority: int = 0, *, hint_id: Optional[str] = None, max_blocks: int = 0
+        self,
+        ttl: Seconds,
+        priority: int = 0,
+        *,
+        expected_reuse_in: Optional[Seconds] = None,
+        hint_id: Optional[str] = None,
+        max_blocks: int = 0,
     ) -> kvhint_pb2.Hint:
-        """Bias eviction: keep these blocks longer than ordinary ones (higher priority kept longer)."""
+        """Bias eviction: keep these blocks longer than ordinary ones (higher priority kept longer).
+
+        `expected_reuse_in` (>= 0 s): when the caller expects to read the blocks again; among
+        blocks of the same priority the engine evicts the furthest expected reuse first (engines
+        advertise it as ActionSupport.supports_expected_reuse)."""
         if isinstance(priority, bool) or not isinstance(priority, int) or not _INT32_MIN <= priority <= _INT32_MAX:
             raise ValueError(f"priority must be a 32-bit integer, got {priority!r}")
         hint = self._hint(hint_id, max_blocks)
         hint.retain.priority = priority
         hint.retain.ttl.CopyFrom(to_duration(ttl, name="ttl"))
+        if expected_reuse_in is not None:
+            hint.retain.expected_reuse_in.CopyFrom(_expected_reuse(expected_reuse_in))
         return hint
 
-    def pin(self, ttl: Seconds, *, hint_id: Optional[str] = None, max_blocks: int = 0) -> kvhint_pb2.Hint:
-        """Protect from ordinary eviction for `ttl` (within the engine's pin budget)."""
+    def pin(
+        self,
+        ttl: Seconds,
+        *,
+        expected_reuse_in: Optional[Seconds] = None,
+        hint_id: Optional[str] = None,
+        max_blocks: int = 0,
+    ) -> kvhint_pb2.Hint:
+        """Protect from ordinary eviction for `ttl` (within the engine's pin budget).
+
+        `expected_reuse_in` as for retain(): it orders which pins break first under pressure."""
         hint = self._hint(hint_id, max_blocks)
         hint.pin.ttl.CopyFrom(to_duration(ttl, name="ttl"))
+        if expected_reuse_in is not None:
+            hint.pin.expected_reuse_in.CopyFrom(_expected_reuse(expected_reuse_in))
         return hint
 
     def release(self, *, hint_id: Optional[str] = None, max_blocks: int = 0) -> kvhint_pb2.Hint:

@@ -15,6 +15,8 @@ from grpc_status import rpc_status
 from .model import Reason
 
 DOMAIN = "kvhint.v1"
+#: Characters of client input an error message may quote (see `excerpt`).
+EXCERPT_CHARS = 32
 
 _CODE_OF = {
     grpc.StatusCode.INVALID_ARGUMENT: code_pb2.INVALID_ARGUMENT,
@@ -24,6 +26,18 @@ _CODE_OF = {
     grpc.StatusCode.DEADLINE_EXCEEDED: code_pb2.DEADLINE_EXCEEDED,
     grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
 }
+
+
+def excerpt(value: str | bytes, limit: int = EXCERPT_CHARS) -> str:
+    """How an error message quotes client input: repr of at most `limit`
+    characters, plus the full size when cut. Every message that names a
+    client-supplied string goes through this, so an oversized id can never
+    blow up an error (gRPC carries the message twice: grpc-message and
+    grpc-status-details-bin, both under the metadata size limit)."""
+    if len(value) <= limit:
+        return repr(value)
+    unit = "bytes" if isinstance(value, bytes) else "chars"
+    return f"{value[:limit]!r}... ({len(value)} {unit})"
 
 
 class RpcError(Exception):

@@ -4,7 +4,9 @@ A batch runs inside one engine-thread task, so it is applied atomically at a
 scheduler step boundary. Every hint gets exactly one HintResult, and every
 applied hint is published as a HintApplied event. Hint ids give idempotency:
 a re-sent id returns the first result (replayed=True) without re-applying;
-the same id with a different hint is REJECTED/HINT_ID_CONFLICT.
+the same id with a different hint is REJECTED/HINT_ID_CONFLICT. An id binds
+to the hint's content the first time it is seen, valid or not (a rejected
+hint's id replays its rejection).
 
 Engine-neutral: selectors resolve through the SessionPrefixIndex (sessions,
 continuations) or the adapter (explicit hashes); retention lives in the
@@ -20,6 +22,7 @@ from typing import Any
 
 from .adapter import TierTask
 from .core import KvHintCore
+from .errors import excerpt
 from .events import HintApplied
 from .model import (
     Action,
@@ -33,6 +36,7 @@ from .model import (
     Tier,
     tiers_of,
 )
+from .validation import hint_fingerprint, hint_id_bindable
 
 _FROM_END = (Action.RELEASE, Action.EVICT, Action.DEMOTE)
 
@@ -49,37 +53,39 @@ class HintExecutor:
         of the last event the batch caused."""
         results: list[HintResult] = []
         for item, wire in zip(items, wire_hints):
-            if isinstance(item, HintResult):
-                result = item
-            else:
-                result = self._replay(item)
-                if result is not None and result.replayed:
-                    results.append(result)  # applied before: not again, no new event
-                    continue
-                if result is None:
-                    result = self._apply(item)
-                    if item.hint_id:
-                        self._remember(item, result)
+            # The id binds to the hint's content whether the hint is valid or
+            # not (validation.hint_fingerprint), so one rule covers both.
+            spec = item if isinstance(item, HintSpec) else None
+            hint_id = item.hint_id if hint_id_bindable(item.hint_id, self.core.config) else ""
+            fingerprint = spec.fingerprint if spec is not None else (hint_fingerprint(wire) if hint_id else b"")
+            result = self._replay(hint_id, fingerprint)
+            if result is not None and result.replayed:
+                results.append(result)  # seen before: not again, no new event
+                continue
+            if result is None:
+                result = self._apply(spec) if spec is not None else item  # type: ignore[assignment]
+                if hint_id:
+                    self._remember(hint_id, fingerprint, result)
             self.core.bus.publish(HintApplied(wire, result), sessions=_sessions_of(item))
             results.append(result)
         return results, self.core.bus.last_sequence
 
-    def _replay(self, spec: HintSpec) -> HintResult | None:
-        if not spec.hint_id:
+    def _replay(self, hint_id: str, fingerprint: bytes) -> HintResult | None:
+        if not hint_id:
             return None
-        seen = self._seen.get(spec.hint_id)
+        seen = self._seen.get(hint_id)
         if seen is None:
             return None
-        fingerprint, first = seen
-        if fingerprint != spec.fingerprint:
+        first_fingerprint, first = seen
+        if first_fingerprint != fingerprint:
             return HintResult.rejected(
-                spec.hint_id, Reason.HINT_ID_CONFLICT, f"hint_id {spec.hint_id!r} was already used for a different hint"
+                hint_id, Reason.HINT_ID_CONFLICT, f"hint_id {excerpt(hint_id)} was already used for a different hint"
             )
-        self._seen.move_to_end(spec.hint_id)
+        self._seen.move_to_end(hint_id)
         return dataclasses.replace(first, replayed=True)
 
-    def _remember(self, spec: HintSpec, result: HintResult) -> None:
-        self._seen[spec.hint_id] = (spec.fingerprint, result)
+    def _remember(self, hint_id: str, fingerprint: bytes, result: HintResult) -> None:
+        self._seen[hint_id] = (fingerprint, result)
         while len(self._seen) > self.core.config.idempotency_window:
             self._seen.popitem(last=False)
 
@@ -192,6 +198,7 @@ class HintExecutor:
             priority=spec.priority,
             deadline=now + spec.ttl_s,
             expires_at=core.wall() + spec.ttl_s,
+            reuse_at=None if spec.expected_reuse_s is None else now + spec.expected_reuse_s,
         )
         core.adapter.refile(list(reversed(hashes)))
         return _result(spec, clips, {Tier.DEVICE: len(hashes)}, effective_ttl_s=spec.ttl_s)

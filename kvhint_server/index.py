@@ -13,19 +13,54 @@ Only blocks touched by requests with session coordinates get nodes: anonymous
 traffic costs one dict lookup per removal. A node whose last copy is removed
 stays while it connects resident descendants (a parent-only node); otherwise
 it is deleted, cascading up. A resident node stays while a session or a
-continuation holds it. A session expires with its last resident block or
-an explicit `forget_session`.
+continuation holds it.
+
+Membership semantics (what WatchEvents followers reproduce, see
+kvhint_client/follower.py and the proto's MembershipChanged):
+  * a session joins a block only through `record_chain` with its session id
+    (a store or a prefix hit by one of its requests);
+  * it leaves the block when the block's last copy is removed (a parent-only
+    node has no members), or when the whole session is forgotten
+    (`forget_session`: Release, the index size cap); the `listener` hears the
+    latter, with the blocks the session left;
+  * a session expires with its last member block, so every live session has
+    at least one resident block and `blocks` holds resident blocks only.
+
+Cost: joining or leaving a block is O(1) per session (a set insert/discard);
+`members(h)` reports at most MAX_MEMBERS_REPORTED of them in O(that cap),
+never a sort of the member set. Memory is O(nodes + live sessions +
+membership edges); a session's edges are bounded by its resident blocks.
 
 Not thread-safe: the engine thread owns it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import enum
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import NamedTuple
 
 from .model import RequestCoords, Tier, tiers_of
+
+# The one cap on sessions *reported* per block: SessionCoordinates.member_session_ids
+# in events, BlockInfo.session_ids in queries and snapshots, and the member list
+# of a removal. The index itself tracks every member (a session's own queries
+# must see its shared prefix); reporting more than this per block would make
+# every event on a widely shared block O(members).
+MAX_MEMBERS_REPORTED = 16
+
+
+class LeaveCause(enum.IntEnum):
+    """Why a session left blocks that stay resident (wire: MembershipChanged.Cause)."""
+
+    RELEASED = 1  # a Release hint on the whole session
+    INDEX_LIMIT = 2  # the index was over max_index_blocks; least recently active sessions go first
+
+
+# listener(session, blocks it left in chain order, cause)
+LeaveListener = Callable[[str, tuple[bytes, ...], LeaveCause], None]
 
 
 @dataclass(slots=True)
@@ -40,7 +75,8 @@ class Node:
 
 
 class Removal(NamedTuple):
-    """What a removal meant in session coordinates."""
+    """What a removal meant in session coordinates. `sessions`: members before
+    the removal, at most MAX_MEMBERS_REPORTED of them."""
 
     block_hash: bytes
     position: int
@@ -53,10 +89,14 @@ class Removal(NamedTuple):
 @dataclass(slots=True)
 class SessionState:
     parent: str | None = None
+    # Member blocks; all resident (a block's last copy takes its members with it).
     blocks: set[bytes] = field(default_factory=set)
     continuations: set[str] = field(default_factory=set)
-    resident: int = 0
     last_active: float = 0.0
+
+    @property
+    def resident(self) -> int:
+        return len(self.blocks)
 
 
 class SessionPrefixIndex:
@@ -66,6 +106,8 @@ class SessionPrefixIndex:
         self.children_of: dict[str, set[str]] = {}
         self.continuations: dict[str, bytes] = {}
         self._continuations_at: dict[bytes, set[str]] = {}
+        # Hears every forget_session that took a session off blocks.
+        self.listener: LeaveListener | None = None
 
     # ------------------------------------------------------------------ updates
 
@@ -77,12 +119,16 @@ class SessionPrefixIndex:
         tier: Tier,
         coords: RequestCoords,
         now: float,
+        other_tiers: Callable[[bytes], int] | None = None,
     ) -> None:
         """`hashes` (chain order, the first at `first_position`, after `parent`)
         are resident on `tier` and belong to the request's session.
 
         Used both for stores and for prefix hits (a hit establishes membership
         though it stores nothing). A no-op for requests without coordinates.
+        `other_tiers(h)` gives the tier bitmask of copies a block already had
+        before the index tracked it (anonymous lower-tier copies), so a new
+        node starts with every tier it is resident on.
         """
         if not coords or not hashes:
             return
@@ -93,19 +139,15 @@ class SessionPrefixIndex:
         for offset, h in enumerate(hashes):
             node = self.nodes.get(h)
             if node is None:
-                node = Node(prev, first_position + offset, 0, 0, set(), session, coords.continuation_id)
+                existing = other_tiers(h) if other_tiers is not None else 0
+                node = Node(prev, first_position + offset, existing, 0, set(), session, coords.continuation_id)
                 self.nodes[h] = node
                 if prev is not None and (parent_node := self.nodes.get(prev)) is not None:
                     parent_node.children += 1
-            was_resident = node.tiers != 0
             node.tiers |= bit
-            if not was_resident:
-                for member in node.sessions:
-                    self.sessions[member].resident += 1
             if state is not None and session not in node.sessions:
                 node.sessions.add(session)  # type: ignore[arg-type]
                 state.blocks.add(h)
-                state.resident += 1
             prev = h
         last = hashes[-1]
         if state is not None and coords.continuation_id:
@@ -120,29 +162,31 @@ class SessionPrefixIndex:
         node = self.nodes.get(h)
         if node is None:
             return False
-        if node.tiers == 0:
-            for member in node.sessions:
-                self.sessions[member].resident += 1
-        node.tiers |= 1 << tier
+        node.tiers |= 1 << tier  # membership is unchanged: a parent-only node has none
         return True
 
     def mark_removed(self, h: bytes, tier: Tier) -> Removal | None:
-        """The copy of `h` on `tier` is gone. None for untracked blocks."""
+        """The copy of `h` on `tier` is gone. None for untracked blocks. The
+        last copy takes the block's members with it (O(1) per member); a
+        session left with no block expires."""
         node = self.nodes.get(h)
         if node is None:
             return None
         bit = 1 << tier
         had_copy = bool(node.tiers & bit)
         node.tiers &= ~bit
-        members = tuple(node.sessions)
-        removal = Removal(h, node.position, node.tiers == 0, node.admit_session, node.admit_continuation, members)
+        removal = Removal(
+            h, node.position, node.tiers == 0, node.admit_session, node.admit_continuation, self.members(h)
+        )
         if node.tiers or not had_copy:
             return removal  # another copy remains, or there was none to lose
+        members, node.sessions = node.sessions, set()
         expired = []
+        sessions = self.sessions
         for member in members:
-            state = self.sessions[member]
-            state.resident -= 1
-            if state.resident <= 0:
+            state = sessions[member]
+            state.blocks.discard(h)
+            if not state.blocks:
                 expired.append(member)
         if node.children == 0:
             self._delete_upwards(h)
@@ -162,12 +206,15 @@ class SessionPrefixIndex:
                 self.mark_removed(h, tier)
         return affected
 
-    def forget_session(self, session: str) -> bool:
+    def forget_session(self, session: str, cause: LeaveCause = LeaveCause.RELEASED) -> bool:
         """Drop a session's membership, frontiers and continuations. Blocks stay
-        cached (anonymously) unless another session holds them."""
+        cached (anonymously) unless another session holds them. The listener
+        hears which blocks the session left (when it held any)."""
         state = self.sessions.pop(session, None)
         if state is None:
             return False
+        if state.blocks and self.listener is not None:
+            self.listener(session, tuple(self._chain_order(state.blocks)), cause)
         for h in state.blocks:
             node = self.nodes.get(h)
             if node is None:
@@ -261,8 +308,14 @@ class SessionPrefixIndex:
         return counts
 
     def resident_sessions_of(self, h: bytes) -> tuple[str, ...]:
+        """Every member of `h` (O(members): for hints, not for per-event paths)."""
         node = self.nodes.get(h)
         return tuple(node.sessions) if node is not None else ()
+
+    def members(self, h: bytes, limit: int = MAX_MEMBERS_REPORTED) -> tuple[str, ...]:
+        """At most `limit` members of `h`, in O(limit), whatever the member count."""
+        node = self.nodes.get(h)
+        return tuple(islice(node.sessions, limit)) if node is not None else ()
 
     # ------------------------------------------------------------------ internals
 
@@ -294,12 +347,10 @@ class SessionPrefixIndex:
             if node is None or node.children > 0 or self._held(h, node):
                 return
             del self.nodes[h]
-            for member in node.sessions:
+            for member in node.sessions:  # none: an unheld node has no members
                 state = self.sessions.get(member)
                 if state is not None:
                     state.blocks.discard(h)
-                    if node.tiers:
-                        state.resident -= 1
             parent = node.parent
             for c in self._continuations_at.pop(h, ()):
                 if parent is not None and parent in self.nodes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 
 class Tier(enum.IntEnum):
@@ -23,6 +24,18 @@ class Tier(enum.IntEnum):
 
 def tiers_of(mask: int) -> list[Tier]:
     return [t for t in Tier if mask & t.bit]
+
+
+E = TypeVar("E", bound=enum.IntEnum)
+
+
+def parse_enum(cls: type[E], value: int, default: E | None = None) -> E | None:
+    """`cls(value)` for a wire value, or `default` when the value is unknown
+    to this version (a newer peer's enum value, or garbage)."""
+    try:
+        return cls(value)
+    except ValueError:
+        return default
 
 
 class Action(enum.IntEnum):
@@ -125,6 +138,9 @@ class HintSpec:
     destination: str = ""
     target_tier: Tier | None = None
     deadline_s: float | None = None
+    # Retain/Pin: expected time to next use in seconds, already clamped to
+    # ttl_s; None when the hint set no expectation.
+    expected_reuse_s: float | None = None
     # Deterministic encoding of the hint without its id (idempotency check).
     fingerprint: bytes = b""
 
@@ -179,6 +195,9 @@ class RetentionView:
     cls: RetentionClass
     priority: int = 0
     expires_at: float | None = None  # wall-clock seconds
+    # Monotonic time of the earliest expected reuse among the block's
+    # unexpired grants that set one; None when none did.
+    reuse_at: float | None = None
 
 
 ORDINARY = RetentionView(RetentionClass.ORDINARY)
@@ -202,6 +221,7 @@ class ActionSupport:
     selectors: tuple[SelectorKind, ...] = ()
     supports_range: bool = False
     notes: str = ""
+    supports_expected_reuse: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +230,27 @@ class TierInfo:
     medium: str
     capacity_blocks: int = 0
     shared: bool = False
+
+
+class KvCacheGroupKind(enum.IntEnum):
+    """What a prefix hit needs from a KV-cache group (kvhint.v1 KvCacheGroup.Kind)."""
+
+    FULL_ATTENTION = 1  # a copy of every block of the prefix
+    SLIDING_WINDOW = 2  # copies of the blocks inside the window ending at the prefix end
+    OTHER = 3
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheGroupInfo:
+    """One KV-cache group of the engine (hybrid-attention models have several)."""
+
+    group_id: int
+    kind: KvCacheGroupKind
+    block_size: int
+    sliding_window_tokens: int = 0
+    # True when a logical block counts as resident on the device only while
+    # this group holds a copy of it (see KvCacheGroup.defines_residency).
+    defines_residency: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +263,7 @@ class EngineInfo:
     tiers: tuple[TierInfo, ...]
     actions: tuple[ActionSupport, ...]
     share_destinations: tuple[str, ...] = ()
+    kv_cache_groups: tuple[KvCacheGroupInfo, ...] = ()
 
     def supports(self, action: Action, kind: SelectorKind) -> ActionSupport | None:
         """The support entry if `action` accepts selector `kind`, else None."""

@@ -6,6 +6,15 @@ unexpired grant: PINNED > RETAINED (highest priority wins) > ORDINARY. A
 grant whose deadline passed counts as absent even before the timer wheel
 reclaims it, so a missed tick never extends protection.
 
+A grant may carry an expected reuse time (`reuse_at`, monotonic seconds, at
+most its deadline). A block's expectation is the earliest among its
+unexpired grants that set one (a block shared by several sessions is due
+when the first of them is); grants without one do not contribute. The
+eviction order built on it lives with the engine (e.g.
+engine_integration/protected.py): within a (class, priority), blocks with no
+expectation or a passed one go first in LRU order, then the furthest
+expected reuse first.
+
 The pin budget counts distinct blocks with a pin grant; callers run
 `expire(now)` first so that only unexpired pins count.
 
@@ -27,6 +36,7 @@ class Grant:
     priority: int
     deadline: float  # monotonic seconds
     expires_at: float  # wall-clock seconds (for reporting)
+    reuse_at: float | None = None  # monotonic seconds; None: no expectation
 
 
 class RetentionLedger:
@@ -58,10 +68,15 @@ class RetentionLedger:
         priority: int,
         deadline: float,
         expires_at: float,
+        reuse_at: float | None = None,
     ) -> list[bytes]:
-        """Grant (or replace) `owner`'s protection on each block. Returns the blocks."""
+        """Grant (or replace) `owner`'s protection on each block. Returns the blocks.
+
+        `reuse_at` (monotonic) is the expected next use, clamped to `deadline`."""
         granted = []
-        new = Grant(pinned, priority, deadline, expires_at)
+        if reuse_at is not None:
+            reuse_at = min(reuse_at, deadline)
+        new = Grant(pinned, priority, deadline, expires_at, reuse_at)
         owned = self._by_owner.setdefault(owner, set())
         for h in hashes:
             per_block = self.grants.setdefault(h, {})
@@ -129,9 +144,12 @@ class RetentionLedger:
         if not per_block:
             return ORDINARY
         best: RetentionView = ORDINARY
+        reuse_at: float | None = None
         for g in per_block.values():
             if g.deadline <= now:
                 continue
+            if g.reuse_at is not None and (reuse_at is None or g.reuse_at < reuse_at):
+                reuse_at = g.reuse_at
             if g.pinned:
                 if best.cls is not RetentionClass.PINNED or (best.expires_at or 0) < g.expires_at:
                     best = RetentionView(RetentionClass.PINNED, 0, g.expires_at)
@@ -140,6 +158,8 @@ class RetentionLedger:
                 and (g.priority, g.expires_at) > (best.priority, best.expires_at or 0.0)
             ):
                 best = RetentionView(RetentionClass.RETAINED, g.priority, g.expires_at)
+        if reuse_at is not None and best.cls is not RetentionClass.ORDINARY:
+            best = RetentionView(best.cls, best.priority, best.expires_at, reuse_at)
         return best
 
     def expire(self, now: float) -> list[bytes]:

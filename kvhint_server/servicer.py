@@ -9,9 +9,7 @@ KvHintCore.submit and is awaited with the RPC's deadline.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
@@ -25,11 +23,11 @@ from kvhint.v1 import kvhint_pb2 as pb
 from . import wire
 from .config import ServerConfig
 from .core import EngineStopped, KvHintCore
-from .errors import RpcError, invalid_argument, not_found, unavailable
+from .errors import RpcError, excerpt, invalid_argument, not_found, unavailable
 from .executor import HintExecutor
-from .model import Tier
+from .page_tokens import PageTokens
 from .queries import Queries
-from .validation import parse_apply_request, parse_query_selector
+from .validation import check_request_id, parse_apply_request, parse_query_selector, parse_query_tiers, validate_watch_request
 from .watch import WatchHub
 
 log = logging.getLogger("kvhint.servicer")
@@ -45,23 +43,6 @@ def _parse(cls: type[Msg], raw: bytes) -> Msg:
         raise invalid_argument(f"cannot decode {cls.DESCRIPTOR.name}: {exc}", "") from exc
 
 
-def _encode_token(payload: dict[str, Any]) -> str:
-    return base64.urlsafe_b64encode(json.dumps(payload, separators=(",", ":")).encode()).decode()
-
-
-def _decode_token(token: str, epoch: str, scope: str) -> dict[str, Any]:
-    try:
-        payload = json.loads(base64.urlsafe_b64decode(token.encode()))
-        assert isinstance(payload, dict)
-    except Exception as exc:  # noqa: BLE001
-        raise invalid_argument("page_token is not a token this server issued", "page_token") from exc
-    if payload.get("e") != epoch:
-        raise invalid_argument("page_token expired: the engine restarted (new epoch)", "page_token")
-    if payload.get("s") != scope:
-        raise invalid_argument("page_token belongs to a different query", "page_token")
-    return payload
-
-
 class KvHintServicer:
     def __init__(self, core: KvHintCore, config: ServerConfig) -> None:
         self.core = core
@@ -69,6 +50,7 @@ class KvHintServicer:
         self.executor = HintExecutor(core)
         self.queries = Queries(core, self.executor)
         self.hub: WatchHub | None = None
+        self._page_tokens = PageTokens(core.bus.epoch)
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self.hub = WatchHub(self.core, self.queries, self.config, loop)
@@ -102,17 +84,22 @@ class KvHintServicer:
             results=[wire.hint_result(r) for r in results], epoch=self.core.bus.epoch, applied_at_sequence=sequence
         )
 
+    def page_tokens(self) -> PageTokens:
+        """The page-token codec of the current epoch (a new key per epoch)."""
+        epoch = self.core.bus.epoch
+        if self._page_tokens.epoch != epoch:
+            self._page_tokens = PageTokens(epoch)
+        return self._page_tokens
+
     def _page_size(self, asked: int) -> int:
         return min(asked or self.config.default_page_size, self.config.max_page_size)
 
     async def QueryResidency(self, request: pb.QueryResidencyRequest, context: grpc.aio.ServicerContext) -> pb.QueryResidencyResponse:
         selector = parse_query_selector(request.selector, request.HasField("selector"), self.config)
-        tiers = [Tier(t) for t in request.tiers if t in Tier._value2member_map_]
-        if len(tiers) != len(request.tiers):
-            raise invalid_argument("unknown tier in tiers", "tiers")
-        epoch = self.core.bus.epoch
+        tiers = parse_query_tiers(request.tiers)
+        tokens = self.page_tokens()
         scope = hashlib.sha256(request.selector.SerializeToString(deterministic=True) + bytes(sorted(tiers))).hexdigest()[:16]
-        offset = _decode_token(request.page_token, epoch, scope)["o"] if request.page_token else 0
+        offset = tokens.verify(request.page_token, scope, "o", int, 0) if request.page_token else 0
         size = self._page_size(request.page_size)
         residency = await self._on_engine(lambda: self.queries.residency(selector, tiers), context)
         page = residency.blocks[offset : offset + size]
@@ -120,39 +107,36 @@ class KvHintServicer:
         response = pb.QueryResidencyResponse(
             blocks=[wire.block_info(b, block_size) for b in page],
             totals=wire.tier_counts(residency.totals),
-            as_of_epoch=epoch,
+            as_of_epoch=tokens.epoch,
             as_of_sequence=residency.sequence,
         )
         if offset + size < len(residency.blocks):
-            response.next_page_token = _encode_token({"e": epoch, "s": scope, "o": offset + size})
+            response.next_page_token = tokens.issue(scope, "o", offset + size)
         return response
 
     async def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext) -> pb.ListSessionsResponse:
-        epoch = self.core.bus.epoch
-        scope = hashlib.sha256(request.session_id_prefix.encode()).hexdigest()[:16]
-        after = _decode_token(request.page_token, epoch, scope)["a"] if request.page_token else None
+        prefix = check_request_id(request.session_id_prefix, "session_id_prefix", self.config.max_id_length, required=False)
+        tokens = self.page_tokens()
+        scope = hashlib.sha256(prefix.encode()).hexdigest()[:16]
+        after = tokens.verify(request.page_token, scope, "a", str, self.config.max_id_length) if request.page_token else None
         size = self._page_size(request.page_size)
-        page = await self._on_engine(lambda: self.queries.sessions(request.session_id_prefix, after, size), context)
+        page = await self._on_engine(lambda: self.queries.sessions(prefix, after, size), context)
         response = pb.ListSessionsResponse(
-            sessions=[wire.session_info(s) for s in page.sessions], as_of_epoch=epoch, as_of_sequence=page.sequence
+            sessions=[wire.session_info(s) for s in page.sessions], as_of_epoch=tokens.epoch, as_of_sequence=page.sequence
         )
         if page.next_after is not None:
-            response.next_page_token = _encode_token({"e": epoch, "s": scope, "a": page.next_after})
+            response.next_page_token = tokens.issue(scope, "a", page.next_after)
         return response
 
     async def GetOperation(self, request: pb.GetOperationRequest, context: grpc.aio.ServicerContext) -> pb.GetOperationResponse:
-        if not request.operation_id:
-            raise invalid_argument("operation_id is required", "operation_id")
-        op = self.core.operations.get(request.operation_id)
+        operation_id = check_request_id(request.operation_id, "operation_id", self.config.max_id_length)
+        op = self.core.operations.get(operation_id)
         if op is None:
-            raise not_found(f"no operation {request.operation_id!r}", "operation_id")
+            raise not_found(f"no operation {excerpt(operation_id)}", "operation_id")
         return pb.GetOperationResponse(operation=wire.operation(op))
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchEventsResponse | bytes]:
-        if request.start == pb.WatchEventsRequest.START_RESUME and not request.resume_epoch:
-            raise invalid_argument("START_RESUME needs resume_epoch", "resume_epoch")
-        if request.start not in pb.WatchEventsRequest.Start.values():
-            raise invalid_argument(f"unknown start {request.start}", "start")
+        validate_watch_request(request, self.config)
         assert self.hub is not None
         async for message in self.hub.stream(request):
             yield message

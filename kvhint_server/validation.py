@@ -13,7 +13,7 @@ from google.protobuf import duration_pb2
 from kvhint.v1 import kvhint_pb2 as pb
 
 from .config import ServerConfig
-from .errors import invalid_argument
+from .errors import excerpt, invalid_argument
 from .model import Action, EngineInfo, HintResult, HintSpec, Reason, Selector, SelectorKind, Tier
 
 MAX_BLOCK_HASH_BYTES = 64
@@ -56,11 +56,29 @@ def duration_seconds(d: duration_pb2.Duration) -> float:
     return d.seconds + d.nanos / 1e9
 
 
-def _check_id(value: str, what: str, limit: int) -> str:
+def _id_problem(value: str, what: str, limit: int, required: bool = True) -> str | None:
+    """Why `value` is not a valid id of at most `limit` UTF-8 bytes (None: it is)."""
     if not value:
-        raise HintInvalid(Reason.INVALID_HINT, f"{what} must not be empty")
+        return f"{what} must not be empty" if required else None
     if len(value.encode("utf-8")) > limit:
-        raise HintInvalid(Reason.INVALID_HINT, f"{what} is longer than {limit} bytes")
+        return f"{what} is longer than {limit} bytes"
+    return None
+
+
+def _check_id(value: str, what: str, limit: int) -> str:
+    problem = _id_problem(value, what, limit)
+    if problem:
+        raise HintInvalid(Reason.INVALID_HINT, problem)
+    return value
+
+
+def check_request_id(value: str, field: str, limit: int, required: bool = True) -> str:
+    """A request-level id (GetOperation.operation_id, a session prefix, a
+    filter's session id): INVALID_ARGUMENT naming `field` when it is empty
+    (if required) or longer than `limit` UTF-8 bytes."""
+    problem = _id_problem(value, field, limit, required)
+    if problem:
+        raise invalid_argument(problem, field)
     return value
 
 
@@ -107,6 +125,21 @@ def parse_selector(sel: pb.Selector, config: ServerConfig) -> Selector:
     return Selector(kind, block_hashes=tuple(dict.fromkeys(hashes)))
 
 
+def hint_fingerprint(hint: pb.Hint) -> bytes:
+    """A hint's canonical content, which its hint_id is bound to: the Hint
+    without its id, serialized deterministically (valid or not)."""
+    content = pb.Hint()
+    content.CopyFrom(hint)
+    content.hint_id = ""
+    return content.SerializeToString(deterministic=True)
+
+
+def hint_id_bindable(hint_id: str, config: ServerConfig) -> bool:
+    """Whether an id takes part in idempotency: non-empty and within
+    max_hint_id_length (an over-long id is rejected and never remembered)."""
+    return bool(hint_id) and len(hint_id.encode("utf-8")) <= config.max_hint_id_length
+
+
 def parse_hint(hint: pb.Hint, config: ServerConfig, info: EngineInfo) -> HintSpec | HintResult:
     """A wire Hint -> HintSpec, or a REJECTED result."""
     hint_id = hint.hint_id
@@ -128,6 +161,8 @@ def parse_hint(hint: pb.Hint, config: ServerConfig, info: EngineInfo) -> HintSpe
         if selector.has_range and not support.supports_range:
             raise HintInvalid(Reason.UNSUPPORTED, f"{action.name} does not support a block range")
         spec = _bounds(hint, action, selector, config, info)
+        if spec.expected_reuse_s is not None and not support.supports_expected_reuse:
+            raise HintInvalid(Reason.UNSUPPORTED, f"{action.name} does not support expected_reuse_in")
     except HintInvalid as exc:
         return HintResult.rejected(hint_id, exc.reason, exc.message)
     return spec
@@ -138,6 +173,7 @@ def _bounds(hint: pb.Hint, action: Action, selector: Selector, config: ServerCon
     priority = 0
     destination = ""
     target_tier: Tier | None = None
+    expected_reuse_s: float | None = None
     if action in (Action.RETAIN, Action.PIN):
         msg = hint.retain if action is Action.RETAIN else hint.pin
         if not msg.HasField("ttl"):
@@ -148,6 +184,7 @@ def _bounds(hint: pb.Hint, action: Action, selector: Selector, config: ServerCon
         ttl_s = min(requested, config.max_ttl_s)
         if action is Action.RETAIN:
             priority = hint.retain.priority
+        expected_reuse_s = _expected_reuse(msg, ttl_s)
     elif action is Action.PREFETCH and hint.prefetch.HasField("deadline"):
         requested = duration_seconds(hint.prefetch.deadline)
         if requested <= 0:
@@ -156,15 +193,12 @@ def _bounds(hint: pb.Hint, action: Action, selector: Selector, config: ServerCon
     elif action is Action.SHARE:
         destination = _check_id(hint.share.destination, "destination", config.max_id_length)
         if destination not in info.share_destinations:
-            raise HintInvalid(Reason.UNKNOWN_DESTINATION, f"destination {destination!r} is not a configured peer")
+            raise HintInvalid(Reason.UNKNOWN_DESTINATION, f"destination {excerpt(destination)} is not a configured peer")
     elif action is Action.DEMOTE and hint.demote.target_tier:
         target_tier = Tier(hint.demote.target_tier) if hint.demote.target_tier in Tier._value2member_map_ else None
         lower = {t.tier for t in info.tiers if t.tier is not Tier.DEVICE}
         if target_tier is None or target_tier not in lower:
             raise HintInvalid(Reason.UNSUPPORTED, f"no configured lower tier {hint.demote.target_tier}")
-    fingerprint_msg = pb.Hint()
-    fingerprint_msg.CopyFrom(hint)
-    fingerprint_msg.hint_id = ""
     return HintSpec(
         hint_id=hint.hint_id,
         selector=selector,
@@ -176,8 +210,19 @@ def _bounds(hint: pb.Hint, action: Action, selector: Selector, config: ServerCon
         destination=destination,
         target_tier=target_tier,
         deadline_s=deadline_s,
-        fingerprint=fingerprint_msg.SerializeToString(deterministic=True),
+        expected_reuse_s=expected_reuse_s,
+        fingerprint=hint_fingerprint(hint),
     )
+
+
+def _expected_reuse(msg: pb.RetainAction | pb.PinAction, ttl_s: float) -> float | None:
+    """Seconds of `msg.expected_reuse_in` clamped to the granted ttl; None when unset."""
+    if not msg.HasField("expected_reuse_in"):
+        return None
+    seconds = duration_seconds(msg.expected_reuse_in)
+    if seconds < 0:
+        raise HintInvalid(Reason.INVALID_HINT, "expected_reuse_in must not be negative")
+    return min(seconds, ttl_s)
 
 
 def parse_apply_request(request: pb.ApplyHintsRequest, config: ServerConfig, info: EngineInfo) -> list[HintSpec | HintResult]:
@@ -198,3 +243,44 @@ def parse_query_selector(request_selector: pb.Selector, has_selector: bool, conf
         return parse_selector(request_selector, config)
     except HintInvalid as exc:
         raise invalid_argument(exc.message, "selector") from exc
+
+
+def parse_query_tiers(values: list[int] | object) -> list[Tier]:
+    """QueryResidencyRequest.tiers -> Tiers; an unknown value is INVALID_ARGUMENT."""
+    tiers = []
+    for i, t in enumerate(values):  # type: ignore[call-overload]
+        if t not in Tier._value2member_map_:
+            raise invalid_argument(f"unknown tier {t}", f"tiers[{i}]")
+        tiers.append(Tier(t))
+    return tiers
+
+
+#: Session ids one WatchEvents filter may list.
+MAX_FILTER_SESSIONS = 4096
+
+
+def validate_watch_request(request: pb.WatchEventsRequest, config: ServerConfig) -> None:
+    """Request-level checks of WatchEvents (INVALID_ARGUMENT with the field path)."""
+    if request.start not in pb.WatchEventsRequest.Start.values():
+        raise invalid_argument(f"unknown start {request.start}", "start")
+    resuming = request.start == pb.WatchEventsRequest.START_RESUME
+    if resuming and not request.resume_epoch:
+        raise invalid_argument("START_RESUME needs resume_epoch", "resume_epoch")
+    check_request_id(request.resume_epoch, "resume_epoch", config.max_id_length, required=False)
+    flt = request.filter
+    if len(flt.session_ids) > MAX_FILTER_SESSIONS:
+        raise invalid_argument(f"{len(flt.session_ids)} session ids exceed the limit of {MAX_FILTER_SESSIONS}", "filter.session_ids")
+    for i, session_id in enumerate(flt.session_ids):
+        check_request_id(session_id, f"filter.session_ids[{i}]", config.max_id_length)
+    for i, t in enumerate(flt.tiers):
+        if t not in Tier._value2member_map_:
+            raise invalid_argument(f"unknown tier {t}", f"filter.tiers[{i}]")
+    kinds = pb.EventKind.values()
+    for i, k in enumerate(flt.kinds):
+        if k not in kinds:
+            raise invalid_argument(f"unknown event kind {k}", f"filter.kinds[{i}]")
+    if request.HasField("heartbeat_interval"):
+        try:
+            duration_seconds(request.heartbeat_interval)
+        except HintInvalid as exc:
+            raise invalid_argument(exc.message, "heartbeat_interval") from exc

@@ -18,7 +18,7 @@ from .events import (
     PinBroken,
     TierTransferCompleted,
 )
-from .model import EngineInfo, HintResult, RetentionClass, RetentionView, Tier, tiers_of
+from .model import EngineInfo, HintResult, KvCacheGroupInfo, RetentionClass, RetentionView, Tier, tiers_of
 from .operations import Operation
 from .queries import BlockView, SessionView
 
@@ -131,6 +131,7 @@ def capabilities(info: EngineInfo, config: ServerConfig, epoch: str, pin_budget_
                 selectors=[int(k) for k in a.selectors],
                 supports_range=a.supports_range,
                 notes=a.notes,
+                supports_expected_reuse=a.supports_expected_reuse,
             )
             for a in info.actions
         ],
@@ -152,6 +153,17 @@ def capabilities(info: EngineInfo, config: ServerConfig, epoch: str, pin_budget_
         epoch=epoch,
         event_replay_window=config.event_replay_window,
         share_destinations=list(info.share_destinations),
+        kv_cache_groups=[kv_cache_group(g) for g in info.kv_cache_groups],
+    )
+
+
+def kv_cache_group(g: KvCacheGroupInfo) -> pb.KvCacheGroup:
+    return pb.KvCacheGroup(
+        group_id=g.group_id,
+        kind=int(g.kind),
+        block_size=g.block_size,
+        sliding_window_tokens=g.sliding_window_tokens,
+        defines_residency=g.defines_residency,
     )
 
 

@@ -7,6 +7,7 @@ from . import (
     bad_input,
     capabilities,
     clipping,
+    event_stream,
     events,
     idempotency,
     outcomes,
@@ -30,6 +31,7 @@ MODULES = (
     release_evict,
     retention,
     events,
+    event_stream,
     unhinted,
 )
 

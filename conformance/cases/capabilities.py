@@ -8,6 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvhint.v1 import kvhint_pb2 as pb
 
 from .. import hints as H
+from .. import profiles
 from ..model import CaseFailed, CaseSkipped, Registry, check
 from ..target import CaseContext, rpc_error_text
 
@@ -100,8 +101,28 @@ def register(reg: Registry) -> None:
         names = [s.name for r in responses for s in r.list_services_response.service]
         check(SERVICE in names, f"reflection lists {names}")
 
+    for name in profiles.PROFILES:
+        _profile_case(reg, name)
     for action in H.ACTIONS:
         _unadvertised_case(reg, action)
+
+
+def _profile_case(reg: Registry, name: str) -> None:
+    profile = profiles.PROFILES[name]
+    needed = sorted(profiles.required(name))
+
+    @reg.case(
+        "capabilities", f"profile-{name}",
+        f"A target claiming the '{name}' profile ({profile.summary}) MUST advertise every one of its capabilities in "
+        f"GetCapabilities: {', '.join(needed)}.",
+    )
+    def profile_case(ctx: CaseContext) -> None:
+        claimed = ctx.target.options.profile
+        if name not in profiles.included(claimed):
+            raise CaseSkipped(f"the run claims the '{claimed}' profile (--profile), which does not include '{name}'")
+        have = ctx.target.capabilities
+        missing = [c for c in needed if c not in have]
+        check(not missing, f"the '{name}' profile requires {', '.join(missing)}, which the target does not advertise")
 
 
 def _unadvertised_case(reg: Registry, action: str) -> None:

@@ -180,6 +180,7 @@ def register(reg: Registry) -> None:
         "Resuming from a sequence older than the replay window MUST get exactly one Resync with CAUSE_COMPACTED, "
         "the oldest kept sequence and the current epoch, and the stream MUST end; resuming after oldest_sequence - 1 "
         "MUST then replay from oldest_sequence.",
+        requires=("release:session",),
     )
     def resume_outside(ctx: CaseContext) -> None:
         caps = ctx.target.refresh_caps()
@@ -199,9 +200,11 @@ def register(reg: Registry) -> None:
             hints = [H.release(ctx.sid(f"w{rpcs}-{i}")) for i in range(batch)]
             response = ctx.apply_response(*hints)
             rpcs += 1
-            if rpcs > 3 and response.applied_at_sequence - start < rpcs:
-                raise CaseSkipped("ApplyHints of MISSING releases does not advance the event sequence (no HintApplied "
-                                  "events); cannot pass the replay window black-box")
+            # Every applied hint MUST publish a HintApplied event (hint-applied-matches-result), so a
+            # target whose sequence stands still fails here rather than escaping the window check.
+            check(rpcs <= 3 or response.applied_at_sequence - start >= rpcs,
+                  f"{rpcs} ApplyHints batches of {batch} MISSING releases advanced the event sequence by "
+                  f"{response.applied_at_sequence - start}: applied hints publish no HintApplied events")
             check(rpcs <= 2 * needed + 8, f"{rpcs} batches did not pass the replay window of {window} events")
             sequence = response.applied_at_sequence
         msg = _only_resync(ctx, START(start=START.START_RESUME, resume_epoch=caps.epoch, resume_after_sequence=start),

@@ -1,10 +1,12 @@
 """Zero effect on unhinted traffic: the same tokens and the same prefix hits with hints in
-place and without them."""
+place and without them, and the stock (least recently used first) eviction order under pressure."""
 
 from __future__ import annotations
 
+import math
+
 from .. import hints as H
-from ..model import Registry, check
+from ..model import CaseSkipped, Registry, check
 from ..target import CaseContext
 
 
@@ -47,3 +49,39 @@ def register(reg: Registry) -> None:
             for i, ((tokens, cached), (want_tokens, want_cached)) in enumerate(zip(got, without)):
                 check(tokens == want_tokens, f"unhinted request {i} generated different tokens {label}")
                 check(cached == want_cached, f"unhinted request {i} hit {cached} cached tokens {label}, {want_cached} without hints")
+
+    @reg.case(
+        "unhinted", "lru-order-under-pressure",
+        "Without hints, eviction under pressure MUST keep the stock least-recently-used order: when a prompt needs "
+        "about half a session more than the pool's other free blocks, the least recently used of three unhinted "
+        "sessions MUST lose blocks of its prefix while the two used after it (one of them stored first and used "
+        "again) MUST keep their whole prefix.",
+        needs=("pressure",),
+    )
+    def lru_order(ctx: CaseContext) -> None:
+        plan = ctx.plan
+        bs, per = plan.block_size, plan.session_blocks
+        ordinary = plan.device_blocks - 1 - 3 * per
+        filler_blocks = ordinary + math.ceil(per / 2)
+        max_blocks = (ctx.target.options.max_model_len - 1) // bs
+        if filler_blocks < 2 or filler_blocks > max_blocks:
+            raise CaseSkipped(f"a filler of {filler_blocks} blocks is needed (at most {max_blocks} fit max_model_len)")
+        names = ("first", "second", "third")
+        prompts = {n: ctx.session_prompt(n) for n in names}
+        for n in names:  # stored in this order ...
+            ctx.complete(prompts[n], ctx.sid(n))
+        again = ctx.complete(prompts["first"], ctx.sid("first")).cached_tokens  # ... then `first` is used again
+        check(again == ctx.full_hit, f"an immediate repeat hit {again} of {ctx.full_hit} tokens")
+        # Recency now: second (least recent), third, first. Admission order would evict `first`.
+        ctx.pressure("lru", count=1, tokens=(filler_blocks - 1) * bs + max(1, bs // 2))
+        first, third = (ctx.complete(prompts[n], ctx.sid(n)).cached_tokens for n in ("first", "third"))
+        second = ctx.complete(prompts["second"], ctx.sid("second")).cached_tokens
+        check(first == ctx.full_hit and third == ctx.full_hit,
+              f"the sessions used after the least recent one hit {first} (stored first, used again) and {third} of "
+              f"{ctx.full_hit} tokens after a {filler_blocks}-block prompt (the least recent hit {second}): the eviction "
+              "order is not least recently used first")
+        if ctx.lower_tiers:  # its evicted blocks may be hit from a lower tier
+            ctx.note(f"lower tiers: the least recent session hit {second} tokens; not checked")
+            return
+        check(second < ctx.full_hit, f"the least recently used session kept all {second} tokens although a "
+                                     f"{filler_blocks}-block prompt needed ~{math.ceil(per / 2)} of its blocks")

@@ -46,7 +46,17 @@ FAULTS: dict[str, str] = {
     "strip-removed-coordinates": "BlocksRemoved events lose their session coordinates",
     "no-replay-flag": "replayed results are not marked replayed",
     "ignore-evicts": "EVICT hints are dropped but reported ACCEPTED",
+    "ignore-retains": "RETAIN hints are dropped but reported ACCEPTED (with the selection's block count)",
+    "ignore-releases": "RELEASE hints are dropped but reported ACCEPTED (with the selection's block count)",
+    "strip-stored-coordinates": "BlocksStored events lose their session coordinates",
+    "drop-events": "every third event on a WatchEvents stream is dropped (control messages pass)",
 }
+# Faults that drop one action's hints and answer ACCEPTED in the engine's place.
+DROPPED_ACTIONS = {"ignore-pins": "pin", "ignore-evicts": "evict", "ignore-retains": "retain", "ignore-releases": "release"}
+# Faults that rewrite WatchEvents messages.
+EVENT_FAULTS = frozenset({"no-epoch", "repeat-sequence", "no-resync", "strip-removed-coordinates",
+                          "strip-stored-coordinates", "drop-events"})
+CONTROL = frozenset({"heartbeat", "snapshot_begin", "snapshot_chunk", "snapshot_end", "resync"})
 
 
 class FaultProxy:
@@ -95,7 +105,7 @@ class FaultProxy:
     # -- ApplyHints ------------------------------------------------------------------------
 
     def apply_hints(self, raw: bytes, timeout: float | None) -> bytes:
-        dropped_actions = {a for a, f in (("pin", "ignore-pins"), ("evict", "ignore-evicts")) if f in self.faults}
+        dropped_actions = {a for f, a in DROPPED_ACTIONS.items() if f in self.faults}
         try:
             request = pb.ApplyHintsRequest.FromString(raw)
         except Exception:  # noqa: BLE001 - undecodable: the engine answers
@@ -130,6 +140,8 @@ class FaultProxy:
             result.affected_blocks.add(tier=pb.TIER_DEVICE, blocks=blocks)
         if hint.HasField("pin"):
             result.effective_ttl.CopyFrom(hint.pin.ttl)
+        elif hint.HasField("retain"):
+            result.effective_ttl.CopyFrom(hint.retain.ttl)
         return result
 
     def _rewrite_result(self, result: pb.HintResult, hint: pb.Hint) -> None:
@@ -162,17 +174,23 @@ class FaultProxy:
 
     def rewrite_event(self, raw: bytes, state: dict[str, Any]) -> bytes | None:
         f = self.faults
-        if not f & {"no-epoch", "repeat-sequence", "no-resync", "strip-removed-coordinates"}:
+        if not f & EVENT_FAULTS:
             return raw
         message = pb.WatchEventsResponse.FromString(raw)
         payload = message.WhichOneof("payload")
         if "no-resync" in f and payload == "resync":
             return None
+        if "drop-events" in f and payload not in CONTROL:
+            state["events"] = state.get("events", 0) + 1
+            if state["events"] % 3 == 0:
+                return None
         if "no-epoch" in f:
             message.epoch = ""
         if "strip-removed-coordinates" in f and payload == "blocks_removed":
             message.blocks_removed.ClearField("coordinates")
-        if "repeat-sequence" in f and payload not in ("heartbeat", "snapshot_begin", "snapshot_chunk", "snapshot_end", "resync"):
+        if "strip-stored-coordinates" in f and payload == "blocks_stored":
+            message.blocks_stored.ClearField("coordinates")
+        if "repeat-sequence" in f and payload not in CONTROL:
             state["n"] = state.get("n", 0) + 1
             if state["n"] % 2 == 0 and "last" in state:
                 message.sequence = state["last"]

@@ -340,6 +340,14 @@ class Selector(_message.Message):
     ---------------------------------------------------------------------------
 
     Selector names a set of logical KV blocks. Exactly one target must be set.
+
+    A logical block is one block_size-token position of a prefix chain,
+    identified by its block hash. Engines with several KV-cache groups (hybrid
+    attention: sliding-window and full-attention layers; see
+    GetCapabilitiesResponse.kv_cache_groups) keep a copy of a block per group.
+    Selectors, block counts (affected_blocks, clips, totals) and events count
+    logical blocks; actions act on every group's copies of the selected blocks,
+    as KvCacheGroup documents per kind.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -520,11 +528,15 @@ class Hint(_message.Message):
     PREFETCH_FIELD_NUMBER: _builtins.int
     SHARE_FIELD_NUMBER: _builtins.int
     hint_id: _builtins.str
-    """Optional idempotency key, 1..128 bytes of UTF-8. Re-sending a hint with
-    an id the engine has already seen (within its idempotency window) returns
-    the first result with `replayed` set and does not apply the hint again.
-    Re-using an id for a different hint is REJECTED with HINT_ID_CONFLICT.
-    Hints without an id are never deduplicated.
+    """Optional idempotency key, 1..128 bytes of UTF-8 (Limits.max_hint_id_length).
+    The first time the engine sees an id it binds it to the hint's content:
+    the Hint without hint_id, serialized deterministically, whether the hint
+    is valid or not. Within the idempotency window, re-sending the same
+    content with that id returns the first result with `replayed` set (a
+    REJECTED first result is replayed too) and does not apply the hint
+    again; any other content with that id is REJECTED with
+    HINT_ID_CONFLICT. An id longer than the limit is REJECTED/INVALID_HINT
+    and never bound. Hints without an id are never deduplicated.
     """
     max_blocks: _builtins.int
     """Optional cap on how many blocks the action may touch; 0 means no cap
@@ -591,6 +603,7 @@ class RetainAction(_message.Message):
 
     PRIORITY_FIELD_NUMBER: _builtins.int
     TTL_FIELD_NUMBER: _builtins.int
+    EXPECTED_REUSE_IN_FIELD_NUMBER: _builtins.int
     priority: _builtins.int
     """Higher priority is kept longer. Any int32; equal priorities evict in LRU
     order. Re-retaining a block replaces its priority and deadline for the
@@ -602,15 +615,40 @@ class RetainAction(_message.Message):
         (GetCapabilities); a capped TTL is CLIPPED/TTL_CAPPED.
         """
 
+    @_builtins.property
+    def expected_reuse_in(self) -> _duration_pb2.Duration:
+        """Optional: the caller's expected time until the selected blocks are read
+        again, measured from when the engine applies the hint. Engines that
+        advertise ActionSupport.supports_expected_reuse use it to order eviction
+        among free blocks of the same class and priority (Belady with
+        predictions); other engines reject a hint that sets it
+        (REJECTED/UNSUPPORTED).
+         * Unset: no expectation. With no expectation on any block, eviction
+           order is exactly the order without this field (LRU within a priority).
+         * Must be >= 0 (negative or malformed: REJECTED/INVALID_HINT). A value
+           above the granted ttl is clamped to the ttl: protection ends then, so a
+           later expectation carries no further meaning.
+         * Order within one (class, priority): first the blocks with no
+           expectation and the blocks whose expected time has passed, in LRU
+           order; then the blocks with an expected time in the future, the one
+           expected furthest in the future first. A stale expectation therefore
+           protects nothing beyond LRU; refresh it by sending the hint again.
+         * Several grants on one block (several sessions, or Retain and Pin):
+           the block uses the earliest expectation among its unexpired grants
+           that set one. Re-sending the hint for the same selector replaces that
+           selector's expectation (unset clears it).
+        """
+
     def __init__(
         self,
         *,
         priority: _builtins.int = ...,
         ttl: _duration_pb2.Duration | None = ...,
+        expected_reuse_in: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expected_reuse_in", b"expected_reuse_in", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["priority", b"priority", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_reuse_in", b"expected_reuse_in", "priority", b"priority", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -629,18 +667,29 @@ class PinAction(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TTL_FIELD_NUMBER: _builtins.int
+    EXPECTED_REUSE_IN_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ttl(self) -> _duration_pb2.Duration:
         """Required, > 0. The pin ends after ttl. Capped at max_ttl."""
+
+    @_builtins.property
+    def expected_reuse_in(self) -> _duration_pb2.Duration:
+        """Optional: the caller's expected time until the selected blocks are read
+        again, from when the hint is applied. Same contract as
+        RetainAction.expected_reuse_in; among pinned blocks it orders which pin is
+        broken first under true memory pressure (furthest expected reuse first,
+        after pins with no or a passed expectation, in LRU order).
+        """
 
     def __init__(
         self,
         *,
         ttl: _duration_pb2.Duration | None = ...,
+        expected_reuse_in: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expected_reuse_in", b"expected_reuse_in", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_reuse_in", b"expected_reuse_in", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -943,6 +992,7 @@ class ActionSupport(_message.Message):
     SELECTORS_FIELD_NUMBER: _builtins.int
     SUPPORTS_RANGE_FIELD_NUMBER: _builtins.int
     NOTES_FIELD_NUMBER: _builtins.int
+    SUPPORTS_EXPECTED_REUSE_FIELD_NUMBER: _builtins.int
     action: Global___Action.ValueType
     supported: _builtins.bool
     """False: every hint with this action is REJECTED/UNSUPPORTED."""
@@ -950,6 +1000,12 @@ class ActionSupport(_message.Message):
     """Whether BlockRange is honoured for this action."""
     notes: _builtins.str
     """Engine-specific notes (for example how Prefetch stages copies)."""
+    supports_expected_reuse: _builtins.bool
+    """True: the engine honours expected_reuse_in on this action (RETAIN, PIN)
+    and orders eviction by it as RetainAction.expected_reuse_in documents.
+    False: a hint of this action that sets expected_reuse_in is
+    REJECTED/UNSUPPORTED.
+    """
     @_builtins.property
     def selectors(self) -> _containers.RepeatedScalarFieldContainer[Global___SelectorKind.ValueType]:
         """Selector targets this action accepts (when supported)."""
@@ -962,14 +1018,101 @@ class ActionSupport(_message.Message):
         selectors: _abc.Iterable[Global___SelectorKind.ValueType] | None = ...,
         supports_range: _builtins.bool = ...,
         notes: _builtins.str = ...,
+        supports_expected_reuse: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "notes", b"notes", "selectors", b"selectors", "supported", b"supported", "supports_range", b"supports_range"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "notes", b"notes", "selectors", b"selectors", "supported", b"supported", "supports_expected_reuse", b"supports_expected_reuse", "supports_range", b"supports_range"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ActionSupport: _TypeAlias = ActionSupport  # noqa: Y015
+
+@_typing.final
+class KvCacheGroup(_message.Message):
+    """KvCacheGroup describes one KV-cache group of the device tier. Models with one
+    attention type have one group; hybrid-attention models (Gemma 2/3, gpt-oss,
+    Cohere 2, Llama 4, Mamba hybrids) have one per layer type. A prefix hit of N
+    blocks needs every group to hit:
+     * KIND_FULL_ATTENTION: a copy of each of the N blocks.
+     * KIND_SLIDING_WINDOW: copies of the blocks inside the window that ends at
+       block N (ceil((sliding_window_tokens - 1) / block_size) blocks). The
+       engine keeps no copy of earlier blocks: a running request drops them
+       (vLLM replaces them with null blocks), and vLLM caches sliding-window
+       copies only at the prefix ends a later request can resume at (by
+       default the window's tail at the end of each prompt).
+     * KIND_OTHER: an engine-specific rule (for example Mamba state).
+
+    What hints protect: Retain and Pin protect, in every group, each copy the
+    engine holds of the selected logical blocks. In a full-attention group that
+    is every selected block; in a sliding-window group it is exactly the
+    window tails the engine kept, which are the blocks a resume at one of
+    those prefix ends reads. Release, Evict, Demote and Prefetch likewise act
+    on all groups' copies. A block is in use (Evict: BLOCKS_IN_USE) when any of
+    its copies is.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Kind:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _KindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[KvCacheGroup._Kind.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        KIND_UNSPECIFIED: KvCacheGroup._Kind.ValueType  # 0
+        KIND_FULL_ATTENTION: KvCacheGroup._Kind.ValueType  # 1
+        KIND_SLIDING_WINDOW: KvCacheGroup._Kind.ValueType  # 2
+        KIND_OTHER: KvCacheGroup._Kind.ValueType  # 3
+
+    class Kind(_Kind, metaclass=_KindEnumTypeWrapper):
+        """Kind of attention the group serves (what a hit needs from it)."""
+
+    KIND_UNSPECIFIED: KvCacheGroup.Kind.ValueType  # 0
+    KIND_FULL_ATTENTION: KvCacheGroup.Kind.ValueType  # 1
+    KIND_SLIDING_WINDOW: KvCacheGroup.Kind.ValueType  # 2
+    KIND_OTHER: KvCacheGroup.Kind.ValueType  # 3
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    SLIDING_WINDOW_TOKENS_FIELD_NUMBER: _builtins.int
+    DEFINES_RESIDENCY_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.int
+    """The engine's group index (vLLM: the KV-cache group id, which its KV
+    events carry as group_idx).
+    """
+    kind: Global___KvCacheGroup.Kind.ValueType
+    block_size: _builtins.int
+    """Tokens per block in this group. Groups whose block size differs from
+    GetCapabilitiesResponse.block_size hold a copy per this many tokens.
+    """
+    sliding_window_tokens: _builtins.int
+    """KIND_SLIDING_WINDOW: the window in tokens. 0 otherwise."""
+    defines_residency: _builtins.bool
+    """True when a logical block counts as resident on the device tier only
+    while this group holds a copy of it: BlocksStored is reported when every
+    group with defines_residency holds a copy, BlocksRemoved when one of them
+    no longer does, and QueryResidency reports the same. The engine sets it
+    on its full-attention groups (on every group when it has none). Copies in
+    other groups do not change residency; they are the window tails above.
+    """
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.int = ...,
+        kind: Global___KvCacheGroup.Kind.ValueType = ...,
+        block_size: _builtins.int = ...,
+        sliding_window_tokens: _builtins.int = ...,
+        defines_residency: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "defines_residency", b"defines_residency", "group_id", b"group_id", "kind", b"kind", "sliding_window_tokens", b"sliding_window_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvCacheGroup: _TypeAlias = KvCacheGroup  # noqa: Y015
 
 @_typing.final
 class TierInfo(_message.Message):
@@ -1080,6 +1223,7 @@ class GetCapabilitiesResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     EVENT_REPLAY_WINDOW_FIELD_NUMBER: _builtins.int
     SHARE_DESTINATIONS_FIELD_NUMBER: _builtins.int
+    KV_CACHE_GROUPS_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.str
     """Protocol version served, "kvhint.v1"."""
     engine: _builtins.str
@@ -1109,6 +1253,13 @@ class GetCapabilitiesResponse(_message.Message):
     def share_destinations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Destinations accepted by ShareAction."""
 
+    @_builtins.property
+    def kv_cache_groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvCacheGroup]:
+        """The device tier's KV-cache groups, by group_id; empty when the engine
+        does not report them (then treat the pool as one full-attention group).
+        See KvCacheGroup for what a hint protects in each kind of group.
+        """
+
     def __init__(
         self,
         *,
@@ -1124,10 +1275,11 @@ class GetCapabilitiesResponse(_message.Message):
         epoch: _builtins.str = ...,
         event_replay_window: _builtins.int = ...,
         share_destinations: _abc.Iterable[_builtins.str] | None = ...,
+        kv_cache_groups: _abc.Iterable[Global___KvCacheGroup] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "block_hash_encoding", b"block_hash_encoding", "block_size", b"block_size", "engine", b"engine", "engine_version", b"engine_version", "epoch", b"epoch", "event_replay_window", b"event_replay_window", "limits", b"limits", "num_device_blocks", b"num_device_blocks", "protocol_version", b"protocol_version", "share_destinations", b"share_destinations", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "block_hash_encoding", b"block_hash_encoding", "block_size", b"block_size", "engine", b"engine", "engine_version", b"engine_version", "epoch", b"epoch", "event_replay_window", b"event_replay_window", "kv_cache_groups", b"kv_cache_groups", "limits", b"limits", "num_device_blocks", b"num_device_blocks", "protocol_version", b"protocol_version", "share_destinations", b"share_destinations", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,4 +1,4 @@
-"""`kvhint make-tiny-model DIR [--preset tiny|bench]`: write a random-weight test checkpoint
+"""`kvhint make-tiny-model DIR [--preset tiny|bench|hybrid]`: write a random-weight test checkpoint
 (engine_integration.tiny_model; imported only when this command runs, it needs torch)."""
 
 from __future__ import annotations
@@ -11,10 +11,14 @@ from .context import EXIT_OK, CliContext, UsageError
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     parser = subparsers.add_parser(
-        "make-tiny-model", parents=[common], help="write a random-weight Llama checkpoint for tests and demos"
+        "make-tiny-model", parents=[common],
+        help="write a random-weight checkpoint (Llama, or Gemma 2 hybrid attention) for tests and demos",
     )
     parser.add_argument("dir", help="output directory (created if needed)")
-    parser.add_argument("--preset", choices=("tiny", "bench"), default="tiny", help="model size (default tiny)")
+    parser.add_argument(
+        "--preset", choices=("tiny", "bench", "hybrid"), default="tiny",
+        help="tiny or bench (Llama sizes), or hybrid (Gemma 2: sliding-window + full attention); default tiny",
+    )
     parser.set_defaults(run=run)
 
 

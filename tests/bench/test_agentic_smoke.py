@@ -4,10 +4,13 @@
   trace's arrival times under its own service model, and the two-phase LRU
   used to validate concurrent runs equals `simulate_lru` when no requests
   overlap.
-* Smoke (engine, < 3 min): `python -m bench.agentic_engine --mode fast` as a
-  subprocess. It asserts only that the pipeline works: every request answered,
-  metrics present, files written. The numbers are not checked here (the full
-  run in bench/results/ is the benchmark).
+* Smoke (engine, < 4 min): `python -m bench.agentic_engine --mode fast` with runs
+  (a), (b), (f) and (g) as a subprocess. It asserts that the pipeline works:
+  every request answered, metrics present, files written, and that the tier
+  hints really ran: Demotes came back DEFERRED (not REJECTED), their operations
+  completed SUCCEEDED (OperationCompleted events), and (g) served different
+  prefix hits than (f), the same tiers without hints. The numbers themselves
+  are not checked here (the full run in bench/results/ is the benchmark).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from bench.generate import PRESETS, generate_trace
 from bench.simulate import compile_trace, simulate_lru
 
 REPO = Path(__file__).resolve().parents[2]
+# The smoke runs: (a) LRU, (b) hints, (f) offload and (g) hints+tiers ((f) and (g) share one tiered engine).
+RUNS = ("lru", "hints", "offload", "hints+tiers")
 
 
 @pytest.mark.parametrize("preset,seed", [("fast", 0), ("default", 0), ("heldout", 1001)])
@@ -68,18 +73,18 @@ def _vllm_available() -> bool:
 
 
 @pytest.mark.engine
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(540)
 @pytest.mark.skipif(not _vllm_available(), reason="needs vllm (pip install 'kvhint[vllm]')")
 def test_fast_mode_pipeline(tmp_path):
     out = tmp_path / "fast"
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.agentic_engine", "--mode", "fast", "--out", str(out), "--quiet"],
+        [sys.executable, "-m", "bench.agentic_engine", "--mode", "fast", "--runs", ",".join(RUNS), "--out", str(out), "--quiet"],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")},
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=520,
     )
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -87,7 +92,7 @@ def test_fast_mode_pipeline(tmp_path):
         assert (out / name).is_file(), name
     res = json.loads((out / "results.json").read_text())
     n = res["trace"]["stats"]["requests"]
-    assert set(res["runs"]) == {"lru", "hints", "hints+tiers"}
+    assert set(res["runs"]) == set(RUNS)
     for name, m in res["runs"].items():
         assert m["requests"] == n and m["answered"] == n, name
         for key in ("hit_rate", "recomputed_tokens", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms",
@@ -95,13 +100,22 @@ def test_fast_mode_pipeline(tmp_path):
             assert m.get(key) is not None, (name, key)
     assert res["runs"]["hints"]["hints"]["rpcs"] > 0  # hints reached the engine
     tiered = res["runs"]["hints+tiers"]
-    assert tiered["hints"]["outcomes"]["demote"]  # tier hints reached the tiered engine
+    demotes = tiered["hints"]["outcomes"]["demote"]
+    assert demotes.get("DEFERRED", 0) > 0, f"no Demote was DEFERRED (outcomes {demotes})"
+    assert not demotes.get("REJECTED"), f"Demotes were REJECTED on the tiered engine: {demotes}"
+    (monitor,) = [r["monitor"] for r in res["runs_raw"]["hints+tiers"]]
+    completed = monitor["operations_completed"]
+    assert completed.get("STATE_SUCCEEDED", 0) > 0, f"no OperationCompleted with SUCCEEDED ({completed})"
     assert tiered["bytes_moved_between_tiers"] > 0 and res["runs"]["lru"]["bytes_moved_between_tiers"] == 0
     assert {"belady", "infinite"} <= set(res["offline"]["results"])
     assert res["validation"]["sequential"]["requests"] == n
     assert res["validation"]["concurrent"]["requests"] == n
     rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 * n and all(r["error"] is None for r in rows)
+    assert len(rows) == len(RUNS) * n and all(r["error"] is None for r in rows)
+    # (g) differs from (f), the same tiers without hints: the hints changed what the engine kept.
+    hits = {run: [r["cached_tokens"] for r in sorted((r for r in rows if r["run"] == run), key=lambda r: r["index"])]
+            for run in ("offload", "hints+tiers")}
+    assert hits["hints+tiers"] != hits["offload"], "(g) hints+tiers served exactly the prefix hits of (f) offload"
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -1,0 +1,359 @@
+"""Paired stepping of a stock and a KvHint vLLM scheduler for `bench.scale`.
+
+Both sides are vLLM's real `Scheduler` (KvHint: `KvHintScheduler`, hooks installed on the real
+KVCacheManager and BlockPool), built by `engine_integration.inproc` over a synthetic pool, with
+fake model-runner outputs: everything the engine thread does except the forward pass.
+
+Timing: CPU time of the calling (engine) thread, `time.thread_time_ns`, around the
+scheduler-side work of one unit: `add_request` + `schedule()` + `update_from_output()` for a
+step, `get_computed_blocks` + `allocate_slots` + `free` for a direct fill admission. Thread CPU
+time leaves out the KvHint sidecar's idle gRPC thread and the other side's work; process CPU
+time is recorded too. Request construction (vLLM hashes the prompt there) and the fake model
+output are outside the timed region, as they are outside the scheduler in EngineCore.
+
+Each unit runs on both sides back to back, in random order, so both see the same machine noise;
+the report uses per-unit ratios, totals and medians. Blocks admitted and evicted per unit are
+read from the KvHint side's event bus after the unit (outside the timed region).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvhint.v1 import kvhint_pb2 as pb
+
+from .scale_workload import HintPlan, Shape, Turn, Workload
+
+# The CPU timers (ns).
+thread_ns = time.thread_time_ns
+process_ns = time.process_time_ns
+
+
+@dataclass
+class Unit:
+    """One timed unit on both sides."""
+
+    phase: str  # "fill" (direct admission), "steady" (a step with arrivals), "quiet" (a step, no arrivals)
+    stock_ns: int
+    kv_ns: int
+    stock_proc_ns: int
+    kv_proc_ns: int
+    admitted: int  # blocks stored on the KvHint side during the unit
+    evicted: int  # blocks removed on the KvHint side during the unit
+    hints: int = 0
+    running: int = 0
+
+    def row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Side:
+    """One scheduler and the CPU time of its scheduler-side work."""
+
+    def __init__(self, shape: Shape, kvhint: bool, name: str) -> None:
+        from engine_integration import inproc
+
+        self.inproc = inproc
+        self.shape = shape
+        self.name = name
+        self.kvhint = kvhint
+        self.sched = inproc.make_scheduler(
+            num_blocks=shape.pool_blocks,
+            block_size=shape.block_size,
+            kvhint=kvhint,
+            max_num_seqs=shape.max_num_seqs,
+            max_num_batched_tokens=shape.max_num_batched_tokens,
+            max_model_len=shape.max_model_len,
+        )
+        self.core = getattr(self.sched, "kvhint_core", None)
+        self.cpu_ns = 0
+        self.proc_ns = 0
+        orig_schedule, orig_update = self.sched.schedule, self.sched.update_from_output
+
+        def schedule(*a: Any, **k: Any) -> Any:
+            t, p = thread_ns(), process_ns()
+            try:
+                return orig_schedule(*a, **k)
+            finally:
+                self.cpu_ns += thread_ns() - t
+                self.proc_ns += process_ns() - p
+
+        def update(*a: Any, **k: Any) -> Any:
+            t, p = thread_ns(), process_ns()
+            try:
+                return orig_update(*a, **k)
+            finally:
+                self.cpu_ns += thread_ns() - t
+                self.proc_ns += process_ns() - p
+
+        self.sched.schedule, self.sched.update_from_output = schedule, update
+
+    def request(self, turn: Turn) -> Any:
+        req = self.inproc.make_request(
+            turn.request_id, turn.prompt, session_id=turn.session_id or None, max_tokens=turn.max_tokens,
+            block_size=self.shape.block_size,
+        )
+        if turn.continuation_id:
+            req.sampling_params.extra_args = {"continuation_id": turn.continuation_id}
+        return req
+
+    def take(self) -> tuple[int, int]:
+        """CPU time (thread, process) accumulated since the last take."""
+        out = (self.cpu_ns, self.proc_ns)
+        self.cpu_ns = self.proc_ns = 0
+        return out
+
+    def fill(self, turn: Turn) -> bool:
+        """Admit a prompt directly through the KVCacheManager (no step): its full blocks are
+        cached, then freed. Returns False when the pool could not hold it."""
+        req = self.request(turn)
+        manager = self.sched.kv_cache_manager
+        t, p = thread_ns(), process_ns()
+        blocks, hit, _ = manager.get_computed_blocks(req)
+        ok = manager.allocate_slots(req, req.num_tokens - hit, hit, blocks) is not None
+        if ok:
+            manager.free(req)
+        self.cpu_ns += thread_ns() - t
+        self.proc_ns += process_ns() - p
+        return ok
+
+    def step(self, turns: Sequence[Turn]) -> list[str]:
+        """Add the arriving turns and run one engine step. Returns the finished request ids."""
+        requests = [self.request(t) for t in turns]
+        t, p = thread_ns(), process_ns()
+        for req in requests:
+            self.sched.add_request(req)
+        self.cpu_ns += thread_ns() - t
+        self.proc_ns += process_ns() - p
+        return self.inproc.step(self.sched).finished
+
+    def running(self) -> int:
+        return len(self.sched.running)
+
+    def close(self) -> None:
+        self.inproc.close(self.sched)
+
+
+class BusCounter:
+    """Blocks stored / removed on the KvHint side since the last `take()` (from its event bus)."""
+
+    def __init__(self, core: Any) -> None:
+        from kvhint_server.events import EventKind
+
+        self._kinds = (EventKind.BLOCKS_STORED, EventKind.BLOCKS_REMOVED)
+        self.bus = core.bus
+        self.cursor = self.bus.last_sequence
+
+    def take(self) -> tuple[int, int]:
+        stored = removed = 0
+        events = self.bus.read_after(self.cursor, 1 << 30)
+        if events is None:
+            raise RuntimeError("the KvHint event ring overran between two units; lower the unit size")
+        for ev in events:
+            if ev.kind is self._kinds[0] and not ev.payload.prefix_hit:
+                stored += len(ev.payload.block_hashes)
+            elif ev.kind is self._kinds[1]:
+                removed += len(ev.payload.block_hashes)
+        self.cursor = self.bus.last_sequence
+        return stored, removed
+
+
+def hint_message(plan: HintPlan) -> pb.Hint:
+    sel = pb.Selector(session=pb.SessionSelector(session_id=plan.session_id))
+    ttl = {"seconds": int(plan.ttl_s), "nanos": int((plan.ttl_s % 1) * 1e9)}
+    if plan.action == "retain":
+        return pb.Hint(selector=sel, retain=pb.RetainAction(ttl=ttl, priority=plan.priority))
+    if plan.action == "pin":
+        return pb.Hint(selector=sel, pin=pb.PinAction(ttl=ttl))
+    if plan.action == "release":
+        return pb.Hint(selector=sel, release=pb.ReleaseAction())
+    if plan.action == "evict":
+        return pb.Hint(selector=sel, evict=pb.EvictAction())
+    raise ValueError(plan.action)
+
+
+class HintSender:
+    """ApplyHints on the engine thread: validated like the servicer does, submitted to
+    KvHintCore, applied by the KvHint scheduler's next `schedule()` (a step boundary). Records
+    each batch's apply time (thread CPU) and the blocks its results report."""
+
+    def __init__(self, scheduler: Any) -> None:
+        from kvhint_server.validation import parse_apply_request
+
+        self._parse = parse_apply_request
+        self.core = scheduler.kvhint_core
+        self.executor = scheduler.kvhint_server.servicer.executor
+        self.config = scheduler.kvhint_server.servicer.config
+        self.batches: list[dict[str, Any]] = []
+
+    def submit(self, plans: Sequence[HintPlan]) -> Any:
+        if not plans:
+            return None
+        wire = [hint_message(p) for p in plans]
+        items = self._parse(pb.ApplyHintsRequest(hints=wire), self.config, self.core.info)
+        actions = sorted({p.action for p in plans})
+
+        def apply() -> Any:
+            t = thread_ns()
+            results, _ = self.executor.apply_batch(items, wire)
+            dt = thread_ns() - t
+            blocks = sum(sum(r.affected.values()) for r in results)
+            self.batches.append({"hints": len(wire), "actions": actions, "ns": dt, "blocks": blocks,
+                                 "outcomes": sorted({r.outcome.name for r in results})})
+            return results
+
+        return self.core.submit(apply)
+
+    def apply_now(self, plans: Sequence[HintPlan]) -> list[Any]:
+        """Submit and run at once on this thread (a step boundary with nothing else to do)."""
+        future = self.submit(plans)
+        self.core.run_pending()
+        return list(future.result(timeout=0))
+
+
+class SimClock:
+    """Monotonic time of the KvHint core advanced by `step_seconds` per step (TTLs and the
+    hint rate are in simulated GPU time, not in this machine's slower steps)."""
+
+    def __init__(self, core: Any, step_seconds: float) -> None:
+        self.now = core.monotonic()
+        self.step_seconds = step_seconds
+        core.monotonic = self
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self) -> None:
+        self.now += self.step_seconds
+
+
+class Pair:
+    """A stock side and a KvHint (or, for A/A, a second stock) side fed the same workload."""
+
+    def __init__(self, shape: Shape, aa: bool = False, sample: Callable[[str, int], int] | None = None) -> None:
+        self.shape = shape
+        self.aa = aa
+        self.stock = Side(shape, False, "stock")
+        self.kv = Side(shape, not aa, "stock-b" if aa else "kvhint")
+        self.rng = random.Random(shape.seed + 1)
+        probe = self.kv if not aa else self.stock
+        self.counter = BusCounter(self.kv.core) if self.kv.core is not None else None
+        self.sender = HintSender(self.kv.sched) if self.kv.core is not None else None
+        self.clock = SimClock(self.kv.core, shape.step_seconds) if self.kv.core is not None else None
+        default_sample = probe.inproc.default_sample
+        self.workload = Workload(shape, sample or (lambda rid, i: default_sample(_Rid(rid), i)))
+        self.units: list[Unit] = []
+
+    # ------------------------------------------------------------ units
+
+    def _record(self, phase: str, hints: int = 0) -> Unit:
+        s, sp = self.stock.take()
+        k, kp = self.kv.take()
+        admitted, evicted = self.counter.take() if self.counter is not None else (0, 0)
+        unit = Unit(phase, s, k, sp, kp, admitted, evicted, hints, self.kv.running())
+        self.units.append(unit)
+        return unit
+
+    def _both(self, fn: Callable[[Side], Any]) -> tuple[Any, Any]:
+        if self.rng.random() < 0.5:
+            a = fn(self.stock)
+            b = fn(self.kv)
+        else:
+            b = fn(self.kv)
+            a = fn(self.stock)
+        return a, b
+
+    def fill(self) -> dict[str, int]:
+        """Every session's first context, then anonymous prompts until the pool is full (or the
+        sessions alone overflow it). Returns what was admitted."""
+        shape = self.shape
+        for turn in self.workload.first_turns():
+            self._both(lambda side: side.fill(turn))
+            self._record("fill")
+        pool = self.stock.sched.kv_cache_manager.block_pool
+        fillers = 0
+        filler_tokens = (shape.max_model_len // shape.block_size - 1) * shape.block_size
+        while pool.free_block_queue.num_free_blocks > 0 and len(pool.cached_block_hash_to_block) < shape.pool_blocks - 1 - filler_tokens // shape.block_size:
+            turn = Turn(f"filler-{fillers}", _filler(fillers, filler_tokens), "", "", 1)
+            ok = self._both(lambda side: side.fill(turn))
+            self._record("fill")
+            fillers += 1
+            if not all(ok):
+                break
+        return {"fillers": fillers, "cached_blocks": len(pool.cached_block_hash_to_block)}
+
+    def steps(self, n: int, phase: str, arrivals: bool = True) -> None:
+        wl = self.workload
+        for _ in range(n):
+            turns = wl.arrivals() if arrivals else []
+            plans = wl.hints()
+            if plans and self.sender is not None:
+                self.sender.submit(plans)
+            stock_done, kv_done = self._both(lambda side: side.step(turns))
+            if self.clock is not None:
+                self.clock.tick()
+            for rid in stock_done:
+                wl.finished(rid)
+            self._record(phase, len(plans))
+
+    def drain(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not (self.stock.inproc.busy(self.stock.sched) or self.kv.inproc.busy(self.kv.sched)):
+                return
+            self.steps(1, "drain", arrivals=False)
+        raise RuntimeError("schedulers still busy")
+
+    def quiet(self, rounds: int, batch: int = 32) -> None:
+        """Steps in which nothing changes: resumed sessions whose prompts are cached up to the last
+        token decode inside one block (no block stored, none evicted, no hint)."""
+        wl, bs = self.workload, self.shape.block_size
+        for r in range(rounds):
+            picks = wl.recently_finished(batch)
+            turns = []
+            for s in picks:
+                prompt = wl.prompt_of(s)[: self.shape.system_tokens + len(s.context)]
+                cut = (len(prompt) // bs - 1) * bs + 1
+                turns.append(Turn(f"{s.session_id}-q{r}", prompt[:cut], s.session_id, f"{s.session_id}/q", bs - 4))
+            stock_done, _ = self._both(lambda side: side.step(turns))
+            self._record("quiet-admit")
+            while self.stock.inproc.busy(self.stock.sched) or self.kv.inproc.busy(self.kv.sched):
+                self._both(lambda side: side.step([]))
+                self._record("quiet")
+
+    def run(self) -> dict[str, Any]:
+        shape = self.shape
+        fill = self.fill()
+        gc.collect()
+        gc.freeze()  # as EngineCore does after start-up: the pool's objects leave the GC's young generations
+        self.steps(shape.warmup_steps, "warmup")
+        self.steps(shape.steps, "steady")
+        self.drain()
+        self.quiet(shape.quiet_rounds)
+        return fill
+
+    def close(self) -> None:
+        self.stock.close()
+        self.kv.close()
+        gc.unfreeze()
+        gc.collect()
+
+
+class _Rid:
+    """The attribute `inproc.default_sample` reads from a request."""
+
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+def _filler(i: int, n: int) -> list[int]:
+    from .scale_workload import tokens
+
+    return tokens(f"filler-{i}", n)
+

@@ -1,0 +1,145 @@
+"""Every access KvHint makes to vLLM 0.32 internals that are not public API.
+
+Each function names the private attribute it relies on, so an upgrade of vLLM
+has one file to check. Everything runs on the engine thread unless it says
+otherwise.
+
+  BlockPool.cached_block_hash_to_block._cache     the hash -> block(s) map
+  EngineCore._idle_state_callbacks, input_queue   waking an idle engine
+  EngineCore._handle_shutdown                     teardown at the busy loop's exit
+  OffloadingManager.take_events / reset_cache / shutdown   wrapped (monkey-patched)
+  TieringOffloadingManager._jobs / _req_state     file-tier transfers in flight
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+# ------------------------------------------------------------------ block pool
+
+
+def cached_block_map(pool: Any) -> dict[Any, Any]:
+    """`BlockPool.cached_block_hash_to_block._cache`: key (hash + group id) ->
+    a block, or a dict of blocks by id when several copies hold the hash."""
+    return pool.cached_block_hash_to_block._cache
+
+
+def copies_in(entry: Any) -> list[Any]:
+    """The blocks of one `cached_block_map` entry."""
+    if entry is None:
+        return []
+    return list(entry.values()) if isinstance(entry, dict) else [entry]
+
+
+# ------------------------------------------------------------------ EngineCore
+
+
+def wake_engine(engine: Any) -> bool:
+    """Make an idle EngineCore return from `input_queue.get()` (any thread).
+    False when there is no busy loop to wake (in-process engines)."""
+    queue = getattr(engine, "input_queue", None)
+    if queue is None:
+        return False
+    from vllm.v1.engine import EngineCoreRequestType
+
+    queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+    return True
+
+
+def add_idle_callback(engine: Any, callback: Callable[[Any], None]) -> bool:
+    """Run `callback(engine)` once on the engine thread from the idle loop
+    (`EngineCore._idle_state_callbacks`), and wake the engine (any thread).
+    False when the engine has no idle loop."""
+    callbacks = getattr(engine, "_idle_state_callbacks", None)
+    if callbacks is None or getattr(engine, "input_queue", None) is None:
+        return False
+    callbacks.append(callback)
+    return wake_engine(engine)
+
+
+def on_busy_loop_exit(engine: Any, teardown: Callable[[], None]) -> bool:
+    """Call `teardown()` when EngineCore's busy loop is about to stop
+    (`EngineCore._handle_shutdown` returned False). False if not available."""
+    original = getattr(engine, "_handle_shutdown", None)
+    if engine is None or original is None:
+        return False
+
+    def handle_shutdown() -> bool:
+        keep_running = original()
+        if not keep_running:
+            teardown()
+        return keep_running
+
+    engine._handle_shutdown = handle_shutdown
+    return True
+
+
+# ------------------------------------------------------------------ offloading manager
+
+
+def tap_take_events(manager: Any, tap: Callable[[list[Any]], None], *, forward: bool) -> None:
+    """Wrap `OffloadingManager.take_events` so `tap` sees every event first;
+    `forward=False` hides them from vLLM's publisher (which would drop them)."""
+    original = manager.take_events
+
+    def take_events() -> Iterable[Any]:
+        events = list(original())
+        if events:
+            tap(events)
+        return events if forward else ()
+
+    manager.take_events = take_events
+
+
+def after_reset_cache(manager: Any, after: Callable[[], None]) -> None:
+    """Wrap `OffloadingManager.reset_cache` to call `after()` once it ran."""
+    original = manager.reset_cache
+
+    def reset_cache() -> None:
+        original()
+        after()
+
+    manager.reset_cache = reset_cache
+
+
+def shutdown_once(manager: Any) -> Callable[[], bool]:
+    """Make `OffloadingManager.shutdown` idempotent. Returns a function telling
+    whether it already ran."""
+    original = manager.shutdown
+    state = {"down": False}
+
+    def shutdown() -> None:
+        if state["down"]:
+            return
+        state["down"] = True
+        original()
+
+    manager.shutdown = shutdown
+    return lambda: state["down"]
+
+
+def inflight_file_writes(manager: Any) -> set[Any]:
+    """Offload keys of host -> file transfers in flight
+    (`TieringOffloadingManager._jobs`, promotions excluded)."""
+    jobs = getattr(manager, "_jobs", None)
+    if not jobs:
+        return set()
+    return {k for m in jobs.values() if not m.transfer_job.is_promotion for k in m.transfer_job.keys}
+
+
+def file_transfers_in_flight(manager: Any) -> int:
+    return len(getattr(manager, "_jobs", ()))
+
+
+def recount_injected_stores(manager: Any, contexts: Iterable[Any]) -> None:
+    """After a reset, keep `TieringOffloadingManager._req_state` consistent for
+    injected stores still in flight (they complete against the reset manager)."""
+    req_state = getattr(manager, "_req_state", None)
+    if req_state is None:
+        return
+    for ctx in contexts:
+        st = req_state.get(ctx.req_id) if ctx is not None else None
+        if st is not None:
+            st.pending_primary_stores += 1

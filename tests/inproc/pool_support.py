@@ -1,0 +1,221 @@
+"""vLLM's real KVCacheManager/BlockPool in-process, stock or with the KvHint hooks.
+
+No model, no scheduler, no engine process: `Cache` builds the manager the way
+vLLM's tests/v1/core/test_prefix_caching.py does (one FullAttentionSpec group),
+and drives it with the scheduler's call sequence (get_computed_blocks,
+allocate_slots, free). With `hooked=True` it installs exactly what
+KvHintScheduler installs (engine_integration.hooks.install, VllmAdapter,
+KvHintCore) and applies hints through the same path as ApplyHints
+(validation.parse_apply_request -> HintExecutor.apply_batch), on a clock the
+test moves.
+
+Observations are what a user of the engine would see: which blocks an
+allocation gets, which cached hashes a prefix hit finds, and which hashes
+vLLM's own KV events report removed, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from google.protobuf import duration_pb2
+from vllm.distributed.kv_events import BlockRemoved
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_block_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+
+from engine_integration.adapter import VllmAdapter
+from engine_integration.hooks import install
+from engine_integration.inproc import make_request
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_server.config import ServerConfig
+from kvhint_server.core import KvHintCore
+from kvhint_server.executor import HintExecutor
+from kvhint_server.model import HintResult, RetentionClass
+from kvhint_server.validation import parse_apply_request
+
+BLOCK_SIZE = 4
+
+
+class Clock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class Admission:
+    """A request admitted into the cache (running until `Cache.free`)."""
+
+    request: Request
+    hit_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+class Cache:
+    """One KVCacheManager with `num_blocks` blocks of BLOCK_SIZE tokens (block 0 is vLLM's null block)."""
+
+    def __init__(self, num_blocks: int = 24, *, hooked: bool = True, max_model_len: int = 256, **config: Any) -> None:
+        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+        self.manager = KVCacheManager(
+            kv_config,
+            max_model_len=max_model_len,
+            scheduler_block_size=BLOCK_SIZE,
+            hash_block_size=BLOCK_SIZE,
+            enable_caching=True,
+            enable_kv_cache_events=True,
+        )
+        self.pool = self.manager.block_pool
+        self.hooked = hooked
+        self.clock = Clock()
+        self.removed: list[bytes] = []  # external hashes vLLM's events reported removed, in order
+        if hooked:
+            self.core = KvHintCore(ServerConfig(address="127.0.0.1:0", **config), monotonic=self.clock)
+            scheduler_like = SimpleNamespace(
+                kv_cache_manager=self.manager,
+                block_size=BLOCK_SIZE,
+                cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256"),
+            )
+            self.adapter = VllmAdapter(self.core, scheduler_like, None)
+            self.adapter.attach_pool(install(scheduler_like, self.adapter))
+            self.core.attach(self.adapter)
+            self.executor = HintExecutor(self.core)
+
+    # ------------------------------------------------------------ the scheduler's calls
+
+    def admit(self, request_id: str, tokens: Sequence[int], session: str | None = None) -> Admission | None:
+        """Prefix lookup + allocation for the whole prompt, as the scheduler admits a
+        request; None when the pool cannot hold it (nothing changes then)."""
+        request = make_request(request_id, tokens, session_id=session, max_tokens=64, block_size=BLOCK_SIZE)
+        computed, hit_tokens = self.manager.get_computed_blocks(request)[:2]
+        blocks = self.manager.allocate_slots(request, len(tokens) - hit_tokens, hit_tokens, computed)
+        if blocks is None:
+            return None
+        request.num_computed_tokens = len(tokens)
+        return Admission(request, hit_tokens, self.block_ids(request))
+
+    def decode(self, admission: Admission, token: int) -> bool:
+        """One sampled token appended and its slot allocated (a decode step)."""
+        request = admission.request
+        request.append_output_token_ids(token)
+        if self.manager.allocate_slots(request, 1) is None:
+            return False
+        request.num_computed_tokens += 1
+        admission.block_ids = self.block_ids(request)
+        return True
+
+    def free(self, admission: Admission) -> None:
+        self.manager.free(admission.request)
+
+    def run(self, request_id: str, tokens: Sequence[int], session: str | None = None) -> Admission:
+        """Admit and finish a request (its blocks become free cached blocks)."""
+        admission = self.admit(request_id, tokens, session)
+        assert admission is not None, f"{request_id}: no room for {len(tokens)} tokens"
+        self.free(admission)
+        return admission
+
+    def block_ids(self, request: Request) -> list[int]:
+        return list(self.manager.get_block_ids(request.request_id)[0])
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` new blocks straight from the pool (memory pressure); returns their ids."""
+        return [b.block_id for b in self.pool.get_new_blocks(n)]
+
+    # ------------------------------------------------------------ observations
+
+    def take_removed(self) -> list[bytes]:
+        """External hashes removed since the last call, in vLLM's event order."""
+        for event in self.pool.take_events():
+            if isinstance(event, BlockRemoved):
+                self.removed.extend(_external(h) for h in event.block_hashes)
+        out, self.removed = self.removed, []
+        return out
+
+    def free_queue(self) -> list[int]:
+        """Block ids in vLLM's free queue, head (next evicted) first."""
+        return [b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()]
+
+    def cached(self) -> dict[bytes, list[int]]:
+        """Cached hash key -> block ids holding it."""
+        out = {}
+        for key, entry in self.pool.cached_block_hash_to_block._cache.items():
+            out[key] = sorted(entry) if isinstance(entry, dict) else [entry.block_id]
+        return out
+
+    def chain(self, admission: Admission) -> list[bytes]:
+        """External hashes of the request's full blocks, in chain order."""
+        return [_external(h) for h in admission.request.block_hashes]
+
+    def is_cached(self, h: bytes) -> bool:
+        return any(_external(get_block_hash(key)) == h for key in self.pool.cached_block_hash_to_block._cache)
+
+    def filed(self) -> dict[int, tuple[RetentionClass, int]]:
+        """Free blocks the hooks keep outside the queue: block id -> (class, priority)."""
+        protected = self.pool._kvh_protected
+        return {b.block_id: protected.filed_as(b) for b in protected.blocks()}
+
+    # ------------------------------------------------------------ hints (the ApplyHints path)
+
+    def apply(self, *hints: pb.Hint) -> list[HintResult]:
+        """Validate and apply a batch on this (the engine) thread, as ApplyHints does."""
+        items = parse_apply_request(pb.ApplyHintsRequest(hints=list(hints)), self.core.config, self.core.info)
+        results, _ = self.executor.apply_batch(items, list(hints))
+        return results
+
+
+def _external(block_hash: Any) -> bytes:
+    """The wire form (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, vLLM's default): 8 bytes big-endian."""
+    if isinstance(block_hash, int):
+        return block_hash.to_bytes(8, "big")
+    return bytes(block_hash)[-8:]
+
+
+# ---------------------------------------------------------------- hint builders
+
+
+def session(session_id: str) -> pb.Selector:
+    return pb.Selector(session=pb.SessionSelector(session_id=session_id))
+
+
+def hashes(block_hashes: Iterable[bytes]) -> pb.Selector:
+    return pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=list(block_hashes)))
+
+
+def _ttl(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+def retain(selector: pb.Selector, ttl_s: float = 60.0, priority: int = 0) -> pb.Hint:
+    return pb.Hint(selector=selector, retain=pb.RetainAction(priority=priority, ttl=_ttl(ttl_s)))
+
+
+def pin(selector: pb.Selector, ttl_s: float = 60.0) -> pb.Hint:
+    return pb.Hint(selector=selector, pin=pb.PinAction(ttl=_ttl(ttl_s)))
+
+
+def release(selector: pb.Selector) -> pb.Hint:
+    return pb.Hint(selector=selector, release=pb.ReleaseAction())
+
+
+def evict(selector: pb.Selector) -> pb.Hint:
+    return pb.Hint(selector=selector, evict=pb.EvictAction())
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """`n` prompt tokens unique to `seed` (distinct seeds share no block)."""
+    return [1000 * (seed + 1) + i for i in range(n)]

@@ -1,0 +1,210 @@
+"""Retention on vLLM's real BlockPool: what Retain, Pin, Release, TTL expiry and
+Evict do to the order in which free cached blocks are evicted.
+
+Hints go through the ApplyHints path (validation + HintExecutor) into the
+VllmAdapter and the hooked pool; eviction order is read from vLLM's own
+BlockRemoved events while the pool is drained by allocations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pool_support import BLOCK_SIZE, Cache, evict, hashes, pin, release, retain, session, tokens
+
+from kvhint_server.model import Outcome, Reason
+
+
+def drain(cache: Cache) -> list[bytes]:
+    """Allocate every free block; the removed hashes in eviction order."""
+    cache.take_removed()
+    cache.allocate(cache.pool.get_num_free_blocks())
+    return cache.take_removed()
+
+
+def tail_first(chain: list[bytes]) -> list[bytes]:
+    return list(reversed(chain))
+
+
+# ---------------------------------------------------------------- class order
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One session: a chain of `length` full blocks, its hint, and whether the
+    hint arrives while the request is still running (filed when freed) or after."""
+
+    length: int
+    kind: str  # "ordinary" | "retain" | "pin"
+    priority: int
+    early: bool
+
+
+plans = st.lists(
+    st.builds(
+        Plan,
+        length=st.integers(1, 4),
+        kind=st.sampled_from(["ordinary", "retain", "retain", "pin"]),
+        priority=st.integers(-2, 3),
+        early=st.booleans(),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+def hint_for(plan: Plan, sid: str):
+    return pin(session(sid)) if plan.kind == "pin" else retain(session(sid), priority=plan.priority)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plans)
+def test_eviction_order_is_ordinary_then_retained_by_priority_then_pinned(plans):
+    """Ordinary blocks go first (stock LRU order), then retained blocks by
+    ascending priority (within a priority in the order they were filed, each
+    chain tail first), then pinned blocks (pins broken under pressure)."""
+    cache = Cache(64)
+    filed: list[tuple[Plan, list[bytes]]] = []  # protected chains, in the order they were filed
+    ordinary: list[bytes] = []
+    late: list[tuple[Plan, str, list[bytes]]] = []
+    for i, plan in enumerate(plans):
+        sid = f"s{i}"
+        admission = cache.admit(f"r{i}", tokens(i, plan.length * BLOCK_SIZE), sid)
+        chain = cache.chain(admission)
+        if plan.kind != "ordinary" and plan.early:
+            [result] = cache.apply(hint_for(plan, sid))
+            assert result.outcome is Outcome.ACCEPTED
+        cache.free(admission)
+        if plan.kind == "ordinary":
+            ordinary += tail_first(chain)
+        elif plan.early:
+            filed.append((plan, tail_first(chain)))
+        else:
+            late.append((plan, sid, chain))
+    for plan, sid, chain in late:
+        [result] = cache.apply(hint_for(plan, sid))
+        assert result.outcome is Outcome.ACCEPTED
+        filed.append((plan, tail_first(chain)))
+    retained = sorted((p for p in filed if p[0].kind == "retain"), key=lambda p: p[0].priority)
+    pinned = [p for p in filed if p[0].kind == "pin"]
+    expected = ordinary + [h for _, chain in retained + pinned for h in chain]
+    assert drain(cache) == expected
+
+
+def test_a_retained_chain_outlives_ordinary_blocks_freed_after_it(cache):
+    kept = cache.run("kept", tokens(0, 4 * BLOCK_SIZE), "keep")
+    [result] = cache.apply(retain(session("keep"), priority=1))
+    assert result.outcome is Outcome.ACCEPTED and sum(result.affected.values()) == 4
+    for i in range(1, 6):
+        cache.run(f"filler{i}", tokens(i, 4 * BLOCK_SIZE))
+    again = cache.admit("again", tokens(0, 4 * BLOCK_SIZE + 1), "keep")
+    assert again.hit_tokens == 4 * BLOCK_SIZE
+    assert all(cache.is_cached(h) for h in cache.chain(kept))
+
+
+# ---------------------------------------------------------------- refile on grant, release, expiry
+
+
+@pytest.mark.parametrize("grant", [retain, pin])
+def test_grant_on_free_blocks_takes_them_out_of_the_lru_order(cache, grant):
+    """The blocks are already free when the grant arrives: only the grant's refile protects them."""
+    kept = cache.run("kept", tokens(0, 3 * BLOCK_SIZE), "keep")
+    cache.run("other", tokens(1, 3 * BLOCK_SIZE), "other")
+    [result] = cache.apply(grant(session("keep")))
+    assert result.outcome is Outcome.ACCEPTED
+    assert drain(cache) == tail_first(cache.chain_of("other")) + tail_first(cache.chain(kept))
+
+
+def test_release_makes_retained_blocks_ordinary_again_even_when_shared(cache):
+    """Release drops the protection of blocks another session also uses (no
+    exclusive-block shortcut applies): they are evicted before a still-retained session."""
+    cache.run("a", tokens(0, 2 * BLOCK_SIZE), "a")
+    b = cache.run("b", tokens(0, 2 * BLOCK_SIZE) + tokens(1, BLOCK_SIZE), "b")
+    c = cache.run("c", tokens(2, 2 * BLOCK_SIZE), "c")
+    cache.apply(retain(session("a"), priority=5), retain(session("c"), priority=0))
+    shared = cache.chain(b)[:2]
+    assert len(cache.filed()) == 4
+    [result] = cache.apply(release(session("a")))
+    assert result.outcome is Outcome.ACCEPTED
+    assert len(cache.filed()) == 2
+    order = drain(cache)
+    assert set(order[:3]) == {*shared, cache.chain(b)[2]}
+    assert order[3:] == tail_first(cache.chain(c))
+
+
+def test_release_of_explicit_hashes_unprotects_them(cache):
+    kept = cache.run("kept", tokens(0, 3 * BLOCK_SIZE), "keep")
+    other = cache.run("other", tokens(1, 2 * BLOCK_SIZE), "other")
+    chain = cache.chain(kept)
+    cache.apply(retain(hashes(chain)), retain(session("other")))
+    [result] = cache.apply(release(hashes(chain)))
+    assert result.outcome is Outcome.ACCEPTED
+    order = drain(cache)
+    assert set(order[:3]) == set(chain)
+    assert order[3:] == tail_first(cache.chain(other))
+
+
+@pytest.mark.parametrize("grant", [retain, pin])
+def test_expired_grant_leaves_its_blocks_first_in_line(cache, grant):
+    """After the TTL the blocks are ordinary again, and the next allocation takes them."""
+    kept = cache.run("kept", tokens(0, 3 * BLOCK_SIZE), "keep")
+    [result] = cache.apply(grant(session("keep"), ttl_s=10))
+    assert result.effective_ttl_s == 10
+    later = cache.run("later", tokens(1, 3 * BLOCK_SIZE), "later")
+    cache.clock.advance(5)
+    cache.take_removed()
+    cache.allocate(cache.pool.free_block_queue.num_free_blocks - 3)  # everything unhashed
+    cache.allocate(3)
+    assert cache.take_removed() == tail_first(cache.chain(later))  # still protected at 5 s
+    cache.run("later2", tokens(2, 3 * BLOCK_SIZE), "later")
+    cache.clock.advance(6)
+    cache.allocate(3)  # the expiry is noticed under pressure, before choosing victims
+    assert set(cache.take_removed()) == set(cache.chain(kept))
+
+
+def test_expiry_at_a_step_boundary_refiles(cache):
+    kept = cache.run("kept", tokens(0, 2 * BLOCK_SIZE), "keep")
+    cache.apply(retain(session("keep"), ttl_s=10, priority=3))
+    assert len(cache.filed()) == 2
+    cache.clock.advance(11)
+    cache.core.run_pending()
+    assert cache.filed() == {}
+    cache.run("later", tokens(1, 2 * BLOCK_SIZE), "later")
+    order = drain(cache)
+    assert order[:2] == tail_first(cache.chain(kept))
+
+
+# ---------------------------------------------------------------- Evict
+
+
+def test_evict_skips_blocks_in_use_and_frees_the_rest(cache):
+    first = cache.run("first", tokens(0, 3 * BLOCK_SIZE), "s")
+    running = cache.admit("running", tokens(0, 2 * BLOCK_SIZE) + tokens(1, 2 * BLOCK_SIZE), "s")
+    assert running.hit_tokens == 2 * BLOCK_SIZE
+    chain = cache.chain(first)
+    in_use = chain[:2] + cache.chain(running)[2:]
+    cache.take_removed()
+    [result] = cache.apply(evict(session("s")))
+    assert result.outcome is Outcome.CLIPPED and result.reason is Reason.BLOCKS_IN_USE
+    assert [c.reason for c in result.clips] == [Reason.BLOCKS_IN_USE]
+    assert result.clips[0].requested_blocks == 5 and result.clips[0].granted_blocks == 1
+    assert sum(result.affected.values()) == 1
+    assert cache.take_removed() == [chain[2]]
+    assert not cache.is_cached(chain[2])
+    assert all(cache.is_cached(h) for h in in_use)
+    # The evicted block is the next one handed out.
+    assert cache.free_queue()[0] == first.block_ids[2]
+
+
+def test_evict_of_free_blocks_is_accepted_and_frees_them_first(cache):
+    gone = cache.run("gone", tokens(0, 2 * BLOCK_SIZE), "gone")
+    stay = cache.run("stay", tokens(1, 2 * BLOCK_SIZE), "stay")
+    cache.apply(retain(session("gone"), priority=9))
+    [result] = cache.apply(evict(session("gone")))
+    assert result.outcome is Outcome.ACCEPTED and sum(result.affected.values()) == 2
+    assert cache.take_removed() == tail_first(cache.chain(gone))
+    assert set(cache.free_queue()[:2]) == set(gone.block_ids)
+    assert all(cache.is_cached(h) for h in cache.chain(stay))

@@ -1,0 +1,100 @@
+"""Without grants, the hooked BlockPool/KVCacheManager behave exactly like stock vLLM.
+
+The same random sequence of admissions (with shared prefixes, so prefix hits
+happen), decode steps, frees and allocation pressure runs on a stock
+KVCacheManager and on one with the KvHint hooks installed. After every step
+the two must agree on everything a request can observe: the blocks each
+allocation got, the prefix hits, the free queue's eviction order, the cached
+hashes and vLLM's own KV events (stored and removed, in order).
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pool_support import BLOCK_SIZE, Cache, retain, session, tokens
+
+from engine_integration.hooks import KvHintBlockPool
+from kvhint_server.events import BlocksStored
+
+NUM_BLOCKS = 20
+
+admit = st.tuples(
+    st.just("admit"),
+    st.integers(0, 3),  # shared prefix
+    st.integers(0, 3 * BLOCK_SIZE),  # prefix length
+    st.integers(0, 2 * BLOCK_SIZE + 1),  # own tokens
+    st.sampled_from([None, "s0", "s1", "s2"]),
+)
+decode = st.tuples(st.just("decode"), st.integers(0, 7), st.integers(1, BLOCK_SIZE + 1))
+free = st.tuples(st.just("free"), st.integers(0, 7))
+pressure = st.tuples(st.just("pressure"), st.integers(1, 6))
+operations = st.lists(st.one_of(admit, admit, decode, free, free, pressure), min_size=1, max_size=40)
+
+
+def observe(cache: Cache) -> tuple:
+    return cache.free_queue(), cache.cached(), cache.pool.get_num_free_blocks(), cache.pool.take_events()
+
+
+def step(cache: Cache, running: list, op: tuple, n: int) -> object:
+    """Apply one operation; returns what the caller saw."""
+    kind = op[0]
+    if kind == "admit":
+        _, prefix, prefix_len, own, sid = op
+        prompt = tokens(prefix, prefix_len) + [50_000 + 100 * n + i for i in range(own)]
+        if not prompt:
+            return "empty"
+        admission = cache.admit(f"r{n}", prompt, sid)
+        if admission is None:
+            return None
+        running.append(admission)
+        return admission.hit_tokens, admission.block_ids
+    if not running:
+        return "idle"
+    admission = running[op[1] % len(running)]
+    if kind == "decode":
+        return [cache.decode(admission, 7 + i) and list(admission.block_ids) for i in range(op[2])]
+    if kind == "free":
+        running.remove(admission)
+        cache.free(admission)
+        return "freed"
+    blocks = cache.pool.get_new_blocks(min(op[1], cache.pool.get_num_free_blocks()))
+    ids = [b.block_id for b in blocks]
+    cache.pool.free_blocks(blocks)
+    return ids
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations)
+def test_hooks_without_grants_are_stock(ops):
+    stock, hooked = Cache(NUM_BLOCKS, hooked=False), Cache(NUM_BLOCKS)
+    assert isinstance(hooked.pool, KvHintBlockPool) and not isinstance(stock.pool, KvHintBlockPool)
+    stock_running: list = []
+    hooked_running: list = []
+    stored_by_session = False
+    for n, op in enumerate(ops):
+        seen = step(stock, stock_running, op, n)
+        assert step(hooked, hooked_running, op, n) == seen, f"step {n} {op}"
+        assert observe(hooked) == observe(stock), f"after step {n} {op}"
+        stored_by_session |= op[0] == "admit" and bool(op[4]) and isinstance(seen, tuple) and op[2] + op[3] >= BLOCK_SIZE
+    # The hooks were live: a session's full blocks reached KvHint's event stream.
+    published = [e.payload for e in hooked.core.bus.read_after(0, 100_000)]
+    assert any(isinstance(p, BlocksStored) and p.coordinates.session_id for p in published) or not stored_by_session
+
+
+def test_queue_order_of_ordinary_blocks_is_stock_while_a_grant_is_active():
+    """With retention in effect (the hooks' other free path), ordinary blocks are
+    queued exactly as stock vLLM queues them; only the protected ones are missing."""
+    stock, hooked = Cache(NUM_BLOCKS, hooked=False), Cache(NUM_BLOCKS)
+    for cache in (stock, hooked):
+        cache.run("kept", tokens(0, 3 * BLOCK_SIZE), "keep")
+    [granted] = hooked.apply(retain(session("keep")))
+    assert granted.affected
+    for cache in (stock, hooked):
+        cache.run("a", tokens(1, 3 * BLOCK_SIZE + 2), "a")
+        running = cache.admit("b", tokens(2, 2 * BLOCK_SIZE), "b")
+        cache.run("c", tokens(1, 2 * BLOCK_SIZE) + tokens(3, BLOCK_SIZE + 1), None)
+        cache.free(running)
+    protected = set(hooked.filed())
+    assert len(protected) == 3
+    assert hooked.free_queue() == [b for b in stock.free_queue() if b not in protected]
