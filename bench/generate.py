@@ -118,6 +118,11 @@ class TraceParams:
     # declared duration classes (runtime's nominal upper bounds); None -> pause range maxima
     short_class_s: float | None = None
     long_class_s: float | None = None
+    # Named tools: (name, weight, median_s, sigma, declared class). When set, each tool call
+    # picks a tool by weight and lasts log-normal(median_s, sigma) seconds (clipped to
+    # [0.05, 600]); its class is the tool's, flipped with mispredict_prob in the signal, and
+    # the signal names the tool. Empty: the short/long pause model above (no tool names).
+    tools: tuple[tuple[str, float, float, float, str], ...] = ()
 
     def validate(self) -> None:
         for name in ("turns", "task_tokens", "tool_output_tokens", "output_tokens", "fanout_children",
@@ -141,16 +146,22 @@ class TraceParams:
             raise ValueError("cache_fraction must be > 0")
         if self.vocab_size <= self.min_token_id:
             raise ValueError("vocab_size must exceed min_token_id")
+        for name, weight, median, sigma, cls in self.tools:
+            if weight <= 0 or median <= 0 or sigma < 0 or cls not in ("short", "long") or not name:
+                raise ValueError(f"bad tool {(name, weight, median, sigma, cls)}")
 
     def to_json(self) -> dict[str, Any]:
-        return json.loads(json.dumps(asdict(self)))
+        out = json.loads(json.dumps(asdict(self)))
+        if not self.tools:
+            del out["tools"]  # traces without named tools keep their earlier header
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> TraceParams:
         kw = {}
         for k, v in obj.items():
             if k in cls.__dataclass_fields__:
-                kw[k] = tuple(v) if isinstance(v, list) else v
+                kw[k] = tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
         return cls(**kw)
 
 
@@ -197,6 +208,53 @@ PRESETS: dict[str, TraceParams] = {
         child_turns=(1, 2),
         cache_fraction=0.55,
     ),
+    # Named tools, coding-agent shape: many sub-second file tools, slow test runs and
+    # builds, a rare very long human approval; long sessions, little fan-out.
+    "coding": TraceParams(
+        num_sessions=20,
+        concurrency=8,
+        turns=(6, 14),
+        shared_prefix_tokens=640,
+        task_tokens=(64, 192),
+        tool_output_tokens=(32, 256),
+        output_tokens=(16, 40),
+        mispredict_prob=0.1,
+        fanout_prob=0.08,
+        short_class_s=5.0,
+        long_class_s=120.0,
+        tools=(
+            ("read_file", 0.35, 0.3, 0.4, "short"),
+            ("grep", 0.2, 0.5, 0.5, "short"),
+            ("web_search", 0.1, 4.0, 0.5, "short"),
+            ("run_tests", 0.2, 20.0, 0.6, "long"),
+            ("build", 0.1, 45.0, 0.5, "long"),
+            ("ask_human", 0.05, 90.0, 0.8, "long"),
+        ),
+    ),
+    # Named tools, research-agent shape: few concurrent sessions with a long shared prefix,
+    # heavy fan-out to sub-agents, browsing with a heavy tail, a tighter cache.
+    "research": TraceParams(
+        num_sessions=12,
+        concurrency=4,
+        turns=(4, 9),
+        shared_prefix_tokens=1024,
+        task_tokens=(96, 256),
+        tool_output_tokens=(96, 384),
+        output_tokens=(24, 48),
+        mispredict_prob=0.2,
+        fanout_prob=0.35,
+        fanout_children=(3, 4),
+        child_turns=(2, 4),
+        cache_fraction=0.4,
+        short_class_s=10.0,
+        long_class_s=90.0,
+        tools=(
+            ("search", 0.3, 1.5, 0.4, "short"),
+            ("browse", 0.4, 6.0, 0.9, "short"),
+            ("code_exec", 0.2, 12.0, 0.6, "long"),
+            ("summarize_pdf", 0.1, 30.0, 0.5, "long"),
+        ),
+    ),
 }
 
 
@@ -235,6 +293,20 @@ def _loguniform(rng: random.Random, lo: float, hi: float) -> float:
     if hi <= lo:
         return lo
     return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+
+
+def _tool_call(rng: random.Random, p: TraceParams) -> tuple[str | None, float, str]:
+    """(tool name or None, true duration, true class) of one tool call."""
+    if not p.tools:
+        true_long = rng.random() < p.p_long
+        return None, _loguniform(rng, *(p.long_pause_s if true_long else p.short_pause_s)), "long" if true_long else "short"
+    pick = rng.random() * sum(t[1] for t in p.tools)
+    for name, weight, median, sigma, cls in p.tools:
+        pick -= weight
+        if pick <= 0:
+            break
+    dur = min(600.0, max(0.05, median * math.exp(rng.gauss(0.0, sigma))))
+    return name, dur, cls
 
 
 def generate_trace(params: TraceParams, seed: int, *, preset: str | None = None) -> Trace:
@@ -336,13 +408,11 @@ def generate_trace(params: TraceParams, seed: int, *, preset: str | None = None)
                 s.child_results = results
                 continue
         if not last_turn and fits(s, tool_tokens):
-            true_long = rng.random() < p.p_long
-            true_cls = "long" if true_long else "short"
-            dur = _loguniform(rng, *(p.long_pause_s if true_long else p.short_pause_s))
+            tool_name, dur, true_cls = _tool_call(rng, p)
             expected = true_cls
             if rng.random() < p.mispredict_prob:
-                expected = "short" if true_long else "long"
-            events.append(ToolCallStarted(done, sid, expected, f"{sid}/{s.turn}"))
+                expected = "short" if true_cls == "long" else "long"
+            events.append(ToolCallStarted(done, sid, expected, f"{sid}/{s.turn}", tool_name))
             tool = Seg(f"{tag}/tool/{sid}/{s.turn}", tool_tokens)
             push(done + dur, sid, [tool], rid, dur, true_cls)
             continue

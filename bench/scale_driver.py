@@ -29,6 +29,8 @@ from kvhint.v1 import kvhint_pb2 as pb
 
 from .scale_workload import HintPlan, Shape, Turn, Workload
 
+FILL_CHUNK = 16  # direct admissions per recorded fill unit
+
 # The CPU timers (ns).
 thread_ns = time.thread_time_ns
 process_ns = time.process_time_ns
@@ -272,17 +274,23 @@ class Pair:
         """Every session's first context, then anonymous prompts until the pool is full (or the
         sessions alone overflow it). Returns what was admitted."""
         shape = self.shape
-        for turn in self.workload.first_turns():
-            self._both(lambda side: side.fill(turn))
+        turns = self.workload.first_turns()
+        for i in range(0, len(turns), FILL_CHUNK):
+            for turn in turns[i : i + FILL_CHUNK]:
+                self._both(lambda side: side.fill(turn))
             self._record("fill")
         pool = self.stock.sched.kv_cache_manager.block_pool
         fillers = 0
         filler_tokens = (shape.max_model_len // shape.block_size - 1) * shape.block_size
-        while pool.free_block_queue.num_free_blocks > 0 and len(pool.cached_block_hash_to_block) < shape.pool_blocks - 1 - filler_tokens // shape.block_size:
-            turn = Turn(f"filler-{fillers}", _filler(fillers, filler_tokens), "", "", 1)
-            ok = self._both(lambda side: side.fill(turn))
+        room = shape.pool_blocks - 1 - filler_tokens // shape.block_size
+        while len(pool.cached_block_hash_to_block) < room:
+            for _ in range(FILL_CHUNK):
+                turn = Turn(f"filler-{fillers}", _filler(fillers, filler_tokens), "", "", 1)
+                ok = self._both(lambda side: side.fill(turn))
+                fillers += 1
+                if not all(ok) or len(pool.cached_block_hash_to_block) >= room:
+                    break
             self._record("fill")
-            fillers += 1
             if not all(ok):
                 break
         return {"fillers": fillers, "cached_blocks": len(pool.cached_block_hash_to_block)}

@@ -39,6 +39,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 from bench.report import command_line, write_markdown
 
@@ -145,6 +146,8 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
 
 
 RAW_DIR = Path("bench/results/step_overhead")
+# Settings the run depends on that are not arguments (recorded with the raw timings).
+RECORDED_ENV = ("KVHINT_GPU_MEMORY_UTILIZATION",)
 RAW_COLUMNS = ("step", "stock_sched_us", "other_sched_us", "stock_step_us", "other_step_us")
 
 
@@ -181,8 +184,9 @@ def read_raw(out: str | Path) -> tuple[dict[str, object], dict[str, list[float]]
     return meta, cols
 
 
-def report(out: str | Path) -> str:
-    """Write the table `out` from its raw files (bench/results/step_overhead/) and return it."""
+def report(out: str | Path, dest: str | Path | None = None) -> str:
+    """Write the table `out` (to `dest`, default `out`) from its raw files (bench/results/step_overhead/)
+    and return it."""
     meta, cols = read_raw(out)
     name = "stock (A/A)" if meta["aa"] else "kvhint"
     lines = [
@@ -199,8 +203,9 @@ def report(out: str | Path) -> str:
             f"{per_step:.3f}x | {totals:.3f}x | {medians:.3f}x |"
         )
     csv_path, meta_path = raw_paths(out)
+    env = cast("dict[str, str]", meta.get("env") or {})
     return write_markdown(
-        out,
+        out if dest is None else dest,
         "Scheduler step-time overhead, no hints" + (" (A/A: stock vs stock)" if meta["aa"] else ""),
         "bench.step_overhead",
         list(meta["argv"]),  # type: ignore[call-overload]
@@ -208,6 +213,7 @@ def report(out: str | Path) -> str:
             f"Model: generated {meta['preset']} Llama, {meta['num_blocks']} blocks x 32 tokens; {meta['rounds']} rounds of "
             f"{meta['requests']} requests (half the rounds with session ids), max_tokens {meta['max_tokens']}; the two engines "
             "step in turns (random order per pair).  ",
+            *([f"Environment: `{' '.join(f'{k}={v}' for k, v in env.items())}`  "] if env else []),
             f"Raw per-step timings: [{csv_path.name}](step_overhead/{csv_path.name}) "
             f"([parameters](step_overhead/{meta_path.name})); regenerate this table with "
             f"`python -m bench.step_overhead --report-only --out {out}`.",
@@ -252,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "argv": raw_argv, "command": command_line("bench.step_overhead", raw_argv), "preset": args.preset,
         "model": args.model, "num_blocks": args.num_blocks, "rounds": args.rounds, "requests": args.requests,
         "max_tokens": args.max_tokens, "aa": args.aa, "units": "microseconds per step",
+        "env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},
     }
     write_raw(args.out, meta, stock, other)
     report(args.out)

@@ -65,7 +65,8 @@ trace clock starting at 0). ``kind`` selects the shape:
 Runtime signals (what an agent runtime knows, and all the policy may use)::
 
     {"kind": "tool_call_started", "t": 4.1, "session_id": "s03",
-     "expected_duration_class": "short" | "long", "tool_call_id": "s03/2"}
+     "expected_duration_class": "short" | "long", "tool_call_id": "s03/2",
+     "tool": "run_tests"}           # optional: the tool's name
     {"kind": "session_ended", "t": 9.0, "session_id": "s03"}
     {"kind": "child_spawned", "t": 5.0, "parent_session_id": "s03",
      "child_session_id": "s03.c1"}
@@ -253,17 +254,21 @@ class ToolCallStarted:
     session_id: str
     expected_duration_class: str
     tool_call_id: str = ""
+    tool: str | None = None  # the tool's name (optional; written only when set)
 
     kind = "tool_call_started"
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "kind": self.kind,
             "t": self.t,
             "session_id": self.session_id,
             "expected_duration_class": self.expected_duration_class,
             "tool_call_id": self.tool_call_id,
         }
+        if self.tool is not None:
+            out["tool"] = self.tool
+        return out
 
 
 @dataclass(frozen=True)
@@ -321,7 +326,10 @@ def event_from_json(obj: Mapping[str, Any]) -> Event:
         cls = str(obj["expected_duration_class"])
         if cls not in DURATION_CLASSES:
             raise ValueError(f"bad expected_duration_class {cls!r}")
-        return ToolCallStarted(t, str(obj["session_id"]), cls, str(obj.get("tool_call_id", "")))
+        tool = obj.get("tool")
+        return ToolCallStarted(
+            t, str(obj["session_id"]), cls, str(obj.get("tool_call_id", "")), None if tool is None else str(tool)
+        )
     if kind == "session_ended":
         return SessionEnded(t, str(obj["session_id"]))
     if kind == "child_spawned":

@@ -84,13 +84,14 @@ def select(registry: Registry, run: Sequence[str], skip: Sequence[str]) -> list[
     ]
 
 
+def parse_known_failing(text: str) -> list[str]:
+    """The case ids (or globs) of a known-failing file: one per line, `#` starts a comment."""
+    return [line for line in (raw.split("#", 1)[0].strip() for raw in text.splitlines()) if line]
+
+
 def read_known_failing(path: str, registry: Registry) -> list[str]:
     """Patterns from a known-failing file. Every pattern must match a registered case."""
-    patterns = []
-    for raw in Path(path).read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            patterns.append(line)
+    patterns = parse_known_failing(Path(path).read_text())
     ids = registry.ids()
     unknown = [p for p in patterns if not any(fnmatch.fnmatchcase(i, p) for i in ids)]
     if unknown:

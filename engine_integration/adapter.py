@@ -4,8 +4,14 @@ Block hashes on the wire are vLLM's *external* hashes, exactly as vLLM's own
 KV events publish them: with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1 (vLLM's
 default) the 64-bit integer `int.from_bytes(digest, "big") & (2**64 - 1)`,
 sent as its 8-byte big-endian encoding (= the digest's last 8 bytes);
-otherwise the raw digest. Only KV-cache group 0 is tracked (standard
-attention models have one group).
+otherwise the raw digest.
+
+Every KV-cache group is tracked (see kv_groups): the index stays logical (one
+node per BlockHash), a logical block resolves to its copies in every group,
+and hints act on all of them. A block is reported resident (BlocksStored /
+BlocksRemoved, QueryResidency) while every residency group (the
+full-attention groups) holds a copy; copies in sliding-window groups are the
+window tails a hit also reads, protected and evicted with their block.
 
 Thread model: everything here runs on the engine thread, except `info()` and
 `request_wakeup()`.
@@ -20,7 +26,7 @@ from typing import Any
 
 import vllm
 from vllm import envs
-from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, make_block_hash_with_group_id, resolve_block_hashes
+from vllm.v1.core.kv_cache_utils import get_block_hash, resolve_block_hashes
 from vllm.v1.engine import EngineCoreRequestType
 
 from kvhint_server.adapter import EvictReport, TierRefusal, TierTask
@@ -39,12 +45,12 @@ from kvhint_server.model import (
 )
 
 from .coords import request_coords
+from .kv_groups import GroupLayout, layout_of
 
 log = logging.getLogger("kvhint.vllm")
 
 ALL_SELECTORS = (SelectorKind.SESSION, SelectorKind.CONTINUATION, SelectorKind.BLOCK_HASHES)
 MEDIUM_TIER = {"GPU": Tier.DEVICE, "CPU": Tier.HOST, "STORAGE": Tier.DISK}
-_GROUP0 = (0).to_bytes(4, "big")
 
 
 def device_actions() -> tuple[ActionSupport, ...]:
@@ -67,7 +73,13 @@ class VllmAdapter:
         self.pool: Any = None  # KvHintBlockPool, set by attach_pool
         self._engine_core = engine_core
         self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
-        self._ext_to_key: dict[bytes, bytes] = {}
+        # Wire hash -> vLLM BlockHash (digest) of every block with a cached copy
+        # in any group (int hashes only; otherwise the wire hash is the digest).
+        self._digest: dict[bytes, bytes] = {}
+        # Wire hashes reported resident (BlocksStored, not yet BlocksRemoved).
+        self._resident: set[bytes] = set()
+        self.groups: GroupLayout = layout_of(None)
+        self._residency_suffixes: frozenset[bytes] = frozenset()
         self._wake_pending = False
         self._wake_lock = threading.Lock()
         self._max_id = core.config.max_id_length
@@ -75,25 +87,38 @@ class VllmAdapter:
 
     def attach_pool(self, pool: Any) -> None:
         self.pool = pool
+        self.groups = layout_of(getattr(self.scheduler, "kv_cache_config", None))
+        self._residency_suffixes = frozenset(g.to_bytes(4, "big") for g in self.groups.residency)
 
     # ------------------------------------------------------------ hashes
 
     def external(self, block_hash: bytes) -> bytes:
         return block_hash[-8:] if self._int_hashes else block_hash
 
+    def _digest_of(self, ext: bytes) -> bytes | None:
+        return self._digest.get(ext) if self._int_hashes else ext
+
     def _key(self, ext: bytes) -> bytes | None:
-        if self._int_hashes:
-            return self._ext_to_key.get(ext)
-        return ext + _GROUP0
+        """The pool key of `ext` in the first residency group (None when unknown)."""
+        digest = self._digest_of(ext)
+        return None if digest is None else self.groups.keys(digest, self.groups.residency[:1])[0]
 
     def _copies(self, ext: bytes) -> list[Any]:
-        key = self._key(ext)
-        if key is None:
+        """Every cached copy of a logical block, in every group."""
+        digest = self._digest_of(ext)
+        if digest is None:
             return []
-        entry = self.pool.cached_block_hash_to_block._cache.get(key)
-        if entry is None:
-            return []
-        return [entry] if not isinstance(entry, dict) else list(entry.values())
+        cache = self.pool.cached_block_hash_to_block._cache
+        out: list[Any] = []
+        for key in self.groups.keys(digest):
+            entry = cache.get(key)
+            if entry is not None:
+                out.extend(entry.values() if isinstance(entry, dict) else (entry,))
+        return out
+
+    def _held_by_all(self, digest: bytes, groups: tuple[int, ...]) -> bool:
+        cache = self.pool.cached_block_hash_to_block._cache
+        return all(key in cache for key in self.groups.keys(digest, groups))
 
     # ------------------------------------------------------------ EngineAdapter: static
 
@@ -115,6 +140,7 @@ class VllmAdapter:
             tiers=tiers,
             actions=actions,
             share_destinations=destinations,
+            kv_cache_groups=self.groups.infos,
         )
 
     def request_wakeup(self) -> None:
@@ -147,7 +173,7 @@ class VllmAdapter:
         out: dict[bytes, BlockState] = {}
         for h in hashes:
             copies = self._copies(h)
-            mask = Tier.DEVICE.bit if copies else 0
+            mask = Tier.DEVICE.bit if h in self._resident else 0
             if self.tiers is not None:
                 mask |= self.tiers.lower_tiers_of(h)
             if mask:
@@ -155,16 +181,8 @@ class VllmAdapter:
         return out
 
     def device_blocks(self) -> Iterable[BlockState]:
-        seen = set()
-        for key, entry in self.pool.cached_block_hash_to_block._cache.items():
-            if get_group_id(key) != 0:
-                continue
-            ext = self.external(get_block_hash(key))
-            if ext in seen:
-                continue
-            seen.add(ext)
-            copies = [entry] if not isinstance(entry, dict) else list(entry.values())
-            yield BlockState(ext, Tier.DEVICE.bit, in_use=any(b.ref_cnt > 0 for b in copies))
+        for ext in list(self._resident):
+            yield BlockState(ext, Tier.DEVICE.bit, in_use=any(b.ref_cnt > 0 for b in self._copies(ext)))
 
     def refile(self, hashes: Iterable[bytes]) -> None:
         core, refile_block = self.core, self.pool.kvh_refile_block
@@ -176,13 +194,13 @@ class VllmAdapter:
                     refile_block(block, view)
 
     def demote_first(self, hashes: Iterable[bytes]) -> int:
-        moved = 0
+        moved = 0  # logical blocks
         # Chain order in, so the chain's tail ends up at the queue head.
         for h in hashes:
-            for block in self._copies(h):
-                if block.ref_cnt == 0:
-                    self.pool.kvh_to_queue_head(block)
-                    moved += 1
+            free = [b for b in self._copies(h) if b.ref_cnt == 0]
+            for block in free:
+                self.pool.kvh_to_queue_head(block)
+            moved += bool(free)
         return moved
 
     def evict(self, hashes: Sequence[bytes]) -> EvictReport:
@@ -226,19 +244,24 @@ class VllmAdapter:
         group_id: int,
         block_mask: list[bool] | None,
     ) -> None:
-        if group_id != 0:
-            return
         hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, block_size)
         ext = self.external
-        new: list[bytes] = []
-        for i in range(num_cached_blocks, num_full_blocks):
-            if blocks[i].is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
-                continue
-            h = hashes[i]
-            e = ext(h)
-            if self._int_hashes:
-                self._ext_to_key[e] = make_block_hash_with_group_id(h, 0)
-            new.append(e)
+        fresh = [
+            hashes[i]
+            for i in range(num_cached_blocks, num_full_blocks)
+            if not blocks[i].is_null and (block_mask is None or block_mask[i - num_cached_blocks])
+        ]
+        if self._int_hashes:
+            digests = self._digest
+            for h in fresh:
+                digests[ext(h)] = h
+        groups = self.groups
+        if group_id not in groups.residency:
+            return  # a window-tail copy: resolved through its logical block, not reported
+        if len(groups.residency) > 1:  # resident once the last residency group holds it
+            fresh = [h for h in fresh if self._held_by_all(h, groups.residency)]
+        new = [ext(h) for h in fresh]
+        self._resident.update(new)
         parent = ext(hashes[num_cached_blocks - 1]) if num_cached_blocks > 0 else None
         coords = request_coords(request, self._max_id)
         core = self.core
@@ -282,21 +305,24 @@ class VllmAdapter:
         return node is not None and session in node.sessions
 
     def on_keys_removed(self, keys: list[bytes], cause: RemovalCause) -> None:
-        """Hash keys were popped from the pool's map; report the ones whose
-        last device copy is gone."""
+        """Hash keys (digest + 4-byte group id) were popped from the pool's map;
+        report the logical blocks that stopped being resident: a residency
+        group lost its last copy."""
         cache = self.pool.cached_block_hash_to_block._cache
-        int_hashes = self._int_hashes
+        ext_of = self.external
+        resident, residency = self._resident, self._residency_suffixes
+        single = self.groups.single
         gone = []
         for key in keys:
-            # key = digest + 4-byte group id; only group 0 is tracked.
-            if key[-4:] != _GROUP0 or key in cache:
-                continue
-            if int_hashes:
-                ext = key[-12:-4]
-                self._ext_to_key.pop(ext, None)
-            else:
-                ext = key[:-4]
-            gone.append(ext)
+            if key in cache:
+                continue  # another copy in the same group
+            digest = key[:-4]
+            ext = ext_of(digest)
+            if key[-4:] in residency and ext in resident:
+                resident.discard(ext)
+                gone.append(ext)
+            if self._int_hashes and (single or not self._copies(ext)):
+                self._digest.pop(ext, None)
         if not gone:
             return
         tiers = self.tiers
@@ -309,10 +335,12 @@ class VllmAdapter:
                                  remaining_tiers=tiers.residual_tiers)
 
     def on_pins_broken(self, blocks: list[Any], shortfall: int) -> None:
-        hashes = [self.external(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None]
+        # One entry per logical block (a pinned block can have a copy per group).
+        hashes = list(dict.fromkeys(self.external(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None))
         log.info("kvhint: breaking %d pinned blocks under memory pressure (shortfall %d)", len(hashes), shortfall)
         self.core.on_pin_broken(hashes, shortfall)
 
     def on_device_cleared(self) -> None:
-        self._ext_to_key.clear()
+        self._digest.clear()
+        self._resident.clear()
         self.core.on_cleared(Tier.DEVICE)

@@ -34,6 +34,10 @@ comma-separated list:
 
   kvhint-vllm serve MODEL --kvhint-tiers host=256,file=/mnt/kv,peer=b=10.0.0.2:50151
 
+Configuration is checked first: `serve` exits at once, naming the variable,
+when any KVHINT_* value is invalid (kvhint_server.config.check_environment
+and the tier settings), before vLLM loads the model.
+
 Residency events need no flag: the tier runtime turns on the connector's
 event lists itself (vLLM's `--kv-events-config` stays as you set it).
 """
@@ -155,9 +159,27 @@ def expand_tiers_flag(argv: list[str]) -> list[str]:
     return out
 
 
+def check_kvhint_environment(args: list[str]) -> None:
+    """Fail fast, before vLLM imports or loads anything, on any invalid
+    KVHINT_* value (server settings and tier settings) of a `serve`: exits
+    non-zero with a message naming the variable."""
+    if not args or args[0] != "serve":
+        return
+    from kvhint_server.config import ConfigError, check_environment
+
+    from .tiers.settings import TierSettings
+
+    try:
+        check_environment()
+        TierSettings.from_sources()
+    except (ConfigError, ValueError) as exc:
+        raise SystemExit(f"kvhint-vllm: configuration error: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     install_version_shim()
     args = list(sys.argv[1:] if argv is None else argv)
+    check_kvhint_environment(args)
     args = expand_tiers_flag(args)
     from vllm.entrypoints.cli.main import main as vllm_main
 

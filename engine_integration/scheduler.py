@@ -24,7 +24,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvhint_server.config import ServerConfig
+from kvhint_server.config import ServerConfig, check_environment
 from kvhint_server.core import KvHintCore
 from kvhint_server.server import KvHintServer
 
@@ -94,6 +94,7 @@ class KvHintScheduler(Scheduler):
         return super().__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_environment()  # every KVHINT_* value, before vLLM builds the scheduler (H6)
         super().__init__(*args, **kwargs)
         _route_logs_through_vllm()
         if not self.cache_config.enable_prefix_caching:

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SCHEDULER_CLS = "engine_integration.scheduler.KvHintScheduler"
+# When set (tests/conftest.py sets it for tests without @pytest.mark.engine),
+# starting an engine fails with this variable's text as the reason.
+ENGINE_FORBIDDEN_ENV = "KVHINT_ENGINE_FORBIDDEN"
 DEFAULT_MODEL_DIR = Path(os.environ.get("KVHINT_MODEL_CACHE", Path.home() / ".cache" / "kvhint" / "models"))
 
 
@@ -149,6 +152,8 @@ class ServedEngine:
         return cmd + s.extra_args
 
     def start(self, timeout: float = 240.0) -> ServedEngine:
+        if os.environ.get(ENGINE_FORBIDDEN_ENV):
+            raise RuntimeError(f"engine start refused: {os.environ[ENGINE_FORBIDDEN_ENV]}")
         env = dict(os.environ)
         env.update(self.spec.env)
         env["KVHINT_GRPC_ADDRESS"] = self.grpc_address

@@ -6,8 +6,10 @@
     best = follower.index.engines_for_session("agent-7")   # ranked, most resident blocks first
 
 Stream protocol per engine (kvhint.v1 WatchEvents):
-- Subscribe with START_SNAPSHOT: SnapshotBegin, SnapshotChunk..., SnapshotEnd. The snapshot is
-  built aside and installed atomically at SnapshotEnd, whose `sequence` is the snapshot point.
+- Subscribe with START_SNAPSHOT: SnapshotBegin, SnapshotChunk..., SnapshotEnd. The server takes
+  the snapshot in slices and sends the events that happen meanwhile between the chunks; chunks and
+  events are applied in stream order to a state built aside and installed atomically at
+  SnapshotEnd, whose `sequence` is the snapshot point.
 - Then events: strictly increasing `sequence` within an `epoch`. An event at or below the last
   processed sequence is a duplicate and skipped; heartbeats advance the position.
 - After a disconnect (engine down, network), resubscribe with START_RESUME from the last
@@ -17,16 +19,23 @@ Stream protocol per engine (kvhint.v1 WatchEvents):
 - A stream silent for longer than `stall_timeout` (default 5 heartbeats + 1 s; heartbeats are
   requested from the server) is treated as a dead connection: cancelled and resumed.
 
-Index semantics:
+Index semantics (the server's, see MembershipChanged in kvhint.proto; at every quiescent point
+the index agrees with the engine's QueryResidency and ListSessions, session by session and tier
+by tier):
 - BlocksStored(tier, hashes, coordinates) makes the hashes resident on that tier and members of
-  coordinates.session_id and coordinates.member_session_ids (prefix_hit=true establishes
-  membership the same way).
-- BlocksRemoved(tier, hashes) removes them from that tier for every session; a block resident on
-  no tier of an engine leaves every session of that engine.
-- AllBlocksCleared(tier) empties the tier. TIER_UNSPECIFIED on these events means the device tier.
+  coordinates.session_id (prefix_hit=true establishes membership the same way).
+  coordinates.member_session_ids is informational (capped at 16): every member joined by its own
+  BlocksStored.
+- BlocksRemoved(tier, hashes) removes them from that tier; with last_copy=true the blocks are
+  resident nowhere on that engine and leave every session.
+- AllBlocksCleared(tier) empties the tier; blocks left on no tier leave every session.
+- MembershipChanged(session, hashes) takes the session off those blocks (a Release of the
+  session, or the server's index cap); the blocks stay resident.
+- A session with no block left is gone. TIER_UNSPECIFIED on these events means the device tier.
 - Other events (transfer completed, pin broken, hint applied, operation completed) carry no
-  residency of their own (the engine reports the copies as BlocksStored/BlocksRemoved); they
-  reach `on_event` only.
+  residency or membership of their own (the engine reports the copies as BlocksStored /
+  BlocksRemoved); they reach `on_event` only. Protection (retain/pin) is not tracked here: ask
+  QueryResidency, or watch HintApplied / PinBroken.
 - Queries answer from *live* engines only (snapshot installed and stream connected) unless
   `include_stale=True`; a disconnected engine's last state is kept for its resume.
 """
@@ -73,12 +82,15 @@ class EngineResidencyState:
     """One engine's residency: tier -> hashes, and session <-> hash membership. Not thread-safe;
     ResidencyIndex guards it."""
 
-    __slots__ = ("tiers", "members", "sessions")
+    __slots__ = ("tiers", "members", "sessions", "tiers_exact")
 
-    def __init__(self) -> None:
+    def __init__(self, tiers_exact: bool = True) -> None:
         self.tiers: dict[int, set[bytes]] = {}
         self.members: dict[bytes, set[str]] = {}
         self.sessions: dict[str, set[bytes]] = {}
+        # False while a snapshot's residency chunks are still coming: a block missing from `tiers`
+        # may still be resident, so only BlocksRemoved.last_copy says a copy was the last.
+        self.tiers_exact = tiers_exact
 
     def resident(self, block: bytes) -> bool:
         return any(block in hashes for hashes in self.tiers.values())
@@ -93,16 +105,32 @@ class EngineResidencyState:
             for block in hashes:
                 self.members.setdefault(block, set()).add(session_id)
 
-    def remove(self, tier: int, hashes: Iterable[bytes]) -> None:
+    def remove(self, tier: int, hashes: Iterable[bytes], last_copy: bool = False) -> None:
+        """The copies on `tier` are gone. A block leaves every session when last_copy
+        (BlocksRemoved.last_copy) says so, or when this state knows of no other copy."""
         bucket = self.tiers.get(_tier_of(tier))
-        if bucket is None:
+        for block in hashes:
+            if bucket is not None:
+                bucket.discard(block)
+            if last_copy or (self.tiers_exact and not self.resident(block)):
+                self._forget(block)
+        if bucket is not None and not bucket:
+            del self.tiers[_tier_of(tier)]
+
+    def leave(self, session_id: str, hashes: Iterable[bytes]) -> None:
+        """`session_id` is no longer a member of `hashes` (which stay resident)."""
+        blocks = self.sessions.get(session_id)
+        if blocks is None:
             return
         for block in hashes:
-            bucket.discard(block)
-            if not self.resident(block):
-                self._forget(block)
-        if not bucket:
-            del self.tiers[_tier_of(tier)]
+            blocks.discard(block)
+            members = self.members.get(block)
+            if members is not None:
+                members.discard(session_id)
+                if not members:
+                    del self.members[block]
+        if not blocks:
+            del self.sessions[session_id]
 
     def clear(self, tier: int) -> None:
         for block in self.tiers.pop(_tier_of(tier), set()):
@@ -118,8 +146,12 @@ class EngineResidencyState:
                     del self.sessions[session_id]
 
     def add_snapshot_chunk(self, chunk: kvhint_pb2.SnapshotChunk) -> None:
+        """Residency (every chunk) and the chunk's session's membership; BlockInfo.session_ids is a
+        capped, informational list (each member has its own chunk)."""
+        sessions = [chunk.session_id]
+        if chunk.session_id:
+            self.tiers_exact = True  # session chunks come after every residency chunk
         for info in chunk.blocks:
-            sessions = [chunk.session_id, *info.session_ids]
             for tier in info.tiers:
                 self.store(tier, [info.block_hash], sessions)
 
@@ -275,10 +307,15 @@ def apply_to_state(state: EngineResidencyState, message: kvhint_pb2.WatchEventsR
     if kind == "blocks_stored":
         stored = message.blocks_stored
         coords = stored.coordinates
-        state.store(stored.tier, stored.block_hashes, [coords.session_id, *coords.member_session_ids])
+        state.store(stored.tier, stored.block_hashes, [coords.session_id])
         return True
     if kind == "blocks_removed":
-        state.remove(message.blocks_removed.tier, message.blocks_removed.block_hashes)
+        removed = message.blocks_removed
+        state.remove(removed.tier, removed.block_hashes, removed.last_copy)
+        return True
+    if kind == "membership_changed":
+        changed = message.membership_changed
+        state.leave(changed.session_id, changed.block_hashes)
         return True
     if kind == "all_blocks_cleared":
         state.clear(message.all_blocks_cleared.tier)
@@ -369,7 +406,7 @@ class EngineTracker:
             return Verdict.RESNAPSHOT
 
         if kind == "snapshot_begin":
-            self._staging = EngineResidencyState()
+            self._staging = EngineResidencyState(tiers_exact=False)
             return Verdict.CONTINUE
         if self._staging is not None:
             return self._handle_snapshot_part(message, kind)
@@ -402,6 +439,7 @@ class EngineTracker:
         if kind == "snapshot_chunk":
             self._staging.add_snapshot_chunk(message.snapshot_chunk)
         elif kind == "snapshot_end":
+            self._staging.tiers_exact = True
             self._epoch = message.epoch
             self._last_sequence = message.sequence
             self._need_snapshot = False
@@ -466,7 +504,11 @@ def _stall_timeout(value: Optional[float], heartbeat: float) -> float:
     return value
 
 
-DEFAULT_RECONNECT = RetryPolicy(max_attempts=1_000_000, initial_backoff=0.1, max_backoff=5.0, multiplier=2.0, jitter=0.2)
+#: Sleep between reconnects: 0.1 s doubling to 0.5 s. With the channel's own reconnect backoff
+#: capped at 0.5 s (kvhint_client.config.RECONNECT_CHANNEL_OPTIONS) a follower is back in the new
+#: epoch within about a second of a restarted engine answering SERVING; a reconnect costs a
+#: refused TCP connect, so polling a down engine twice a second is cheap.
+DEFAULT_RECONNECT = RetryPolicy(max_attempts=1_000_000, initial_backoff=0.1, max_backoff=0.5, multiplier=2.0, jitter=0.2)
 
 
 # ---------------------------------------------------------------------------------------------

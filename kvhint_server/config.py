@@ -1,17 +1,53 @@
-"""Server configuration: bounds, limits and the listen address.
+"""Server configuration: bounds, limits, the listen address and its security.
 
 Every field can be set from the environment (`KVHINT_<FIELD>` upper-cased, for
-example KVHINT_MAX_TTL_S=600), so the in-engine sidecar is configurable without
-touching vLLM's own flags.
+example KVHINT_MAX_TTL_S=600; the address is KVHINT_GRPC_ADDRESS), so the
+in-engine sidecar is configurable without touching vLLM's own flags.
+
+Contract: a ServerConfig that exists is valid. Construction checks every
+field (numbers finite and in range, TLS certificate and key together and
+readable, a parseable address, a header-safe token) and raises ConfigError
+naming the environment variable of the offending field, whether the value
+came from the environment or from code. `check_environment()` is the one
+entry point the launcher and the scheduler call before vLLM loads anything.
+
+Exposure rule: a listen address that is not loopback needs TLS or a bearer
+token; KVHINT_ALLOW_INSECURE_REMOTE=1 lifts the refusal, and the server then
+logs a warning at start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
+import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+log = logging.getLogger("kvhint.config")
+
 DEFAULT_ADDRESS = "127.0.0.1:50151"
+ENV_PREFIX = "KVHINT_"
+_ENV_OF = {"address": "KVHINT_GRPC_ADDRESS"}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+#: KVHINT_* variables read outside ServerConfig (not typos).
+OTHER_VARIABLES = frozenset({
+    "KVHINT_ADDRESS", "KVHINT_TOKEN",  # the client and CLI
+    "KVHINT_SHARE_PEERS", "KVHINT_TIER_OP_TIMEOUT_S",  # engine_integration.tiers.settings
+    "KVHINT_MODEL_CACHE", "KVHINT_GPU_MEMORY_UTILIZATION",  # tests, benchmarks, demo
+})
+
+
+class ConfigError(ValueError):
+    """A KvHint setting is invalid. The message names the environment variable."""
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable of a ServerConfig field."""
+    return _ENV_OF.get(field_name, ENV_PREFIX + field_name.upper())
 
 
 @dataclass(frozen=True)
@@ -24,7 +60,8 @@ class ServerConfig:
     pin_budget_fraction: float = 0.5
     # Hints per ApplyHints batch; more is INVALID_ARGUMENT.
     max_hints_per_batch: int = 256
-    # Longest session_id / continuation_id / destination, in bytes.
+    # Longest session_id / continuation_id / destination / operation_id /
+    # WatchEvents epoch and filter id, in bytes.
     max_id_length: int = 256
     # Longest hint_id, in bytes.
     max_hint_id_length: int = 128
@@ -54,37 +91,150 @@ class ServerConfig:
     operation_history: int = 10_000
     # Graceful-shutdown grace period.
     shutdown_grace_s: float = 2.0
-    # Serve TLS when both are set (PEM file paths).
+    # Serve TLS (PEM file paths; both or neither).
     tls_cert_file: str = ""
     tls_key_file: str = ""
     # When set, every RPC except health must carry `authorization: Bearer <token>`.
     auth_token: str = ""
+    # Serve a non-loopback address with neither TLS nor a token (refused
+    # otherwise; a warning is logged at start when this is used).
+    allow_insecure_remote: bool = False
 
     @classmethod
-    def from_env(cls, **overrides: object) -> ServerConfig:
-        """Defaults, then KVHINT_* environment variables, then `overrides`."""
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> ServerConfig:
+        """Defaults, then KVHINT_* variables of `environ` (default os.environ),
+        then `overrides`. Raises ConfigError naming the variable."""
+        env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for f in dataclasses.fields(cls):
-            env = "KVHINT_GRPC_ADDRESS" if f.name == "address" else f"KVHINT_{f.name.upper()}"
-            raw = os.environ.get(env)
-            if raw is None:
-                continue
-            kind = type(f.default)
-            try:
-                values[f.name] = kind(raw)
-            except ValueError as exc:
-                raise ValueError(f"{env}={raw!r}: expected {kind.__name__}") from exc
+            raw = env.get(env_name(f.name))
+            if raw is not None:
+                values[f.name] = _parse(f.name, type(f.default), raw)
         values.update(overrides)
         return dataclasses.replace(cls(), **values)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.pin_budget_fraction <= 1.0:
-            raise ValueError("pin_budget_fraction must be within [0, 1]")
-        if self.max_ttl_s <= 0:
-            raise ValueError("max_ttl_s must be positive")
+        for f in dataclasses.fields(self):
+            _check_field(f.name, getattr(self, f.name))
+        # Derived caps: a default above its maximum means the maximum.
+        if self.default_page_size > self.max_page_size:
+            object.__setattr__(self, "default_page_size", self.max_page_size)
         if self.subscriber_buffer > self.event_replay_window:
             object.__setattr__(self, "subscriber_buffer", self.event_replay_window)
-        for name in ("max_hints_per_batch", "max_id_length", "max_hint_id_length", "event_replay_window",
-                     "idempotency_window", "max_page_size", "default_page_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
+        _check_tls(self.tls_cert_file, self.tls_key_file)
+        if self.insecure_remote and not self.allow_insecure_remote:
+            raise ConfigError(
+                f"{env_name('address')}={self.address!r} is not a loopback address and neither TLS "
+                f"({env_name('tls_cert_file')} + {env_name('tls_key_file')}) nor {env_name('auth_token')} is set: "
+                f"anyone who can reach it could change the cache. Set one, or {env_name('allow_insecure_remote')}=1 "
+                "to serve it unauthenticated anyway"
+            )
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
+
+    @property
+    def insecure_remote(self) -> bool:
+        """Served beyond this host with neither TLS nor a token."""
+        return not is_loopback(self.address) and not self.tls and not self.auth_token
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a gRPC listen address is reachable only from this host
+    (loopback IPs, `localhost`, unix sockets). Wildcards and names are not."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _parse(name: str, kind: type, raw: str) -> object:
+    """An environment string as the field's type; ConfigError naming the variable."""
+    env = env_name(name)
+    if kind is bool:
+        if raw.strip().lower() in _TRUE:
+            return True
+        if raw.strip().lower() in _FALSE:
+            return False
+        raise ConfigError(f"{env}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+    try:
+        return kind(raw.strip()) if kind in (int, float) else kind(raw)
+    except ValueError:
+        raise ConfigError(f"{env}={raw!r}: expected {'an integer' if kind is int else 'a number'}") from None
+
+
+# (low, high, low inclusive) per numeric field; the default is "> 0".
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "pin_budget_fraction": (0.0, 1.0, True),
+    "shutdown_grace_s": (0.0, math.inf, True),
+    "operation_history": (0.0, math.inf, True),
+}
+_SECRET = frozenset({"auth_token"})
+
+
+def _check_field(name: str, value: object) -> None:
+    env = env_name(name)
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        shown = repr(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{env}={shown} must be a finite number")
+        low, high, inclusive = _RANGES.get(name, (0.0, math.inf, False))
+        if value < low or (value == low and not inclusive) or value > high:
+            bound = f"within [{low:g}, {high:g}]" if high < math.inf else (f">= {low:g}" if inclusive else f"> {low:g}")
+            raise ConfigError(f"{env}={shown} must be {bound}")
+    elif isinstance(value, str):
+        if name == "address":
+            _check_address(value)
+        elif name in _SECRET and value and not (value.isascii() and value.isprintable() and " " not in value):
+            raise ConfigError(f"{env} must be printable ASCII without spaces (it travels in an HTTP/2 header)")
+
+
+def _check_address(address: str) -> None:
+    env = env_name("address")
+    if address.startswith(("unix:", "unix-abstract:")):
+        return
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{env}={address!r}: expected HOST:PORT with a port in 0..65535")
+
+
+def _check_tls(cert: str, key: str) -> None:
+    cert_env, key_env = env_name("tls_cert_file"), env_name("tls_key_file")
+    if bool(cert) != bool(key):
+        given, missing = (cert_env, key_env) if cert else (key_env, cert_env)
+        raise ConfigError(f"{given} is set but {missing} is not: TLS needs both (refusing to serve plaintext)")
+    for env, path in ((cert_env, cert), (key_env, key)):
+        if not path:
+            continue
+        try:
+            with open(path, "rb") as f:
+                head = f.read(1 << 16)
+        except OSError as exc:
+            raise ConfigError(f"{env}={path!r}: cannot read: {exc.strerror or exc}") from None
+        if b"-----BEGIN" not in head:
+            raise ConfigError(f"{env}={path!r}: not a PEM file")
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """KVHINT_* variables set in `environ` that nothing reads (likely typos)."""
+    env = os.environ if environ is None else environ
+    known = {env_name(f.name) for f in dataclasses.fields(ServerConfig)} | OTHER_VARIABLES
+    return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """Validate every KVHINT_* server setting now (before an engine loads a
+    model): returns the config, raises ConfigError naming the variable, and
+    warns about KVHINT_* variables nothing reads."""
+    config = ServerConfig.from_env(environ)
+    for name in unknown_variables(environ):
+        log.warning("kvhint: %s is set but no KvHint setting has that name (a typo?)", name)
+    return config

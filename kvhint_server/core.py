@@ -3,7 +3,15 @@
 Owns the SessionPrefixIndex, the RetentionLedger, the EventBus, the operation
 registry and the queue of engine-thread tasks. Adapters report residency
 changes through the `on_*` hooks (engine thread) and drive `run_pending()` at
-step boundaries; the gRPC side submits work with `submit()` (any thread).
+step boundaries; the gRPC side submits work with `submit()` (any thread), and
+long read-side work (snapshots) in bounded slices with `submit_slice()`.
+
+Events and queries agree: every change to what QueryResidency/ListSessions
+report (residency per tier, session membership) is published, in the order
+it happened, as BlocksStored / BlocksRemoved / AllBlocksCleared /
+MembershipChanged (the index's leave listener). `resident[tier]` mirrors the
+published residency of every block, tracked or not, so snapshots can list it
+without a walk over the engine's cache.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import TypeVar
 
 from .adapter import EngineAdapter
@@ -25,17 +34,20 @@ from .events import (
     NO_COORDINATES,
     Coordinates,
     EventBus,
+    MembershipChanged,
     PinBroken,
     TierTransferCompleted,
 )
-from .index import Removal, SessionPrefixIndex
+from .index import LeaveCause, Removal, SessionPrefixIndex
 from .model import EngineInfo, RemovalCause, RequestCoords, RetentionView, Tier
 from .operations import OperationRegistry
 from .retention import RetentionLedger
 
 log = logging.getLogger("kvhint.core")
 T = TypeVar("T")
-MAX_MEMBERS_REPORTED = 16
+# Engine time per step for `submit_slice` work (all slices together, at least
+# one slice per step).
+SLICE_BUDGET_S = 0.004
 
 
 def session_of_owner(owner: str) -> str | None:
@@ -44,6 +56,17 @@ def session_of_owner(owner: str) -> str | None:
 
 class EngineStopped(RuntimeError):
     """The engine stopped before running the task."""
+
+
+def _run(future: Future[T], fn: Callable[[], T]) -> None:
+    """Run one engine-thread task into its future (skipped if cancelled)."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+        log.exception("kvhint engine task failed")
+        future.set_exception(exc)
 
 
 class KvHintCore:
@@ -57,12 +80,16 @@ class KvHintCore:
         self.monotonic = monotonic
         self.wall = wall
         self.index = SessionPrefixIndex()
+        self.index.listener = None
+        # tier -> blocks resident on it, as published (tracked or not).
+        self.resident: dict[Tier, set[bytes]] = {t: set() for t in Tier}
         self.bus = EventBus(config.event_replay_window, clock=wall)
         self.operations = OperationRegistry(self.bus, config.operation_history)
         self.ledger = RetentionLedger(0, start=monotonic())
         self._adapter: EngineAdapter | None = None
         self._info: EngineInfo | None = None
         self._tasks: deque[tuple[Callable[[], object], Future[object]]] = deque()
+        self._slices: deque[tuple[Callable[[float], object], Future[object]]] = deque()
         self._tasks_lock = threading.Lock()
         self._stopped = False
 
@@ -104,8 +131,24 @@ class KvHintCore:
         self.adapter.request_wakeup()
         return future
 
+    def submit_slice(self, fn: Callable[[float], T]) -> Future[T]:
+        """Run `fn(deadline)` on the engine thread at a step boundary, after
+        the step's tasks, sharing SLICE_BUDGET_S per step with other slices
+        (any thread). `fn` must return soon after `time.perf_counter()`
+        passes `deadline`: it is one bounded piece of a longer job, whose
+        caller submits the next piece once this one's future resolves.
+        """
+        future: Future[T] = Future()
+        with self._tasks_lock:
+            if self._stopped:
+                future.set_exception(EngineStopped("engine is shutting down"))
+                return future
+            self._slices.append((fn, future))  # type: ignore[arg-type]
+        self.adapter.request_wakeup()
+        return future
+
     def has_pending(self) -> bool:
-        return bool(self._tasks)
+        return bool(self._tasks or self._slices)
 
     def expire_retention(self) -> None:
         """Engine thread: drop expired grants and re-file their blocks."""
@@ -115,26 +158,32 @@ class KvHintCore:
                 self.adapter.refile(expired)
 
     def run_pending(self) -> None:
-        """Engine thread, at a step boundary: expire retention, run queued tasks."""
+        """Engine thread, at a step boundary: expire retention, run queued
+        tasks, then slices for at most SLICE_BUDGET_S."""
         self.expire_retention()
         while self._tasks:
             with self._tasks_lock:
                 if not self._tasks:
                     break
                 fn, future = self._tasks.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - delivered to the caller
-                log.exception("kvhint engine task failed")
-                future.set_exception(exc)
+            _run(future, fn)
+        if self._slices:
+            deadline = time.perf_counter() + SLICE_BUDGET_S
+            ran = False
+            while self._slices and not (ran and time.perf_counter() >= deadline):
+                with self._tasks_lock:
+                    if not self._slices:
+                        break
+                    fn, future = self._slices.popleft()
+                ran = True
+                _run(future, partial(fn, deadline))
 
     def stop(self) -> None:
         """Fail queued tasks; later submits fail immediately."""
         with self._tasks_lock:
             self._stopped = True
-            tasks, self._tasks = list(self._tasks), deque()
+            tasks, self._tasks = [*self._tasks, *self._slices], deque()
+            self._slices = deque()
         for _, future in tasks:
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineStopped("engine is shutting down"))
@@ -159,10 +208,9 @@ class KvHintCore:
         by a request with `coords` (None: a tier store with no request)."""
         if not hashes:
             return
+        self.resident[tier].update(hashes)
         if coords:
-            self.index.record_chain(hashes, first_position, parent, tier, coords, self.wall())
-            if len(self.index.nodes) > self.config.max_index_blocks:
-                self._trim_index()
+            self.index.record_chain(hashes, first_position, parent, tier, coords, self.wall(), self.tiers_of)
             members = self._members(hashes[-1])
             coordinates = Coordinates(coords.session_id or "", coords.continuation_id or "", members)
         else:
@@ -187,6 +235,16 @@ class KvHintCore:
             sessions=sessions,
             tier=tier,
         )
+        if len(self.index.nodes) > self.config.max_index_blocks:
+            self._trim_index()  # after the BlocksStored: its MembershipChanged events come later
+
+    def tiers_of(self, h: bytes) -> int:
+        """Tier bitmask of the published copies of `h`."""
+        mask = 0
+        for t, blocks in self.resident.items():
+            if h in blocks:
+                mask |= t.bit
+        return mask
 
     def on_removed(
         self,
@@ -206,6 +264,7 @@ class KvHintCore:
         device = tier is Tier.DEVICE
         nodes = self.index.nodes
         mark_removed = self.index.mark_removed
+        self.resident[tier].difference_update(hashes)
         # (run key, removal of the run's first block, hashes, prefix tokens)
         runs: list[tuple[object, Removal | None, list[bytes], list[int]]] = []
         last_key: object = None
@@ -229,11 +288,7 @@ class KvHintCore:
             if removal is None:
                 coords, last_copy = NO_COORDINATES, bool(key)
             else:
-                coords = Coordinates(
-                    removal.admit_session or "",
-                    removal.admit_continuation or "",
-                    removal.sessions[:MAX_MEMBERS_REPORTED],
-                )
+                coords = Coordinates(removal.admit_session or "", removal.admit_continuation or "", removal.sessions)
                 last_copy = removal.last_copy
             sessions = coords.members if not coords.session_id else (coords.session_id, *coords.members)
             self.bus.publish(
@@ -243,6 +298,7 @@ class KvHintCore:
             )
 
     def on_cleared(self, tier: Tier) -> None:
+        self.resident[tier].clear()
         sessions = self.index.clear_tier(tier)
         if tier is Tier.DEVICE:
             self.ledger = RetentionLedger(self.ledger.pin_budget_blocks, start=self.monotonic())
@@ -278,9 +334,13 @@ class KvHintCore:
         for session in by_age:
             if len(index.nodes) <= target:
                 break
-            index.forget_session(session)
+            index.forget_session(session, LeaveCause.INDEX_LIMIT)
             forgotten += 1
         log.warning("kvhint: index over %d blocks; forgot %d least recently active sessions", self.config.max_index_blocks, forgotten)
 
     def _members(self, h: bytes) -> tuple[str, ...]:
-        return self.index.resident_sessions_of(h)[:MAX_MEMBERS_REPORTED]
+        return self.index.members(h)
+
+    def _on_leave(self, session: str, blocks: tuple[bytes, ...], cause: LeaveCause) -> None:
+        """Index listener: a forgotten session left blocks that stay resident."""
+        self.bus.publish(MembershipChanged(session, blocks, cause), sessions=(session,))

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .index import LeaveCause
 from .model import HintResult, RemovalCause, Tier
 
 
@@ -37,6 +38,7 @@ class EventKind(enum.IntEnum):
     HINT_APPLIED = 5
     OPERATION_COMPLETED = 6
     ALL_BLOCKS_CLEARED = 7
+    MEMBERSHIP_CHANGED = 8
 
 
 class Coordinates(NamedTuple):
@@ -97,8 +99,24 @@ class AllBlocksCleared(NamedTuple):
     tier: Tier
 
 
+class MembershipChanged(NamedTuple):
+    """`session_id` left `block_hashes` (chain order), which stay resident:
+    the session is gone from the index (Release, index size cap)."""
+
+    session_id: str
+    block_hashes: tuple[bytes, ...]
+    cause: LeaveCause
+
+
 Payload = (
-    BlocksStored | BlocksRemoved | TierTransferCompleted | PinBroken | HintApplied | OperationCompleted | AllBlocksCleared
+    BlocksStored
+    | BlocksRemoved
+    | TierTransferCompleted
+    | PinBroken
+    | HintApplied
+    | OperationCompleted
+    | AllBlocksCleared
+    | MembershipChanged
 )
 
 _KIND_OF: dict[type, EventKind] = {
@@ -109,6 +127,7 @@ _KIND_OF: dict[type, EventKind] = {
     HintApplied: EventKind.HINT_APPLIED,
     OperationCompleted: EventKind.OPERATION_COMPLETED,
     AllBlocksCleared: EventKind.ALL_BLOCKS_CLEARED,
+    MembershipChanged: EventKind.MEMBERSHIP_CHANGED,
 }
 
 

@@ -1,4 +1,5 @@
-"""Read-side views (QueryResidency, ListSessions, snapshots).
+"""Read-side views (QueryResidency, ListSessions, and the block views that
+snapshots are made of: see snapshot.py).
 
 Every function here runs on the engine thread (through KvHintCore.submit), so
 what it returns is consistent with the event sequence it reports: the state
@@ -7,14 +8,17 @@ reflects exactly the events with sequence <= the returned sequence.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .core import KvHintCore
 from .executor import HintExecutor
+from .index import MAX_MEMBERS_REPORTED
 from .model import RetentionView, Selector, Tier, tiers_of
 
-MAX_SESSIONS_PER_BLOCK = 16
+# Continuations listed per session in ListSessions.
+MAX_CONTINUATIONS_REPORTED = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,41 +57,46 @@ class SessionPage:
     sequence: int
 
 
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    sequence: int
-    # (session_id, blocks); session "" holds device blocks of no session.
-    chunks: list[tuple[str, list[BlockView]]]
-
-
 class Queries:
     def __init__(self, core: KvHintCore, executor: HintExecutor) -> None:
         self.core = core
         self.executor = executor
 
-    def block_views(self, hashes: Sequence[bytes]) -> list[BlockView]:
+    def block_views(self, hashes: Sequence[bytes], cache: dict[bytes, BlockView] | None = None) -> list[BlockView]:
+        """Views of the blocks that are tracked or resident (others are left
+        out), in the given order. `cache` (views computed earlier in the same
+        engine step) is read and filled."""
         core = self.core
         index = core.index
-        engine = core.adapter.lookup(hashes)
+        if cache:
+            missing = [h for h in hashes if h not in cache]
+            engine = core.adapter.lookup(missing) if missing else {}
+        else:
+            engine = core.adapter.lookup(hashes)
         now = core.monotonic()
         out = []
         for h in hashes:
+            if cache is not None and (view := cache.get(h)) is not None:
+                out.append(view)
+                continue
             node = index.node(h)
             state = engine.get(h)
             tiers = (node.tiers if node is not None else 0) | (state.tiers if state is not None else 0)
             if node is None and state is None:
                 continue
-            out.append(
-                BlockView(
-                    block_hash=h,
-                    parent=node.parent if node is not None else (state.parent if state else None),
-                    position=node.position if node is not None else (state.position if state else None),
-                    tiers=tiers,
-                    in_use=bool(state and state.in_use),
-                    retention=core.ledger.view(h, now),
-                    sessions=tuple(sorted(node.sessions))[:MAX_SESSIONS_PER_BLOCK] if node is not None else (),
-                )
+            view = BlockView(
+                block_hash=h,
+                parent=node.parent if node is not None else (state.parent if state else None),
+                position=node.position if node is not None else (state.position if state else None),
+                tiers=tiers,
+                in_use=bool(state and state.in_use),
+                retention=core.ledger.view(h, now),
+                # O(cap), not a sort of a widely shared block's member set.
+                sessions=tuple(sorted(index.members(h, MAX_MEMBERS_REPORTED))) if node is not None else (),
             )
+            if cache is not None:
+                cache[h] = view
+            out.append(view)
         return out
 
     def residency(self, selector: Selector, tier_filter: Iterable[Tier] = ()) -> Residency:
@@ -107,7 +116,10 @@ class Queries:
     def sessions(self, prefix: str, after: str | None, limit: int) -> SessionPage:
         core = self.core
         index = core.index
-        names = sorted(s for s in index.sessions if s.startswith(prefix) and (after is None or s > after))
+        # O(sessions * log(limit)): no sort of every session name per page.
+        names = heapq.nsmallest(
+            limit + 1, (s for s in index.sessions if s.startswith(prefix) and (after is None or s > after))
+        )
         page = names[:limit]
         now = core.monotonic()
         views = []
@@ -120,21 +132,9 @@ class Queries:
                     frontiers=tuple(sorted(index.frontiers(s))),
                     counts=index.tier_counts(state.blocks),
                     retention=core.ledger.owner_view("s:" + s, now),
-                    continuations=tuple(sorted(state.continuations))[:MAX_SESSIONS_PER_BLOCK],
+                    continuations=tuple(sorted(state.continuations))[:MAX_CONTINUATIONS_REPORTED],
                     last_active=state.last_active,
                 )
             )
         next_after = page[-1] if len(names) > limit else None
         return SessionPage(views, next_after, core.bus.last_sequence)
-
-    def snapshot(self) -> Snapshot:
-        """Per-session residency plus the device blocks of no session."""
-        core = self.core
-        index = core.index
-        chunks: list[tuple[str, list[BlockView]]] = []
-        for s in sorted(index.sessions):
-            chunks.append((s, self.block_views(index.resolve_session(s))))
-        anonymous = [b.block_hash for b in core.adapter.device_blocks() if index.node(b.block_hash) is None]
-        if anonymous:
-            chunks.append(("", self.block_views(anonymous)))
-        return Snapshot(core.bus.last_sequence, chunks)

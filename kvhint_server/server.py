@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -33,10 +34,11 @@ _REFLECTION_PREFIX = "/grpc.reflection."
 
 class _BearerAuth(grpc.aio.ServerInterceptor):
     """Rejects RPCs without `authorization: Bearer <token>` (health and
-    reflection stay open, so probes and `buf curl` discovery work)."""
+    reflection stay open, so probes and `buf curl` discovery work). The
+    header is compared in constant time (hmac.compare_digest)."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
+        self._expected = f"Bearer {token}".encode()
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
@@ -52,7 +54,8 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
         if method.startswith(_HEALTH_PREFIX) or method.startswith(_REFLECTION_PREFIX):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
-        if metadata.get("authorization") == self._expected:
+        presented = metadata.get("authorization", "")
+        if isinstance(presented, str) and hmac.compare_digest(presented.encode(), self._expected):
             return await continuation(details)
         return self._deny
 
@@ -129,7 +132,12 @@ class KvHintServer:
             server,
             pool=kvhint_pb2.DESCRIPTOR.pool,
         )
-        if self.config.tls_cert_file and self.config.tls_key_file:
+        if self.config.insecure_remote:
+            log.warning(
+                "kvhint sidecar serving %s with neither TLS nor a token (KVHINT_ALLOW_INSECURE_REMOTE is set): "
+                "anyone who can reach it can change the KV cache", self.config.address,
+            )
+        if self.config.tls:
             with open(self.config.tls_key_file, "rb") as key, open(self.config.tls_cert_file, "rb") as cert:
                 creds = grpc.ssl_server_credentials([(key.read(), cert.read())])
             port = server.add_secure_port(self.config.address, creds)

@@ -2,8 +2,11 @@
 
 Semantics (etcd-style):
   * START_NOW: events after the current sequence.
-  * START_SNAPSHOT: SnapshotBegin, SnapshotChunk..., SnapshotEnd taken at
-    sequence S on the engine thread, then every event after S, no gap.
+  * START_SNAPSHOT: SnapshotBegin, SnapshotChunk..., SnapshotEnd, then every
+    event after SnapshotEnd's sequence, no gap. The snapshot is taken in
+    slices on the engine thread (snapshot.py, a bounded time per step); the
+    events that happen meanwhile are sent between the chunks, each before the
+    first chunk taken after it.
   * START_RESUME(epoch, seq): every event after seq; a different epoch, a seq
     outside the replay window, or a seq ahead of the latest gives one Resync
     message and the stream ends.
@@ -32,7 +35,8 @@ from .config import ServerConfig
 from .core import KvHintCore
 from .events import Event, EventBus
 from .model import Tier
-from .queries import Queries
+from .queries import BlockView, Queries
+from .snapshot import SnapshotCursor
 
 READ_BATCH = 256
 SNAPSHOT_CHUNK_BLOCKS = 512
@@ -87,6 +91,9 @@ class WatchHub:
         self._subs: set[Subscriber] = set()
         self._scheduled = False
         self._closing = False
+        # At most this many blocks or sessions per snapshot piece (None: the
+        # engine-step time budget alone bounds a piece); tests set it.
+        self.snapshot_max_items: int | None = None
         self._bus.add_wake_hook(self._poke)
 
     @property
@@ -128,6 +135,48 @@ class WatchHub:
     def _control(self, sequence: int, **payload: object) -> pb.WatchEventsResponse:
         return pb.WatchEventsResponse(epoch=self._bus.epoch, sequence=sequence, **payload)  # type: ignore[arg-type]
 
+    async def _snapshot(self, flt: EventFilter) -> AsyncIterator[pb.WatchEventsResponse | bytes | int]:
+        """SnapshotBegin, then pieces with the events before each, then
+        SnapshotEnd; finally the sequence the stream continues after (an int).
+        Ends without it after a Resync (the events between pieces were
+        dropped from the replay window)."""
+        core, bus = self._core, self._bus
+        snap = SnapshotCursor(self._queries, self.snapshot_max_items)
+        start = await asyncio.wrap_future(core.submit(snap.begin))
+        sent = start.sequence
+        yield self._control(sent, snapshot_begin=pb.SnapshotBegin(num_sessions=start.num_sessions, num_blocks=start.num_blocks))
+        block_size = core.info.block_size
+        done = snap.done
+        while not done:
+            piece = await asyncio.wrap_future(core.submit_slice(snap.step))
+            done = piece.done
+            while sent < piece.sequence:
+                events = bus.read_after(sent, min(READ_BATCH, piece.sequence - sent))
+                if events is None:
+                    yield self._resync(pb.Resync.CAUSE_COMPACTED, f"events after {sent} are no longer kept")
+                    return
+                for ev in events:
+                    sent = ev.sequence
+                    if flt.matches(ev):
+                        yield wire.event_bytes(ev, bus.epoch)
+            for session_id, views in piece.chunks:
+                for message in self._chunks(piece.sequence, session_id, views, block_size):
+                    yield message
+        yield self._control(sent, snapshot_end=pb.SnapshotEnd())
+        yield sent
+
+    def _chunks(self, sequence: int, session_id: str, views: list[BlockView], block_size: int) -> list[pb.WatchEventsResponse]:
+        return [
+            self._control(
+                sequence,
+                snapshot_chunk=pb.SnapshotChunk(
+                    session_id=session_id,
+                    blocks=[wire.block_info(b, block_size) for b in views[i : i + SNAPSHOT_CHUNK_BLOCKS]],
+                ),
+            )
+            for i in range(0, max(1, len(views)), SNAPSHOT_CHUNK_BLOCKS)
+        ]
+
     async def stream(self, request: pb.WatchEventsRequest) -> AsyncIterator[pb.WatchEventsResponse | bytes]:
         """Messages for one subscription: control messages, and events already
         serialized (shared by all subscribers)."""
@@ -151,26 +200,14 @@ class WatchHub:
                 yield self._resync(pb.Resync.CAUSE_COMPACTED, f"events after {cursor} are no longer kept")
                 return
         elif start == pb.WatchEventsRequest.START_SNAPSHOT:
-            snapshot = await asyncio.wrap_future(self._core.submit(self._queries.snapshot))
-            cursor = snapshot.sequence
-            block_size = self._core.info.block_size
-            yield self._control(
-                cursor,
-                snapshot_begin=pb.SnapshotBegin(
-                    num_sessions=sum(1 for s, _ in snapshot.chunks if s),
-                    num_blocks=len({b.block_hash for _, blocks in snapshot.chunks for b in blocks}),
-                ),
-            )
-            for session_id, blocks in snapshot.chunks:
-                for i in range(0, max(1, len(blocks)), SNAPSHOT_CHUNK_BLOCKS):
-                    part = blocks[i : i + SNAPSHOT_CHUNK_BLOCKS]
-                    yield self._control(
-                        cursor,
-                        snapshot_chunk=pb.SnapshotChunk(
-                            session_id=session_id, blocks=[wire.block_info(b, block_size) for b in part]
-                        ),
-                    )
-            yield self._control(cursor, snapshot_end=pb.SnapshotEnd())
+            cursor = None
+            async for message in self._snapshot(flt):
+                if isinstance(message, int):
+                    cursor = message
+                else:
+                    yield message
+            if cursor is None:
+                return  # the snapshot ended the stream (Resync)
         else:
             cursor = bus.last_sequence
 

@@ -14,6 +14,7 @@ from .events import (
     Coordinates,
     Event,
     HintApplied,
+    MembershipChanged,
     OperationCompleted,
     PinBroken,
     TierTransferCompleted,
@@ -227,5 +228,9 @@ def event_bytes(ev: Event, epoch: str) -> bytes:
         msg.operation_completed.CopyFrom(pb.OperationCompleted(operation=operation(p.operation)))
     elif isinstance(p, AllBlocksCleared):
         msg.all_blocks_cleared.CopyFrom(pb.AllBlocksCleared(tier=int(p.tier)))
+    elif isinstance(p, MembershipChanged):
+        msg.membership_changed.CopyFrom(
+            pb.MembershipChanged(session_id=p.session_id, block_hashes=list(p.block_hashes), cause=int(p.cause))
+        )
     ev.wire = msg.SerializeToString()
     return ev.wire

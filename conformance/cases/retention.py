@@ -30,6 +30,18 @@ def kept_through_pressure(ctx: CaseContext, label: str, kept: list[int], session
     check(lost == 0, f"the unhinted control session still hit {lost} tokens: the pressure did not evict it")
 
 
+def half_session_overflow(ctx: CaseContext) -> tuple[int, int]:
+    """(blocks, tokens) of one filler prompt that, with three session prompts cached, needs every
+    other free block plus about half a session: exactly one session must lose blocks."""
+    plan = ctx.plan
+    bs, per = plan.block_size, plan.session_blocks
+    filler_blocks = plan.device_blocks - 1 - 3 * per + math.ceil(per / 2)
+    max_blocks = (ctx.target.options.max_model_len - 1) // bs
+    if filler_blocks < 2 or filler_blocks > max_blocks:
+        raise CaseSkipped(f"a filler of {filler_blocks} blocks is needed (at most {max_blocks} fit max_model_len)")
+    return filler_blocks, (filler_blocks - 1) * bs + max(1, bs // 2)
+
+
 def pin_to_budget(ctx: CaseContext, tag: str) -> list[str]:
     """Store and pin sessions until the pin budget is used up. Returns the session ids."""
     plan = ctx.plan
@@ -103,20 +115,15 @@ def register(reg: Registry) -> None:
         needs=PRESSURE,
     )
     def priority(ctx: CaseContext) -> None:
-        plan = ctx.plan
-        bs, per = plan.block_size, plan.session_blocks
-        ordinary = plan.device_blocks - 1 - 3 * per
-        filler_blocks = ordinary + math.ceil(per / 2)
-        max_blocks = (ctx.target.options.max_model_len - 1) // bs
-        if filler_blocks < 2 or filler_blocks > max_blocks:
-            raise CaseSkipped(f"a filler of {filler_blocks} blocks is needed (at most {max_blocks} fit max_model_len)")
+        per = ctx.plan.session_blocks
+        filler_blocks, filler_tokens = half_session_overflow(ctx)
         names = ("high", "mid", "low")  # oldest first: plain LRU would evict `high` first
         prompts = {n: ctx.session_prompt(n) for n in names}
         for n in names:
             ctx.complete(prompts[n], ctx.sid(n))
         ctx.apply(H.retain(ctx.sid("high"), 9, 120), H.retain(ctx.sid("mid"), 5, 120), H.retain(ctx.sid("low"), 1, 120))
         # About half a session more than the ordinary blocks: only `low` may lose blocks.
-        ctx.pressure("priority", count=1, tokens=(filler_blocks - 1) * bs + max(1, bs // 2))
+        ctx.pressure("priority", count=1, tokens=filler_tokens)
         high, mid = hit(ctx, prompts["high"], ctx.sid("high")), hit(ctx, prompts["mid"], ctx.sid("mid"))
         low = hit(ctx, prompts["low"], ctx.sid("low"))
         check(low < ctx.full_hit, f"the lowest-priority session kept all {low} tokens; a {filler_blocks}-block prompt needed "

@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 
 from .. import hints as H
-from ..model import CaseSkipped, Registry, check
+from ..model import Registry, check
 from ..target import CaseContext
+from .retention import half_session_overflow
 
 
 def register(reg: Registry) -> None:
@@ -59,13 +60,8 @@ def register(reg: Registry) -> None:
         needs=("pressure",),
     )
     def lru_order(ctx: CaseContext) -> None:
-        plan = ctx.plan
-        bs, per = plan.block_size, plan.session_blocks
-        ordinary = plan.device_blocks - 1 - 3 * per
-        filler_blocks = ordinary + math.ceil(per / 2)
-        max_blocks = (ctx.target.options.max_model_len - 1) // bs
-        if filler_blocks < 2 or filler_blocks > max_blocks:
-            raise CaseSkipped(f"a filler of {filler_blocks} blocks is needed (at most {max_blocks} fit max_model_len)")
+        per = ctx.plan.session_blocks
+        filler_blocks, filler_tokens = half_session_overflow(ctx)
         names = ("first", "second", "third")
         prompts = {n: ctx.session_prompt(n) for n in names}
         for n in names:  # stored in this order ...
@@ -73,7 +69,7 @@ def register(reg: Registry) -> None:
         again = ctx.complete(prompts["first"], ctx.sid("first")).cached_tokens  # ... then `first` is used again
         check(again == ctx.full_hit, f"an immediate repeat hit {again} of {ctx.full_hit} tokens")
         # Recency now: second (least recent), third, first. Admission order would evict `first`.
-        ctx.pressure("lru", count=1, tokens=(filler_blocks - 1) * bs + max(1, bs // 2))
+        ctx.pressure("lru", count=1, tokens=filler_tokens)
         first, third = (ctx.complete(prompts[n], ctx.sid(n)).cached_tokens for n in ("first", "third"))
         second = ctx.complete(prompts["second"], ctx.sid("second")).cached_tokens
         check(first == ctx.full_hit and third == ctx.full_hit,

@@ -280,6 +280,7 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     EVENT_KIND_HINT_APPLIED: _EventKind.ValueType  # 5
     EVENT_KIND_OPERATION_COMPLETED: _EventKind.ValueType  # 6
     EVENT_KIND_ALL_BLOCKS_CLEARED: _EventKind.ValueType  # 7
+    EVENT_KIND_MEMBERSHIP_CHANGED: _EventKind.ValueType  # 8
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper):
     """---------------------------------------------------------------------------
@@ -297,6 +298,7 @@ EVENT_KIND_PIN_BROKEN: EventKind.ValueType  # 4
 EVENT_KIND_HINT_APPLIED: EventKind.ValueType  # 5
 EVENT_KIND_OPERATION_COMPLETED: EventKind.ValueType  # 6
 EVENT_KIND_ALL_BLOCKS_CLEARED: EventKind.ValueType  # 7
+EVENT_KIND_MEMBERSHIP_CHANGED: EventKind.ValueType  # 8
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _RemovalCause:
@@ -828,14 +830,22 @@ Global___ShareAction: _TypeAlias = ShareAction  # noqa: Y015
 
 @_typing.final
 class TierBlockCount(_message.Message):
-    """TierBlockCount counts blocks on one tier."""
+    """TierBlockCount counts blocks on one tier. Wherever it appears (HintResult
+    .affected_blocks, QueryResidencyResponse.totals, Operation.blocks) the list
+    holds at most one entry per tier, in Tier order, and leaves out tiers with
+    no blocks.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     TIER_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
     tier: Global___Tier.ValueType
+    """The tier counted. Never TIER_UNSPECIFIED."""
     blocks: _builtins.int
+    """Logical blocks (one per block hash, whatever the engine's KV-cache groups
+    hold for it) on `tier`. Always > 0.
+    """
     def __init__(
         self,
         *,
@@ -1377,7 +1387,9 @@ class BlockInfo(_message.Message):
 
     @_builtins.property
     def session_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Sessions the block belongs to (may be truncated to 16)."""
+        """Sessions the block belongs to, at most 16 of them (the same cap as
+        SessionCoordinates.member_session_ids), in no particular order.
+        """
 
     def __init__(
         self,
@@ -1693,13 +1705,24 @@ class Operation(_message.Message):
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
     DESTINATION_FIELD_NUMBER: _builtins.int
     operation_id: _builtins.str
+    """The id GetOperation takes, minted by the engine ("op-" + hex). Unique
+    within an epoch; ids of an earlier epoch are NOT_FOUND.
+    """
     hint_id: _builtins.str
     """The hint that started it."""
     action: Global___Action.ValueType
+    """The hint's action: ACTION_DEMOTE, ACTION_PREFETCH or ACTION_SHARE."""
     state: Global___Operation.State.ValueType
+    """PENDING (accepted, not started), RUNNING, then exactly once SUCCEEDED or
+    FAILED; a finished operation never changes again and is announced by one
+    OperationCompleted event.
+    """
     reason: Global___Reason.ValueType
-    """For FAILED."""
+    """For FAILED: why (for example DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED,
+    OPERATION_FAILED, SHUTTING_DOWN). REASON_UNSPECIFIED otherwise.
+    """
     message: _builtins.str
+    """Human-readable detail of the outcome, for logs; never parse it."""
     bytes_moved: _builtins.int
     """Bytes copied between tiers (or engines)."""
     destination: _builtins.str
@@ -1840,7 +1863,9 @@ class WatchEventsRequest(_message.Message):
         START_SNAPSHOT: WatchEventsRequest._Start.ValueType  # 2
         """With a snapshot of the current residency (SnapshotBegin, SnapshotChunk
         ..., SnapshotEnd), then every event after the snapshot point, with no
-        gap.
+        gap. The snapshot is taken incrementally, a bounded piece per engine
+        step, so events may arrive between SnapshotBegin and SnapshotEnd; see
+        SnapshotBegin for how to apply them.
         """
         START_RESUME: WatchEventsRequest._Start.ValueType  # 3
         """With the first event after (resume_epoch, resume_after_sequence). If
@@ -1857,7 +1882,9 @@ class WatchEventsRequest(_message.Message):
     START_SNAPSHOT: WatchEventsRequest.Start.ValueType  # 2
     """With a snapshot of the current residency (SnapshotBegin, SnapshotChunk
     ..., SnapshotEnd), then every event after the snapshot point, with no
-    gap.
+    gap. The snapshot is taken incrementally, a bounded piece per engine
+    step, so events may arrive between SnapshotBegin and SnapshotEnd; see
+    SnapshotBegin for how to apply them.
     """
     START_RESUME: WatchEventsRequest.Start.ValueType  # 3
     """With the first event after (resume_epoch, resume_after_sequence). If
@@ -1915,6 +1942,7 @@ class WatchEventsResponse(_message.Message):
     HINT_APPLIED_FIELD_NUMBER: _builtins.int
     OPERATION_COMPLETED_FIELD_NUMBER: _builtins.int
     ALL_BLOCKS_CLEARED_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_CHANGED_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     SNAPSHOT_BEGIN_FIELD_NUMBER: _builtins.int
     SNAPSHOT_CHUNK_FIELD_NUMBER: _builtins.int
@@ -1949,6 +1977,8 @@ class WatchEventsResponse(_message.Message):
     @_builtins.property
     def all_blocks_cleared(self) -> Global___AllBlocksCleared: ...
     @_builtins.property
+    def membership_changed(self) -> Global___MembershipChanged: ...
+    @_builtins.property
     def heartbeat(self) -> Global___Heartbeat: ...
     @_builtins.property
     def snapshot_begin(self) -> Global___SnapshotBegin: ...
@@ -1971,17 +2001,18 @@ class WatchEventsResponse(_message.Message):
         hint_applied: Global___HintApplied | None = ...,
         operation_completed: Global___OperationCompleted | None = ...,
         all_blocks_cleared: Global___AllBlocksCleared | None = ...,
+        membership_changed: Global___MembershipChanged | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
         snapshot_begin: Global___SnapshotBegin | None = ...,
         snapshot_chunk: Global___SnapshotChunk | None = ...,
         snapshot_end: Global___SnapshotEnd | None = ...,
         resync: Global___Resync | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["all_blocks_cleared", b"all_blocks_cleared", "blocks_removed", b"blocks_removed", "blocks_stored", b"blocks_stored", "heartbeat", b"heartbeat", "hint_applied", b"hint_applied", "operation_completed", b"operation_completed", "payload", b"payload", "pin_broken", b"pin_broken", "resync", b"resync", "snapshot_begin", b"snapshot_begin", "snapshot_chunk", b"snapshot_chunk", "snapshot_end", b"snapshot_end", "tier_transfer_completed", b"tier_transfer_completed", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["all_blocks_cleared", b"all_blocks_cleared", "blocks_removed", b"blocks_removed", "blocks_stored", b"blocks_stored", "heartbeat", b"heartbeat", "hint_applied", b"hint_applied", "membership_changed", b"membership_changed", "operation_completed", b"operation_completed", "payload", b"payload", "pin_broken", b"pin_broken", "resync", b"resync", "snapshot_begin", b"snapshot_begin", "snapshot_chunk", b"snapshot_chunk", "snapshot_end", b"snapshot_end", "tier_transfer_completed", b"tier_transfer_completed", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_blocks_cleared", b"all_blocks_cleared", "blocks_removed", b"blocks_removed", "blocks_stored", b"blocks_stored", "epoch", b"epoch", "heartbeat", b"heartbeat", "hint_applied", b"hint_applied", "operation_completed", b"operation_completed", "payload", b"payload", "pin_broken", b"pin_broken", "resync", b"resync", "sequence", b"sequence", "snapshot_begin", b"snapshot_begin", "snapshot_chunk", b"snapshot_chunk", "snapshot_end", b"snapshot_end", "tier_transfer_completed", b"tier_transfer_completed", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_blocks_cleared", b"all_blocks_cleared", "blocks_removed", b"blocks_removed", "blocks_stored", b"blocks_stored", "epoch", b"epoch", "heartbeat", b"heartbeat", "hint_applied", b"hint_applied", "membership_changed", b"membership_changed", "operation_completed", b"operation_completed", "payload", b"payload", "pin_broken", b"pin_broken", "resync", b"resync", "sequence", b"sequence", "snapshot_begin", b"snapshot_begin", "snapshot_chunk", b"snapshot_chunk", "snapshot_end", b"snapshot_end", "tier_transfer_completed", b"tier_transfer_completed", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["blocks_stored", "blocks_removed", "tier_transfer_completed", "pin_broken", "hint_applied", "operation_completed", "all_blocks_cleared", "heartbeat", "snapshot_begin", "snapshot_chunk", "snapshot_end", "resync"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["blocks_stored", "blocks_removed", "tier_transfer_completed", "pin_broken", "hint_applied", "operation_completed", "all_blocks_cleared", "membership_changed", "heartbeat", "snapshot_begin", "snapshot_chunk", "snapshot_end", "resync"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
@@ -2006,8 +2037,13 @@ class SessionCoordinates(_message.Message):
     """The continuation carried by that request, if any."""
     @_builtins.property
     def member_session_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """All sessions the blocks belong to at the time of the event (may be
-        truncated to 16), including session_id.
+        """Sessions the (last) block belongs to at the time of the event,
+        including session_id: informational, for filters and routing heuristics.
+        Capped at 16 per block (the one cap on sessions reported per block, also
+        used by BlockInfo.session_ids): a block shared by thousands of sessions
+        (a common system prompt) lists 16 of them, in no particular order. The
+        server tracks every member; a follower learns each membership from the
+        member's own BlocksStored (coordinates.session_id), never from this list.
         """
 
     def __init__(
@@ -2281,6 +2317,82 @@ class AllBlocksCleared(_message.Message):
 Global___AllBlocksCleared: _TypeAlias = AllBlocksCleared  # noqa: Y015
 
 @_typing.final
+class MembershipChanged(_message.Message):
+    """MembershipChanged: a session stopped belonging to blocks that stay
+    resident. Membership rules (what QueryResidency and ListSessions report,
+    and what a follower reproduces from the stream):
+      * a session joins a block by a BlocksStored whose coordinates.session_id
+        is the session (a store, or a prefix hit: prefix_hit = true);
+      * it leaves a block when the block's last copy goes (BlocksRemoved with
+        last_copy = true, or AllBlocksCleared of the last tier holding it);
+      * it leaves every block at once when the engine forgets the session: a
+        Release of the whole session (not narrowed by a range or max_blocks),
+        or the index size cap. Then this event lists the blocks it left;
+      * a session with no block left is gone from ListSessions.
+    The blocks themselves are unchanged: still cached, still hit by content
+    (a request of the same session re-joins them by its prefix hit), and a
+    router should no longer route the session here for them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Cause:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _CauseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[MembershipChanged._Cause.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        CAUSE_UNSPECIFIED: MembershipChanged._Cause.ValueType  # 0
+        CAUSE_RELEASED: MembershipChanged._Cause.ValueType  # 1
+        """A Release hint on the whole session (or its parent, with
+        include_children).
+        """
+        CAUSE_INDEX_LIMIT: MembershipChanged._Cause.ValueType  # 2
+        """The session index grew past its block limit; the least recently
+        active sessions are forgotten first (their blocks stay cached).
+        """
+
+    class Cause(_Cause, metaclass=_CauseEnumTypeWrapper):
+        """Why the session left."""
+
+    CAUSE_UNSPECIFIED: MembershipChanged.Cause.ValueType  # 0
+    CAUSE_RELEASED: MembershipChanged.Cause.ValueType  # 1
+    """A Release hint on the whole session (or its parent, with
+    include_children).
+    """
+    CAUSE_INDEX_LIMIT: MembershipChanged.Cause.ValueType  # 2
+    """The session index grew past its block limit; the least recently
+    active sessions are forgotten first (their blocks stay cached).
+    """
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session that left."""
+    cause: Global___MembershipChanged.Cause.ValueType
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Every block it left, in chain order. After this event the session holds
+        no block on this engine.
+        """
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        cause: Global___MembershipChanged.Cause.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "cause", b"cause", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MembershipChanged: _TypeAlias = MembershipChanged  # noqa: Y015
+
+@_typing.final
 class Heartbeat(_message.Message):
     """Heartbeat: progress notification. `sequence` is the latest sequence, even
     when the subscription's filter hid the events.
@@ -2301,16 +2413,28 @@ Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 
 @_typing.final
 class SnapshotBegin(_message.Message):
-    """SnapshotBegin opens a snapshot taken at `sequence`."""
+    """SnapshotBegin opens a snapshot started at `sequence`. A snapshot is taken
+    in pieces, a bounded amount of work per engine step, so taking one never
+    stalls serving. Between SnapshotBegin and SnapshotEnd the stream carries
+    SnapshotChunks and the events that happened meanwhile, in order, with no
+    gap: each chunk describes the state at its own `sequence`, and every event
+    with a sequence at or below it came before it in the stream. A client
+    applies chunks and events in stream order to an empty state (a chunk adds
+    what it lists; an event applies as usual); at SnapshotEnd the state is the
+    engine's state at SnapshotEnd's sequence. First come chunks with an empty
+    session_id, listing every resident block with its tiers; then one or more
+    chunks per session, listing its member blocks. With no concurrent traffic
+    every snapshot message carries the same sequence.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     NUM_SESSIONS_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     num_sessions: _builtins.int
-    """Sessions in the snapshot."""
+    """Sessions at the snapshot's start (those that end meanwhile get no chunk)."""
     num_blocks: _builtins.int
-    """Blocks in the snapshot."""
+    """Resident blocks at the snapshot's start."""
     def __init__(
         self,
         *,
@@ -2327,9 +2451,10 @@ Global___SnapshotBegin: _TypeAlias = SnapshotBegin  # noqa: Y015
 
 @_typing.final
 class SnapshotChunk(_message.Message):
-    """SnapshotChunk carries the residency of one session (a session with many
-    blocks may span several chunks) or, with an empty session_id, of blocks
-    that belong to no session.
+    """SnapshotChunk carries, with an empty session_id, the residency of blocks
+    (every resident block appears in one such chunk, with all its tiers), or
+    the member blocks of one session (a session with many blocks may span
+    several chunks). Membership comes from session chunks only.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -2423,6 +2548,7 @@ class Resync(_message.Message):
     current_epoch: _builtins.str
     """The epoch the engine is in now."""
     message: _builtins.str
+    """Human-readable detail of the cause, for logs; never parse it."""
     def __init__(
         self,
         *,

@@ -53,5 +53,5 @@ def test_tls_needs_both_halves_of_a_client_certificate() -> None:
     with pytest.raises(ValueError, match="both certificate_chain and private_key"):
         TlsConfig(certificate_chain=b"cert")
     tls = TlsConfig(server_name_override="kvhint.internal")
-    assert ConnectionConfig(tls=tls).all_channel_options() == [("grpc.ssl_target_name_override", "kvhint.internal")]
+    assert ("grpc.ssl_target_name_override", "kvhint.internal") in ConnectionConfig(tls=tls).all_channel_options()
     assert isinstance(tls.channel_credentials(), grpc.ChannelCredentials)

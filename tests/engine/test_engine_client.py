@@ -17,6 +17,8 @@ from engine_support import Engine, release, tokens
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client import KvHintClient, KvHintError, continuation, session
 
+pytestmark = pytest.mark.engine
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+import pytest
 from engine_support import Engine, pin, release, session_sel, tokens
 from events_support import Collector, block_hash_int, latest_sequence
 
 from kvhint.v1 import kvhint_pb2 as pb
+
+pytestmark = pytest.mark.engine
 
 NOW = pb.WatchEventsRequest(start=pb.WatchEventsRequest.START_NOW)
 

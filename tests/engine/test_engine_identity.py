@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import pytest
 from engine_support import Engine, running_engine, tokens
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def stock(tiny_model: str) -> Iterator[Engine]:

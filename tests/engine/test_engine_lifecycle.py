@@ -5,6 +5,7 @@ EventFollower that lives through the restart."""
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 
@@ -15,9 +16,16 @@ from events_support import Collector, latest_sequence
 
 from engine_integration.served import EngineSpec, ServedEngine
 from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_client import KvHintClient
+from kvhint_client.errors import KvHintError
 from kvhint_client.follower import EventFollower
 
+pytestmark = pytest.mark.engine
+
 SMALL_RING = {"KVHINT_EVENT_REPLAY_WINDOW": "600", "KVHINT_SUBSCRIBER_BUFFER": "64"}
+# After a restart, a client and a follower that lived through it see the new
+# epoch within this many seconds of the new sidecar answering (issue 14, item 5).
+RECOVERY_BOUND_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +103,64 @@ def test_resume_outside_the_replay_window_gets_compacted_resync(small: Engine) -
     assert msg.resync.oldest_sequence == latest_sequence(small.stub) - 600  # the probe itself adds one
 
 
+class RecoveryClock:
+    """Timestamps, during a restart, when a fresh channel first gets an answer
+    from a new epoch ("serving"), and when the long-lived `client` and
+    `follower` first see that epoch."""
+
+    def __init__(self, address: str, old_epoch: str, client: KvHintClient, follower: EventFollower) -> None:
+        self.address, self.old_epoch = address, old_epoch
+        self.client, self.follower = client, follower
+        self.at: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "RecoveryClock":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _fresh_epoch(self) -> str | None:
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                return pb_stub(channel).GetCapabilities(pb.GetCapabilitiesRequest(), timeout=0.2).epoch
+            except grpc.RpcError:
+                return None
+
+    def _client_epoch(self) -> str | None:
+        try:
+            return self.client.capabilities(timeout=0.5).epoch
+        except KvHintError:
+            return None
+
+    def _follower_epoch(self) -> str | None:
+        position = self.follower.position("e1")
+        return position[0] if position and self.follower.index.is_live("e1") else None
+
+    def _run(self) -> None:
+        probes = {"serving": self._fresh_epoch, "client": self._client_epoch, "follower": self._follower_epoch}
+        while not self._stop.is_set() and len(self.at) < len(probes):
+            for name, probe in probes.items():
+                if name not in self.at:
+                    epoch = probe()
+                    if epoch and epoch != self.old_epoch:
+                        self.at[name] = time.monotonic()
+            self._stop.wait(0.02)
+
+    def delays(self, timeout: float) -> dict[str, float]:
+        """Seconds from "serving" to the client and the follower seeing the new epoch."""
+        self._thread.join(timeout)
+        serving = self.at.get("serving", float("nan"))
+        return {name: round(self.at[name] - serving, 3) if name in self.at else float("inf") for name in ("client", "follower")}
+
+
 def test_restart_gives_a_new_epoch_resync_and_the_follower_recovers(small: Engine, tiny_model: str) -> None:
     served = small.served
     follower = EventFollower({"e1": small.grpc_address}, heartbeat=0.2).start()
+    client = KvHintClient(small.grpc_address)
 
     def holders(session: str) -> list[str]:
         return [r.engine for r in follower.index.engines_for_session(session)]
@@ -112,16 +175,21 @@ def test_restart_gives_a_new_epoch_resync_and_the_follower_recovers(small: Engin
         old_epoch = small.stub.GetCapabilities(pb.GetCapabilitiesRequest()).epoch
         old_seq = latest_sequence(small.stub)
 
+        assert client.capabilities().epoch == old_epoch
         assert served.stop(), "the engine (and its sidecar) did not shut down cleanly"
-        restarted = ServedEngine(
-            EngineSpec(
-                model=tiny_model,
-                http_port=served.http_port,
-                grpc_port=served.grpc_port,
-                env={"VLLM_SERVER_DEV_MODE": "1", **SMALL_RING},
-            )
-        ).start()
-        small.served = restarted
+        with RecoveryClock(small.grpc_address, old_epoch, client, follower) as clock:
+            restarted = ServedEngine(
+                EngineSpec(
+                    model=tiny_model,
+                    http_port=served.http_port,
+                    grpc_port=served.grpc_port,
+                    env={"VLLM_SERVER_DEV_MODE": "1", **SMALL_RING},
+                )
+            ).start()
+            small.served = restarted
+            delays = clock.delays(timeout=10)
+        print(f"after the restarted sidecar answered, the new epoch reached (s): {delays}")
+        assert all(d <= RECOVERY_BOUND_S for d in delays.values()), delays
         new_epoch = small.stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30, wait_for_ready=True).epoch
         assert new_epoch != old_epoch
 
@@ -145,3 +213,4 @@ def test_restart_gives_a_new_epoch_resync_and_the_follower_recovers(small: Engin
         assert follower.position("e1")[0] == new_epoch  # type: ignore[index]
     finally:
         follower.stop()
+        client.close()

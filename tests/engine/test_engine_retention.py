@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import pytest
 from engine_support import PROMPT, Engine, evict, pin, release, retain, session_sel, tokens
 
 from kvhint.v1 import kvhint_pb2 as pb
+
+pytestmark = pytest.mark.engine
 
 FULL_HIT = 704  # 22 blocks of 32; the last partial block is always recomputed
 

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 from kvhint.v1 import kvhint_pb2 as pb
 
+pytestmark = pytest.mark.engine
+
 APPLY = "/kvhint.v1.KvHintService/ApplyHints"
 
 

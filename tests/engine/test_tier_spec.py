@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.engine
+
 REPO = Path(__file__).resolve().parents[2]
 N_TOKENS, N_BLOCKS = 720, 22
 ENGINE_KW = dict(gpu_memory_utilization=0.1, block_size=32, num_gpu_blocks_override=80,

@@ -35,6 +35,8 @@ from kvhint.v1 import kvhint_pb2 as pb
 from kvhint.v1 import kvhint_pb2_grpc as pbg
 from kvhint_client.openai_traffic import Completion
 
+pytestmark = pytest.mark.engine
+
 FULL = 704  # 22 full blocks of a 720-token prompt
 NOW = pb.WatchEventsRequest(start=pb.WatchEventsRequest.START_NOW)
 OP_DONE = (pb.Operation.STATE_SUCCEEDED, pb.Operation.STATE_FAILED)

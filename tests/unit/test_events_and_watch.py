@@ -21,6 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvhint_unit_support import Harness, h, session_sel
 
+from kvhint_client.follower import EngineTracker, ResidencyIndex
+
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.events import AllBlocksCleared, EventBus, EventKind
 from kvhint_server.model import RemovalCause, RequestCoords, Tier
@@ -275,21 +277,30 @@ def test_watch_request_validation(harness):
     assert exc.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_snapshot_then_live_events_without_gap_or_duplicate(harness):
+def test_snapshot_interleaves_events_without_gap_and_rebuilds_the_state(harness):
+    """START_SNAPSHOT under traffic, taken one item per engine step: between
+    SnapshotBegin and SnapshotEnd come chunks and every event meanwhile, in
+    sequence order with no gap; applying them in stream order (what the
+    follower does) gives the server's state at SnapshotEnd, and the live
+    events continue right after it."""
     engine = harness.engine
     # Some history: two sessions, a shared prefix, an anonymous block.
     engine.store([h(1), h(2)], session="a")
     engine.store([h(1), h(2)], session="b", prefix_hit=True)
     engine.store([h(3)], session="b", first_position=2, parent=h(2))
     engine.store([h(9)])  # anonymous: belongs to no session
-    # Keep storing while the snapshot is taken: one block per event.
+    harness.server.servicer.hub.snapshot_max_items = 1  # many small pieces
     stop = threading.Event()
     counter = iter(range(1000, 100_000))
 
     def traffic() -> None:
         while not stop.is_set():
             i = next(counter)
-            engine.store([h(i)], session="live")
+            engine.store([h(i)], session=f"live{i % 3}")
+            if i % 4 == 0:
+                engine.remove([h(i - 2)])
+            if i % 7 == 0:
+                harness.apply(pb.Hint(selector=session_sel(f"live{i % 3}"), release=pb.ReleaseAction()))
 
     t = threading.Thread(target=traffic, daemon=True)
     t.start()
@@ -297,41 +308,60 @@ def test_snapshot_then_live_events_without_gap_or_duplicate(harness):
     reader = watch(harness, start=pb.WatchEventsRequest.START_SNAPSHOT)
     begin = reader.get()
     assert begin.WhichOneof("payload") == "snapshot_begin"
-    snap_seq = begin.sequence
-    chunks = []
+    assert begin.snapshot_begin.num_blocks >= 4 and begin.snapshot_begin.num_sessions >= 2
+    follower = ResidencyIndex()
+    tracker = EngineTracker("e", "addr", follower)
+    tracker.subscription()
+    tracker.handle(begin)
+    position, events_inside, residency_phase = begin.sequence, 0, True
     while True:
         msg = reader.get()
-        assert msg.sequence == snap_seq
-        if msg.WhichOneof("payload") == "snapshot_end":
+        kind = msg.WhichOneof("payload")
+        tracker.handle(msg)
+        if kind == "snapshot_end":
+            assert msg.sequence == position
             break
-        assert msg.WhichOneof("payload") == "snapshot_chunk"
-        chunks.append(msg.snapshot_chunk)
-    time.sleep(0.1)
+        if kind == "snapshot_chunk":
+            assert msg.sequence == position, "a chunk is taken after every event sent before it"
+            if msg.snapshot_chunk.session_id:
+                residency_phase = False
+            else:
+                assert residency_phase, "residency chunks come before session chunks"
+            continue
+        assert msg.sequence == position + 1, "events inside the snapshot: no gap"
+        position = msg.sequence
+        events_inside += 1
     stop.set()
     t.join(5)
+    assert events_inside > 0, "the traffic did not interleave with the snapshot"
     last = harness.bus.last_sequence
-    live = reader.take(last - snap_seq)
+    for msg in reader.take(last - position):
+        assert msg.sequence == position + 1, "live events: no gap, no duplicate"
+        position = msg.sequence
+        tracker.handle(msg)
     reader.cancel()
+    assert tracker.position == (harness.bus.epoch, last)
+    assert_follower_agrees(harness, follower, "e")
 
-    # Live part: exactly snap_seq + 1 ... last.
-    assert [m.sequence for m in live] == list(range(snap_seq + 1, last + 1))
-    # Snapshot part: exactly the blocks stored by events <= snap_seq.
-    history = harness.bus.read_after(0, 1_000_000)
-    assert history is not None
-    stored_before = {x for ev in history if ev.sequence <= snap_seq for x in ev.payload.block_hashes}
-    in_snapshot = {b.block_hash for c in chunks for b in c.blocks}
-    assert in_snapshot == stored_before
-    stored_after = [x for m in live for x in m.blocks_stored.block_hashes]
-    assert not set(stored_after) & in_snapshot, "an event after the snapshot repeats a snapshot block"
-    by_session: dict[str, set[bytes]] = {}
-    for c in chunks:
-        by_session.setdefault(c.session_id, set()).update(b.block_hash for b in c.blocks)
-    assert by_session["a"] == {h(1), h(2)} and by_session["b"] == {h(1), h(2), h(3)}
-    assert by_session[""] == {h(9)}
-    assert begin.snapshot_begin.num_sessions == len([s for s in by_session if s])
-    assert begin.snapshot_begin.num_blocks == len(in_snapshot)
-    shared = next(b for c in chunks if c.session_id == "a" for b in c.blocks if b.block_hash == h(1))
-    assert sorted(shared.session_ids) == ["a", "b"] and list(shared.tiers) == [pb.TIER_DEVICE]
+
+def assert_follower_agrees(harness: Harness, follower: ResidencyIndex, engine: str) -> None:
+    """The follower's index equals the server's, session by session, tier by tier."""
+    core = harness.core
+
+    def server_view():
+        sessions = {
+            s: {t: {x for x in st.blocks if core.index.nodes[x].tiers & t.bit} for t in Tier}
+            for s, st in core.index.sessions.items()
+        }
+        return sessions, {t: set(blocks) for t, blocks in core.resident.items()}
+
+    sessions, tiers = harness.engine.run(server_view)
+    assert follower.sessions(engine) == set(sessions)
+    for s, by_tier in sessions.items():
+        for t in Tier:
+            assert follower.session_blocks(s, engine, tier=int(t)) == by_tier[t], f"session {s} on {t.name}"
+    for t in Tier:
+        assert follower.tier_blocks(engine, int(t)) == tiers[t], f"tier {t.name}"
 
 
 # --------------------------------------------------------------------------- WatchEvents: slow subscribers
@@ -481,24 +511,28 @@ def test_filters_by_session_tier_and_kind(harness):
     engine.store([h(2)], tier=Tier.HOST)  # 3 stored HOST (connector copy of a's block)
     engine.remove([h(5)])  # 4 removed b DEVICE
     engine.remove([h(2)])  # 5 removed a DEVICE (HOST copy remains)
-    harness.apply(pb.Hint(selector=session_sel("a"), release=pb.ReleaseAction()))  # 6 hint on a
+    # 6: a leaves h(1) (resident) and h(2) (on HOST); 7: the hint on a.
+    harness.apply(pb.Hint(selector=session_sel("a"), release=pb.ReleaseAction()))
 
-    all_msgs = everything.take(6)
-    assert [m.sequence for m in all_msgs] == [1, 2, 3, 4, 5, 6]
-    assert kinds(all_msgs) == ["blocks_stored"] * 3 + ["blocks_removed"] * 2 + ["hint_applied"]
+    all_msgs = everything.take(7)
+    assert [m.sequence for m in all_msgs] == [1, 2, 3, 4, 5, 6, 7]
+    assert kinds(all_msgs) == ["blocks_stored"] * 3 + ["blocks_removed"] * 2 + ["membership_changed", "hint_applied"]
+    left = all_msgs[5].membership_changed
+    assert left.session_id == "a" and list(left.block_hashes) == [h(1), h(2)]
+    assert left.cause == pb.MembershipChanged.CAUSE_RELEASED
     assert all_msgs[2].blocks_stored.coordinates.member_session_ids == ["a"]
     assert all_msgs[4].blocks_removed.last_copy is False  # the HOST copy keeps the extent
     assert list(all_msgs[4].blocks_removed.coordinates.member_session_ids) == ["a"]
 
-    assert [m.sequence for m in by_session.take(4)] == [1, 3, 5, 6]
+    assert [m.sequence for m in by_session.take(5)] == [1, 3, 5, 6, 7]
     # Block events on other tiers are filtered out. (Tier-less events such as
     # HintApplied pass a tier filter: the proto does not say either way.)
     tiered = [m for m in _drain(by_tier) if m.WhichOneof("payload").startswith("blocks_")]
     assert [m.sequence for m in tiered] == [3]
     assert [m.sequence for m in by_kind.take(2)] == [4, 5]
-    engine.store([h(7)], session="c")  # 7: matches none of the filtered subscriptions
-    engine.remove([h(7)])  # 8: BLOCKS_REMOVED on DEVICE of session c
-    assert [m.sequence for m in by_kind.take(1)] == [8]
+    engine.store([h(7)], session="c")  # 8: matches none of the filtered subscriptions
+    engine.remove([h(7)])  # 9: BLOCKS_REMOVED on DEVICE of session c
+    assert [m.sequence for m in by_kind.take(1)] == [9]
     with pytest.raises(queue.Empty):
         by_session.get(timeout=0.3)
     assert not [m for m in _drain(by_tier) if m.WhichOneof("payload").startswith("blocks_")]

@@ -356,8 +356,15 @@ def test_anonymous_restore_and_eviction_does_not_expire_the_session(harness):
     assert list(blocks[h(3)].tiers) == [pb.TIER_DEVICE]
 
 
-def test_pin_covers_a_block_restored_by_an_anonymous_request(harness):
+def test_pin_covers_a_block_restored_by_an_anonymous_request_once_the_session_hits_it(harness):
+    # Membership ends with a block's last copy (kvhint.proto MembershipChanged):
+    # the anonymous re-store does not give b back to s, so a pin covers a and c ...
     _parent_only_then_anonymous_restore(harness)
+    r = harness.apply(pin("s", 60)).results[0]
+    assert [(c.tier, c.blocks) for c in r.affected_blocks] == [(pb.TIER_DEVICE, 2)]
+    assert h(2) not in residency(harness, "s")
+    # ... until a request of s hits b again.
+    harness.engine.store([h(1), h(2)], session="s", prefix_hit=True)
     r = harness.apply(pin("s", 60)).results[0]
     assert [(c.tier, c.blocks) for c in r.affected_blocks] == [(pb.TIER_DEVICE, 3)]
     assert residency(harness, "s")[h(2)].retention.retention_class == R.CLASS_PINNED

@@ -14,6 +14,11 @@ mirror what an engine adapter reports (see engine_integration/adapter.py):
   (`mark_removed`), and of untracked blocks (anonymous traffic);
 * `clear_tier` and an explicit `forget_session`.
 
+Membership (the semantics WatchEvents followers reproduce): a session joins
+blocks by `record_chain` only, leaves a block with the block's last copy, and
+leaves everything when forgotten (the index's listener hears that, with the
+blocks it left).
+
 The reference model keeps plain dicts and sets and derives everything
 (frontiers, residency, liveness) from scratch after every step.
 """
@@ -23,11 +28,11 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from hypothesis import HealthCheck, assume, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvhint_server.index import SessionPrefixIndex
+from kvhint_server.index import MAX_MEMBERS_REPORTED, LeaveCause, SessionPrefixIndex
 from kvhint_server.model import RequestCoords, Tier
 
 # --------------------------------------------------------------------------- tree
@@ -174,12 +179,16 @@ class RefIndex:
         self.tiers[h].discard(tier)
         members = set(self.members[h])
         last = not self.tiers[h]
+        if last:
+            self.members[h].clear()  # the last copy takes the members with it
         self._settle()
         return last, members
 
     def clear_tier(self, tier: Tier) -> None:
-        for tiers in self.tiers.values():
+        for h, tiers in self.tiers.items():
             tiers.discard(tier)
+            if not tiers:
+                self.members[h].clear()
         self._settle()
 
     def forget(self, s: str) -> bool:
@@ -241,6 +250,8 @@ class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.index = SessionPrefixIndex()
+        self.left: list[tuple[str, tuple[bytes, ...], LeaveCause]] = []
+        self.index.listener = lambda s, blocks, cause: self.left.append((s, blocks, cause))
         self.ref = RefIndex()
         self.now = 0.0
 
@@ -319,15 +330,24 @@ class IndexMachine(RuleBasedStateMachine):
         assert removal.position == POSITION[h]
         assert removal.last_copy is last
         assert set(removal.sessions) == before_members == members
+        assert not self.left, "a removal is published as BlocksRemoved, not as a leave"
 
     @rule(tier=st.sampled_from(TIERS))
     def clear_tier(self, tier):
         self.index.clear_tier(tier)
         self.ref.clear_tier(tier)
 
-    @rule(s=st.sampled_from(SESSIONS))
-    def forget_session(self, s):
-        assert self.index.forget_session(s) is self.ref.forget(s)
+    @rule(s=st.sampled_from(SESSIONS), cause=st.sampled_from(list(LeaveCause)))
+    def forget_session(self, s, cause):
+        held = self.ref.blocks_of(s)
+        assert self.index.forget_session(s, cause) is self.ref.forget(s)
+        if held:
+            # The listener hears exactly the blocks the session left, in chain order, once.
+            assert len(self.left) == 1
+            session, blocks, got_cause = self.left.pop()
+            assert session == s and got_cause is cause and set(blocks) == held
+            assert [POSITION[x] for x in blocks] == sorted(POSITION[x] for x in blocks)
+        assert not self.left
 
     # ---- invariants
 
@@ -340,6 +360,13 @@ class IndexMachine(RuleBasedStateMachine):
             assert node.parent == PARENT[h]
             assert node.tiers == mask(ref.tiers[h]), f"tiers of {PATH_OF[h]}"
             assert node.sessions == ref.members[h], f"sessions of {PATH_OF[h]}"
+
+    @invariant()
+    def only_resident_blocks_have_members(self):
+        for h, node in self.index.nodes.items():
+            if not node.tiers:
+                assert not node.sessions, f"parent-only {PATH_OF[h]} kept members"
+            assert set(self.index.members(h)) == node.sessions  # <= the cap here
 
     @invariant()
     def no_node_leaks(self):
@@ -456,10 +483,11 @@ def test_g1_removal_keeps_extent_while_a_host_copy_remains():
     assert index.resolve_session("s") == [A, B]
     assert _frontiers(index, "s") == {B}
     assert index.tier_counts([A, B]) == {Tier.DEVICE: 1, Tier.HOST: 1}
-    # Even with the whole device tier gone the session lives on through HOST.
+    # Even with the whole device tier gone the session lives on through HOST;
+    # A's last copy took its membership with it.
     index.mark_removed(A, Tier.DEVICE)
     assert "s" in dict(index.iter_sessions())
-    assert index.resolve_session("s") == [A, B]
+    assert index.resolve_session("s") == [B]
     assert index.node(A) is not None and index.node(A).tiers == 0  # parent-only, connects B
     # The last copy goes: the session expires and nothing is left behind.
     removal = index.mark_removed(B, Tier.HOST)
@@ -475,8 +503,8 @@ def test_frontier_retreats_to_nearest_resident_ancestor_and_session_expires():
     index.mark_removed(C, Tier.DEVICE)
     assert _frontiers(index, "s") == {B}
     assert index.resolve_continuation("k") == [A, B]  # the continuation retreats with its block
-    index.mark_removed(A, Tier.DEVICE)  # parent-only: still connects B
-    assert index.node(A) is not None and index.resolve_session("s") == [A, B]
+    index.mark_removed(A, Tier.DEVICE)  # parent-only: still connects B, no members
+    assert index.node(A) is not None and index.resolve_session("s") == [B]
     index.mark_removed(B, Tier.DEVICE)
     assert dict(index.iter_sessions()) == {}
     assert index.nodes == {} and index.resolve_continuation("k") == []
@@ -547,18 +575,26 @@ def test_frontier_retreat_does_not_duplicate_a_live_branch():
 
 
 @pytest.mark.parametrize("revive", ["other_session_store", "host_copy"])
-def test_revived_parent_only_block_becomes_a_frontier_again(revive):
+def test_revived_parent_only_block_does_not_bring_back_old_members(revive):
+    """A block's last copy ends its membership: a copy that comes back later
+    belongs only to sessions whose requests touch it again (what a follower
+    sees on the stream)."""
     index = SessionPrefixIndex()
     index.record_chain([A, B, C], 0, None, Tier.DEVICE, _sess("s"), 1.0)
     index.record_chain([A, B, C, D], 0, None, Tier.DEVICE, _sess("t"), 2.0)
     index.mark_removed(C, Tier.DEVICE)  # C parent-only (connects t's D); s's frontier retreats to B
     assert _frontiers(index, "s") == {B}
+    assert index.node(C) is not None and not index.node(C).sessions
     if revive == "other_session_store":
         index.record_chain([C], 2, B, Tier.DEVICE, _sess("t"), 3.0)
+        assert index.node(C).sessions == {"t"}
     else:
         index.mark_resident(C, Tier.HOST)
-    assert C in index.resolve_session("s") and index.node(C).tiers
-    # s's last resident block on its only branch is C again.
+        assert index.node(C).sessions == set()
+    assert C not in index.resolve_session("s") and index.node(C).tiers
+    assert _frontiers(index, "s") == {B}
+    # s re-joins C by its own request (a prefix hit).
+    index.record_chain([A, B, C], 0, None, Tier.DEVICE, _sess("s"), 4.0)
     assert _frontiers(index, "s") == {C}
 
 
@@ -577,3 +613,43 @@ def test_removal_of_unknown_copy_does_not_expire_a_live_session():
     assert index.node(C) is not None and index.node(C).tiers == Tier.DEVICE.bit
     assert "s" in dict(index.iter_sessions())
     assert C in index.resolve_session("s")
+
+
+# ---- membership of widely shared blocks
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 400), leave=st.sets(st.integers(0, 399), max_size=100))
+def test_shared_block_members_are_capped_and_leaves_are_exact(n, leave):
+    """Many sessions on one prefix: every one is a member (its own queries see
+    the prefix), reports list at most MAX_MEMBERS_REPORTED, and a forgotten
+    session leaves exactly its blocks."""
+    index = SessionPrefixIndex()
+    left: list[tuple[str, tuple[bytes, ...]]] = []
+    index.listener = lambda s, blocks, cause: left.append((s, blocks))
+    for i in range(n):
+        index.record_chain([A, B], 0, None, Tier.DEVICE, _sess(f"s{i}"), float(i))
+        index.record_chain([HASH[(0, 0, i % 2)]], 2, B, Tier.DEVICE, _sess(f"s{i}"), float(i))
+    assert len(index.node(A).sessions) == n
+    reported = index.members(A)
+    assert len(reported) == min(n, MAX_MEMBERS_REPORTED) and set(reported) <= index.node(A).sessions
+    gone = {f"s{i}" for i in leave if i < n}
+    for s in sorted(gone):
+        tail = HASH[(0, 0, int(s[1:]) % 2)]
+        assert index.forget_session(s)
+        assert left.pop() == (s, (A, B, tail))
+    remaining = {f"s{i}" for i in range(n)} - gone
+    if not remaining:
+        assert index.nodes == {}, "blocks nobody holds are no longer tracked (still cached, anonymously)"
+        return
+    assert index.node(A).sessions == remaining
+    for i in range(n):
+        state = index.sessions.get(f"s{i}")
+        assert (state is None) == (f"s{i}" in gone)
+        if state is not None:
+            assert state.resident == 3
+    # The shared block's last copy takes every member with it; sessions keep their tails.
+    removal = index.mark_removed(A, Tier.DEVICE)
+    assert removal is not None and len(removal.sessions) == min(len(remaining), MAX_MEMBERS_REPORTED)
+    assert not index.node(A).sessions
+    assert all(A not in st_.blocks and st_.resident == 2 for st_ in index.sessions.values())

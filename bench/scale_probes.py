@@ -1,0 +1,250 @@
+"""Measurements of `bench.scale` beyond the paired steps: KvHint memory, ApplyHints apply time
+against the blocks selected, and the event bus with 8 in-process subscribers.
+
+All of them run on the KvHint side of a `scale_driver.Pair` after its steady phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from kvhint.v1 import kvhint_pb2 as pb
+
+from .scale_driver import HintSender, Pair, Side, thread_ns
+from .scale_workload import HintPlan, Turn, tokens
+
+# ---------------------------------------------------------------- memory
+
+
+def deep_size(roots: Iterable[Any], exclude: tuple[type, ...] = ()) -> int:
+    """Bytes of every object reachable from `roots` (sys.getsizeof, each object once), not
+    following into classes, modules, functions or instances of `exclude` (objects owned by
+    someone else, such as vLLM's KVCacheBlocks that the protected classes refer to)."""
+    skip = (type, type(sys), type(deep_size), type(len), *exclude)
+    seen: set[int] = set()
+    stack = list(roots)
+    total = 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+def memory(side: Side) -> dict[str, int]:
+    """KvHint's structures on `side` (bytes) and what they track.
+
+    index: SessionPrefixIndex (nodes, sessions, continuations); hash_map: the adapter's own maps
+    and sets (wire hash -> vLLM digest and the like: entries per cached block, with or without a
+    session); retention: the
+    RetentionLedger and the protected free-block classes; bus: the event replay ring (bounded by
+    event_replay_window, whatever the pool size)."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    sched = side.sched
+    core, adapter, pool = sched.kvhint_core, sched.kvhint_adapter, sched.kv_cache_manager.block_pool
+    gc.collect()
+    index = core.index
+    sessions = len(index.sessions)
+    return {
+        "cached_blocks": len(pool.cached_block_hash_to_block),
+        "index_nodes": len(index.nodes),
+        "index_resident_nodes": sum(1 for n in index.nodes.values() if n.tiers),
+        "sessions": sessions,
+        "memberships": sum(len(s.blocks) for s in index.sessions.values()),
+        "retained_blocks": len(core.ledger.grants),
+        "index_bytes": deep_size([index.nodes, index.sessions, index.children_of, index.continuations, index._continuations_at]),
+        "hash_map_bytes": deep_size(_adapter_maps(adapter)),
+        "retention_bytes": deep_size([core.ledger, pool._kvh_protected], exclude=(KVCacheBlock,)),
+        "bus_bytes": deep_size([core.bus._ring]),
+    }
+
+
+def _adapter_maps(adapter: Any) -> list[Any]:
+    """The adapter's own containers (whatever their names), not the objects it points to."""
+    return [v for v in vars(adapter).values() if isinstance(v, (dict, set, frozenset, list))]
+
+
+# ---------------------------------------------------------------- ApplyHints apply time
+
+
+def _admit_session(side: Side, session: str, n_blocks: int, tag: str) -> None:
+    """Give `session` n_blocks resident blocks (prompts of up to max_model_len, one branch each)."""
+    shape = side.shape
+    per = shape.max_model_len // shape.block_size - 1
+    i = 0
+    while n_blocks > 0:
+        k = min(per, n_blocks)
+        turn = Turn(f"{session}-probe-{i}", tokens(f"{tag}-{session}-{i}", k * shape.block_size + 1), session, "", 1)
+        if not side.fill(turn):
+            raise RuntimeError("pool too small for the ApplyHints probe")
+        n_blocks -= k
+        i += 1
+
+
+def apply_sweep(side: Side, sizes: Iterable[int], repeats: int = 5) -> list[dict[str, Any]]:
+    """Apply time (thread CPU, engine thread) of one hint against the blocks it selects: Pin,
+    Retain and Release of a session with n resident blocks, then Evict."""
+    sender = HintSender(side.sched)
+    rows = []
+    for n in sizes:
+        session = f"probe-{n}"
+        times: dict[str, list[int]] = {"pin": [], "retain": [], "release": []}
+        selected: dict[str, int] = {}
+        for _ in range(repeats):
+            # (Re-)admit: a full-session Release forgets the session; a prefix hit brings it back.
+            _admit_session(side, session, n, "sweep")
+            for action in ("pin", "retain", "release"):
+                sender.batches.clear()
+                sender.apply_now([HintPlan(action, session, ttl_s=60.0, priority=1)])
+                batch = sender.batches[-1]
+                times[action].append(batch["ns"])
+                selected[action] = batch["blocks"]
+        sender.batches.clear()
+        _admit_session(side, session, n, "sweep")
+        sender.apply_now([HintPlan("evict", session)])
+        times["evict"] = [sender.batches[-1]["ns"]]
+        selected["evict"] = sender.batches[-1]["blocks"]
+        for action, ns in times.items():
+            rows.append({"action": action, "blocks": selected[action], "requested": n, "us": statistics.median(ns) / 1e3})
+    return rows
+
+
+# ---------------------------------------------------------------- event bus, 8 subscribers
+
+
+class _Subscribers:
+    """`n` WatchEvents streams of the KvHint core's WatchHub on their own asyncio loop thread,
+    each parsing every message and checking that sequences are contiguous (0 lost)."""
+
+    def __init__(self, side: Side, n: int) -> None:
+        from kvhint_server.watch import WatchHub
+
+        servicer = side.sched.kvhint_server.servicer
+        self.loop = asyncio.new_event_loop()
+        self.hub = WatchHub(servicer.core, servicer.queries, servicer.config, self.loop)
+        self.received = [0] * n
+        self.last = [0] * n
+        self.lost = [0] * n
+        self.resyncs = [0] * n
+        self.mark = [0] * n  # received counts at the start of the current measurement
+        self._ready = threading.Barrier(n + 1)
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, args=(n,), daemon=True)
+        self.thread.start()
+
+    def _run(self, n: int) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(asyncio.gather(*(self._consume(i) for i in range(n))))
+
+    async def _consume(self, i: int) -> None:
+        request = pb.WatchEventsRequest(start=pb.WatchEventsRequest.START_NOW)
+        request.heartbeat_interval.FromMilliseconds(100)
+        stream = self.hub.stream(request)
+        async for msg in stream:
+            m = pb.WatchEventsResponse.FromString(msg) if isinstance(msg, bytes) else msg
+            kind = m.WhichOneof("payload")
+            if kind == "resync":
+                self.resyncs[i] += 1
+                return
+            if kind != "heartbeat":
+                if self.last[i] and m.sequence != self.last[i] + 1:
+                    self.lost[i] += m.sequence - self.last[i] - 1
+                self.last[i] = m.sequence
+                self.received[i] += 1
+            if self._stop:
+                return
+
+    def wait_subscribed(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.hub.subscribers < len(self.received):
+            if time.monotonic() > deadline:
+                raise RuntimeError("subscribers did not start")
+            time.sleep(0.01)
+
+    def wait_caught_up(self, last: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while min(self.last) < last and not any(self.resyncs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"subscribers stuck at {self.last}, published up to {last}")
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self._stop = True
+        self.loop.call_soon_threadsafe(self.hub.close)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+def _measure(subs: _Subscribers, bus: Any, source: str, publish: Any) -> dict[str, Any]:
+    first = bus.last_sequence
+    t0 = time.perf_counter()
+    cpu0 = thread_ns()
+    publish()
+    cpu = (thread_ns() - cpu0) / 1e9
+    last = bus.last_sequence
+    subs.wait_caught_up(last)
+    wall = time.perf_counter() - t0
+    events = last - first
+    received = [r - base for r, base in zip(subs.received, subs.mark)]
+    subs.mark = list(subs.received)
+    return {
+        "source": source,
+        "events": events,
+        "wall_s": wall,
+        "publisher_cpu_s": cpu,
+        "events_per_s": events / wall if wall else 0.0,
+        "delivered_min": min(received),
+        "lost": sum(subs.lost) + sum(max(0, events - r) for r in received),
+        "resyncs": sum(subs.resyncs),
+    }
+
+
+def event_bus(pair: Pair, steps: int, synthetic_events: int, subscribers: int = 8) -> dict[str, Any]:
+    """The KvHint core's event bus with `subscribers` WatchEvents streams (in-process WatchHub,
+    each message serialized once and parsed by every subscriber), fed two ways:
+
+      * workload: the KvHint side alone runs `steps` steps of the workload at full speed;
+      * paced publish: one-block BlocksStored events published in bursts of 500 as fast as the
+        subscribers keep within 2,000 events (well inside the 10,000-event replay window),
+        the most the bus and 8 readers sustain on this machine without loss.
+
+    events/s = events published / wall time until every subscriber has all of them."""
+    from kvhint_server.events import BlocksStored, Coordinates
+    from kvhint_server.model import Tier
+
+    side = pair.kv
+    bus = side.core.bus
+    subs = _Subscribers(side, subscribers)
+    wl = pair.workload
+
+    def run_steps() -> None:
+        for _ in range(steps):
+            for rid in side.step(wl.arrivals()):
+                wl.finished(rid)
+            wl.hints()
+
+    def paced() -> None:
+        coords = Coordinates("bench-session", "", ())
+        for start in range(0, synthetic_events, 500):
+            for i in range(start, min(synthetic_events, start + 500)):
+                bus.publish(BlocksStored(Tier.DEVICE, "GPU", (i.to_bytes(8, "big"),), None, i, 16, coords), sessions=("bench-session",), tier=Tier.DEVICE)
+            subs.wait_caught_up(bus.last_sequence - 2000)
+
+    try:
+        subs.wait_subscribed()
+        sources = [_measure(subs, bus, f"workload ({steps} steps)", run_steps),
+                   _measure(subs, bus, f"paced publish ({synthetic_events} events)", paced)]
+        return {"subscribers": subscribers, "sources": sources}
+    finally:
+        subs.close()

@@ -1,0 +1,304 @@
+"""Tables and plots of `bench.scale`, computed from its raw data alone (`raw.json` + one CSV of
+timed units per run), so `python -m bench.scale --report-only` regenerates them.
+
+Per-block costs come from a least-squares fit over every timed unit of a run (fill chunks,
+steady steps, quiet steps):
+
+    KvHint CPU - stock CPU = a * blocks admitted + b * blocks evicted + c * is_step + d * running
+
+a and b are the costs per admitted and per evicted block, c + d * running what a step costs when
+nothing changes (no block stored or evicted, no hint).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+UNIT_FIELDS = ("phase", "stock_ns", "kv_ns", "stock_proc_ns", "kv_proc_ns", "admitted", "evicted", "hints", "running")
+STEP_PHASES = ("steady", "quiet", "quiet-admit")
+TARGET_RATIO = 1.03
+FLAT_NOISE_US = 10.0  # per-step noise allowance of the flatness verdict
+
+
+def write_units(path: Path, units: Sequence[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=UNIT_FIELDS)
+        w.writeheader()
+        w.writerows(units)
+
+
+def read_units(path: Path) -> list[dict[str, Any]]:
+    with open(path, newline="") as f:
+        return [{k: (v if k == "phase" else int(v)) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+# ---------------------------------------------------------------- per-run analysis
+
+
+def _ratios(units: Sequence[dict[str, Any]], key: str = "") -> dict[str, float]:
+    s, k = f"stock{key}_ns", f"kv{key}_ns"
+    per = [u[k] / u[s] for u in units if u[s] > 0]
+    return {
+        "median_ratio": statistics.median(per) if per else float("nan"),
+        "total_ratio": sum(u[k] for u in units) / max(1, sum(u[s] for u in units)),
+        "stock_median_ms": statistics.median(u[s] for u in units) / 1e6 if units else float("nan"),
+        "kv_median_ms": statistics.median(u[k] for u in units) / 1e6 if units else float("nan"),
+    }
+
+
+def fit_costs(units: Sequence[dict[str, Any]], side: str = "diff") -> dict[str, float]:
+    """Least squares of (KvHint - stock) CPU (side="diff") or of stock CPU (side="stock")
+    per unit: µs per admitted block, per evicted block, per step, per running request."""
+    rows = [u for u in units if u["phase"] in ("fill", *STEP_PHASES)]
+    if len(rows) < 4:
+        return {"admit_us": float("nan"), "evict_us": float("nan"), "step_us": float("nan"), "running_us": float("nan")}
+    x = np.array([[u["admitted"], u["evicted"], 1.0 if u["phase"] != "fill" else 0.0, u["running"]] for u in rows])
+    y = np.array([(u["kv_ns"] - u["stock_ns"]) if side == "diff" else u["stock_ns"] for u in rows], dtype=float) / 1e3
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    return {"admit_us": float(coef[0]), "evict_us": float(coef[1]), "step_us": float(coef[2]), "running_us": float(coef[3])}
+
+
+def analyse(run: dict[str, Any], units: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    steady = [u for u in units if u["phase"] == "steady"]
+    quiet = [u for u in units if u["phase"] == "quiet" and u["admitted"] == 0 and u["evicted"] == 0]
+    out: dict[str, Any] = {
+        "steady": _ratios(steady),
+        "steady_proc": _ratios(steady, "_proc"),
+        "quiet": _ratios(quiet),
+        "quiet_steps": len(quiet),
+        "quiet_overhead_us": statistics.median(u["kv_ns"] - u["stock_ns"] for u in quiet) / 1e3 if quiet else float("nan"),
+        "steps": len(steady),
+        "admitted_per_step": statistics.mean(u["admitted"] for u in steady) if steady else 0.0,
+        "evicted_per_step": statistics.mean(u["evicted"] for u in steady) if steady else 0.0,
+        "running_median": statistics.median(u["running"] for u in steady) if steady else 0,
+        "hints_per_step": statistics.mean(u["hints"] for u in steady) if steady else 0.0,
+    }
+    if not run["shape"]["hints_per_step"] and not run.get("aa"):  # hints: the caches differ; A/A: no bus to count blocks
+        out["fit"] = fit_costs(units)
+        out["stock_fit"] = fit_costs(units, "stock")
+    return out
+
+
+# ---------------------------------------------------------------- tables
+
+
+def _f(x: float, digits: int = 2) -> str:
+    return "-" if x != x else f"{x:.{digits}f}"
+
+
+def _memory_fit(runs: Sequence[dict[str, Any]]) -> tuple[float, float, float] | None:
+    """bytes = p * cached blocks + q * sessions + r over the no-hint runs (least squares)."""
+    mem = [r["memory"] for r in runs if r.get("memory") and not r["shape"]["hints_per_step"]]
+    if len(mem) < 4:  # three unknowns: a fit needs more runs than that to say anything
+        return None
+    x = np.array([[m["cached_blocks"], m["sessions"], 1.0] for m in mem])
+    y = np.array([m["index_bytes"] + m["hash_map_bytes"] + m["retention_bytes"] for m in mem], dtype=float)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    pred = x @ coef
+    worst = float(np.max(np.abs(pred - y) / y))
+    return float(coef[0]), float(coef[1]), worst
+
+
+def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str]:
+    runs = raw["runs"]
+    lines = [
+        f"Machine: {raw['machine']}. vLLM {raw['vllm']}, real `Scheduler` / `KvHintScheduler` built by "
+        "`engine_integration.inproc` (no model: fake model-runner outputs), 16-token blocks. CPU time of the "
+        "engine thread; stock and KvHint do each unit back to back in random order.",
+        f"Workload per step (simulated {raw['step_seconds'] * 1e3:.0f} ms GPU step): {raw['workload']}.",
+        "",
+        "## Scheduler CPU per step, KvHint / stock",
+        "",
+        "| run | live sessions | running | blocks admitted / evicted per step | stock median ms | KvHint median ms | median of per-step ratios | ratio of totals (thread) | ratio of totals (process) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        a = analyses[r["name"]]
+        s, p = a["steady"], a["steady_proc"]
+        live = r.get("memory", {}).get("sessions", "-")
+        churn = "-" if r.get("aa") else f"{a['admitted_per_step']:.0f} / {a['evicted_per_step']:.0f}"
+        lines.append(
+            f"| {r['label']} | {live} | {a['running_median']:.0f} | {churn} | "
+            f"{_f(s['stock_median_ms'], 3)} | {_f(s['kv_median_ms'], 3)} | {_f(s['median_ratio'], 3)}x | {_f(s['total_ratio'], 3)}x | "
+            f"{_f(p['total_ratio'], 3)}x |"
+        )
+    lines += [
+        "",
+        "## Costs per block and per step (least squares over every unit of a run)",
+        "",
+        "Quiet steps: 32 resumed sessions decode inside one block each (no block stored or evicted, no hint).",
+        "",
+        "| run | KvHint us per admitted block | KvHint us per evicted block | stock us per admitted / evicted block | quiet steps | quiet step: stock us | quiet step: KvHint - stock us (median) | quiet step ratio (median) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        a = analyses[r["name"]]
+        fit, sf, q = a.get("fit"), a.get("stock_fit"), a["quiet"]
+        costs = f"{_f(fit['admit_us'])} | {_f(fit['evict_us'])} | {_f(sf['admit_us'])} / {_f(sf['evict_us'])}" if fit and sf else "- | - | -"
+        lines.append(
+            f"| {r['label']} | {costs} | {a['quiet_steps']} | {_f(q['stock_median_ms'] * 1e3, 0)} | {_f(a['quiet_overhead_us'], 1)} | "
+            f"{_f(q['median_ratio'], 3)}x |"
+        )
+    lines += [
+        "",
+        "## Memory of the KvHint structures (deep sys.getsizeof, after the steady phase)",
+        "",
+        "| run | cached blocks | index nodes | sessions | memberships | index bytes | hash map bytes | retention bytes | (index + map) / cached block | index / session | event ring |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        m = r.get("memory")
+        if not m:
+            continue
+        per_block = (m["index_bytes"] + m["hash_map_bytes"]) / max(1, m["cached_blocks"])
+        lines.append(
+            f"| {r['label']} | {m['cached_blocks']} | {m['index_nodes']} | {m['sessions']} | {m['memberships']} | {m['index_bytes']} | "
+            f"{m['hash_map_bytes']} | {m['retention_bytes']} | {per_block:.0f} | {m['index_bytes'] / max(1, m['sessions']):.0f} | {m['bus_bytes']} |"
+        )
+    fit = _memory_fit(runs)
+    if fit:
+        lines += ["", f"Linear fit over the runs without hints: bytes = {fit[0]:.0f} x cached blocks + {fit[1]:.0f} x sessions "
+                      f"(+ constant); worst relative error of the fit {fit[2] * 100:.1f}%."]
+    sweep = raw.get("apply_sweep")
+    if sweep:
+        lines += [
+            "",
+            f"## ApplyHints apply time against blocks selected ({sweep['run']}; engine thread, median of repeats)",
+            "",
+            "| action | blocks selected | apply us | us per block |",
+            "|---|---|---|---|",
+        ]
+        for row in sweep["rows"]:
+            lines.append(f"| {row['action']} | {row['blocks']} | {row['us']:.0f} | {row['us'] / max(1, row['blocks']):.2f} |")
+    for r in runs:
+        hb = r.get("hint_batches")
+        if hb:
+            ns = [b["ns"] for b in hb]
+            lines += [
+                "",
+                f"Hint batches during '{r['label']}': {len(hb)} batches of {hb[0]['hints']} hints, apply median "
+                f"{statistics.median(ns) / 1e3:.0f} us, p99 {sorted(ns)[int(len(ns) * 0.99) - 1] / 1e3:.0f} us, "
+                f"{statistics.mean(b['blocks'] for b in hb):.0f} blocks affected per batch on average.",
+            ]
+    ev = raw.get("events")
+    if ev:
+        lines += [
+            "",
+            f"## Event bus, {ev['subscribers']} in-process WatchEvents subscribers ({ev['run']})",
+            "",
+            "| source | events | wall s | events/s | publisher thread CPU s | delivered to each (min) | lost | resyncs |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for src in ev["sources"]:
+            lines.append(
+                f"| {src['source']} | {src['events']} | {src['wall_s']:.2f} | {src['events_per_s']:.0f} | {src['publisher_cpu_s']:.2f} | "
+                f"{src['delivered_min']} | {src['lost']} | {src['resyncs']} |"
+            )
+    lines += ["", *verdicts(raw, analyses)]
+    return lines
+
+
+def verdicts(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str]:
+    runs = [r for r in raw["runs"] if not r["shape"]["hints_per_step"] and not r.get("aa")]
+    big = [r for r in runs if r["shape"]["sessions"] == max(x["shape"]["sessions"] for x in runs)]
+    out = ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
+    if big:
+        worst = max(big, key=lambda r: analyses[r["name"]]["steady"]["total_ratio"])
+        a = analyses[worst["name"]]["steady"]
+        met = a["total_ratio"] <= TARGET_RATIO and a["median_ratio"] <= TARGET_RATIO
+        out.append(
+            f"| <= {TARGET_RATIO}x scheduler CPU, {worst['shape']['sessions']} sessions, no hints | worst run ({worst['label']}): "
+            f"{a['median_ratio']:.3f}x median of per-step ratios, {a['total_ratio']:.3f}x of totals | {'met' if met else 'missed'} |"
+        )
+    fit = _memory_fit(raw["runs"])
+    if fit:
+        out.append(f"| memory linear in resident blocks plus sessions | {fit[0]:.0f} B/cached block + {fit[1]:.0f} B/session, "
+                   f"fit error <= {fit[2] * 100:.1f}% | {'met' if fit[2] <= 0.1 else 'missed'} |")
+    quiet = [(r, analyses[r["name"]]["quiet_overhead_us"]) for r in runs if analyses[r["name"]]["quiet_steps"]]
+    if len(quiet) >= 2:
+        lo, hi = min(q for _, q in quiet), max(q for _, q in quiet)
+        pools = sorted({r["shape"]["pool_blocks"] for r, _ in quiet})
+        sessions = sorted({r["shape"]["sessions"] for r, _ in quiet})
+        flat = hi <= 2 * max(lo, 0.0) + FLAT_NOISE_US
+        out.append(
+            f"| no per-step work proportional to pool size or sessions when nothing changes | quiet-step overhead "
+            f"{lo:.1f} to {hi:.1f} us across pools {pools[0]}..{pools[-1]} blocks and {sessions[0]}..{sessions[-1]} sessions "
+            f"(flat: the largest at most 2x the smallest + {FLAT_NOISE_US:.0f} us, over a {pools[-1] // pools[0]}x pool and "
+            f"{sessions[-1] // sessions[0]}x session range) | {'met' if flat else 'missed'} |"
+        )
+    return out
+
+
+# ---------------------------------------------------------------- plot
+
+
+def plot(raw: dict[str, Any], analyses: dict[str, dict[str, Any]], path: Path) -> bool:
+    """Log-log: costs against pool size (at the most sessions) and against sessions (at the
+    middle pool). Returns False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = [r for r in raw["runs"] if not r["shape"]["hints_per_step"] and not r.get("aa") and "fit" in analyses[r["name"]]]
+    if not runs:
+        return False
+    most = max(r["shape"]["sessions"] for r in runs)
+    by_pool = sorted((r for r in runs if r["shape"]["sessions"] == most), key=lambda r: r["shape"]["pool_blocks"])
+    pools = sorted({r["shape"]["pool_blocks"] for r in runs})
+    mid = pools[len(pools) // 2]
+    by_sessions = sorted((r for r in runs if r["shape"]["pool_blocks"] == mid), key=lambda r: r["shape"]["sessions"])
+    series = (
+        ("KvHint us per admitted block", lambda a: a["fit"]["admit_us"]),
+        ("KvHint us per evicted block", lambda a: a["fit"]["evict_us"]),
+        ("KvHint - stock us per quiet step", lambda a: a["quiet_overhead_us"]),
+        ("stock us per quiet step", lambda a: a["quiet"]["stock_median_ms"] * 1e3),
+        ("KvHint - stock us per steady step", lambda a: (a["steady"]["kv_median_ms"] - a["steady"]["stock_median_ms"]) * 1e3),
+    )
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, group, key, xlabel in (
+        (axes[0], by_pool, "pool_blocks", f"pool size, blocks ({most} sessions)"),
+        (axes[1], by_sessions, "sessions", f"sessions ({mid} blocks)"),
+    ):
+        xs = [r["shape"][key] for r in group]
+        for label, get in series:
+            ys = [get(analyses[r["name"]]) for r in group]
+            pts = [(x, y) for x, y in zip(xs, ys) if y == y and y > 0]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("us (CPU, engine thread)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("bench.scale: KvHint costs against pool size and session count (log-log)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def report(out_dir: Path, title: str, command: str) -> str:
+    """Regenerate RESULTS.md (and the plot) in out_dir from raw.json and the unit CSVs."""
+    raw = json.loads((out_dir / "raw.json").read_text())
+    analyses = {r["name"]: analyse(r, read_units(out_dir / r["units_csv"])) for r in raw["runs"]}
+    plotted = plot(raw, analyses, out_dir / "scale_loglog.png")
+    body = [f"# {title}", "", f"Command: `{command}` (tables regenerated from raw data: `python -m bench.scale --report-only "
+            f"--out {out_dir}`)", "", *tables(raw, analyses)]
+    if plotted:
+        body += ["", "![costs against pool size and sessions, log-log](scale_loglog.png)"]
+    text = "\n".join(body) + "\n"
+    (out_dir / "RESULTS.md").write_text(text)
+    (out_dir / "analysis.json").write_text(json.dumps(analyses, indent=1, sort_keys=True))
+    return text

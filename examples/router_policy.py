@@ -1,0 +1,195 @@
+"""A chat-completions proxy that sends KvHint session hints for the traffic it forwards.
+
+    # a served engine with the sidecar (see README), then:
+    python examples/router_policy.py --upstream http://127.0.0.1:8000 --kvhint 127.0.0.1:50151 \
+        --listen 127.0.0.1:8080 [--end-marker '<END>'] [--idle-timeout 600]
+    # point agents at http://127.0.0.1:8080/v1 with an X-Session-ID header (or "user"/"session_id")
+
+    # or try it end to end: the proxy plus a few scripted agent turns through it
+    python examples/router_policy.py --upstream http://127.0.0.1:8000 --kvhint 127.0.0.1:50151 --demo
+
+Agents change nothing: the proxy forwards every request unchanged (streaming or not), and
+`OpenAITrafficAdapter` turns what it sees into lifecycle signals for a `SessionPolicy`, which
+sends Retain/Release (and Demote/Prefetch with tiers) through `KvHintClient`. A background
+thread flushes the policy and ends idle sessions four times a second. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import sys
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_client import KvHintClient
+from kvhint_client.policy import ClientSink, OpenAITrafficAdapter, PolicyConfig, SessionPolicy, parse_sse_line
+
+HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+
+
+class Router:
+    """The policy, its adapter and sink behind one lock (the proxy's threads share them)."""
+
+    def __init__(self, client: KvHintClient, adapter_kw: dict[str, Any], use_tiers: bool) -> None:
+        self.lock = threading.Lock()
+        self.policy = SessionPolicy(PolicyConfig(use_tiers=use_tiers))
+        self.policy.configure(client.capabilities(timeout=5))
+        self.adapter = OpenAITrafficAdapter(self.policy, **adapter_kw)
+        self.sink = ClientSink(client)
+        self.log: list[str] = []
+
+    def flush(self) -> None:
+        with self.lock:
+            self.adapter.tick()
+            for hint, result in self.policy.flush(self.sink):
+                target = hint.selector.session.session_id or hint.selector.continuation.continuation_id
+                line = f"{hint.WhichOneof('action')} {target} -> {pb.Outcome.Name(result.outcome)}"
+                self.log.append(line)
+                print("kvhint:", line, file=sys.stderr)
+
+    def run_flusher(self, stop: threading.Event, period_s: float = 0.25) -> None:
+        while not stop.wait(period_s):
+            try:
+                self.flush()
+            except Exception as exc:  # the engine may be restarting; keep proxying
+                print(f"kvhint: flush failed: {exc}", file=sys.stderr)
+
+
+def make_handler(router: Router, upstream: urllib.parse.SplitResult) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args: Any) -> None:  # quiet
+            pass
+
+        def do_GET(self) -> None:
+            self._forward(None)
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._forward(body)
+
+        def _forward(self, body: bytes | None) -> None:
+            sid = None
+            payload: dict[str, Any] = {}
+            if body and self.path.rstrip("/").endswith("/chat/completions"):
+                try:
+                    payload = json.loads(body)
+                except ValueError:
+                    payload = {}
+                with router.lock:
+                    sid = router.adapter.on_request(payload, dict(self.headers.items()))
+            conn = http.client.HTTPConnection(upstream.hostname, upstream.port or 80, timeout=600)
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+            conn.request(self.command, self.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in HOP_HEADERS:
+                    self.send_header(k, v)
+            if payload.get("stream"):
+                self._stream(resp, sid)
+            else:
+                data = resp.read()
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                if sid is not None and resp.status == 200:
+                    with router.lock:
+                        router.adapter.on_response(sid, json.loads(data))
+            conn.close()
+            router.flush()
+
+        def _stream(self, resp: http.client.HTTPResponse, sid: str | None) -> None:
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for line in iter(resp.readline, b""):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                chunk = parse_sse_line(line)
+                if chunk is not None and sid is not None:
+                    with router.lock:
+                        router.adapter.on_stream_chunk(sid, chunk)
+            self.wfile.write(b"0\r\n\r\n")
+            if sid is not None:
+                with router.lock:
+                    router.adapter.on_stream_end(sid)
+
+    return Handler
+
+
+def demo(listen: str, model: str | None, turns: int) -> None:
+    """Two scripted agents, one streaming, talking through the proxy."""
+    host, port = listen.rsplit(":", 1)
+    if model is None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/v1/models")
+        model = json.loads(conn.getresponse().read())["data"][0]["id"]
+        conn.close()
+    for turn in range(turns):
+        for sid, stream in (("demo-agent-a", False), ("demo-agent-b", True)):
+            conn = http.client.HTTPConnection(host, int(port), timeout=120)
+            body: dict[str, Any] = {
+                "messages": [{"role": "user", "content": f"{sid} turn {turn}: " + "context " * 200}],
+                "max_tokens": 8,
+                "stream": stream,
+            }
+            body["model"] = model
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json", "X-Session-ID": sid})
+            resp = conn.getresponse()
+            resp.read()
+            print(f"demo: {sid} turn {turn}: HTTP {resp.status}", file=sys.stderr)
+            conn.close()
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--upstream", required=True, help="the engine's OpenAI base URL, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--kvhint", required=True, help="the engine's KvHint gRPC address")
+    ap.add_argument("--listen", default="127.0.0.1:8080")
+    ap.add_argument("--end-marker", default=None, help="assistant text that ends a session")
+    ap.add_argument("--end-tool", action="append", default=[], help="a tool whose call ends the session")
+    ap.add_argument("--idle-timeout", type=float, default=600.0, help="seconds without a request that end a session")
+    ap.add_argument("--tiers", action="store_true", help="Demote/Prefetch long pauses (engine started with tiers)")
+    ap.add_argument("--demo", action="store_true", help="send a few scripted turns through the proxy, then exit")
+    ap.add_argument("--model", default=None, help="model name for --demo (default: the engine's)")
+    a = ap.parse_args(argv)
+    upstream = urllib.parse.urlsplit(a.upstream)
+    with KvHintClient(a.kvhint) as client:
+        kw = {"idle_timeout_s": a.idle_timeout, "end_marker": a.end_marker, "end_tools": a.end_tool}
+        router = Router(client, kw, a.tiers)
+        host, port = a.listen.rsplit(":", 1)
+        server = ThreadingHTTPServer((host, int(port)), make_handler(router, upstream))
+        stop = threading.Event()
+        threads = [threading.Thread(target=server.serve_forever, daemon=True),
+                   threading.Thread(target=router.run_flusher, args=(stop,), daemon=True)]
+        for t in threads:
+            t.start()
+        print(f"proxying http://{a.listen} -> {a.upstream}, hints to {a.kvhint}", file=sys.stderr)
+        try:
+            if a.demo:
+                demo(a.listen, a.model, turns=3)
+                with router.lock:
+                    for sid in list(router.adapter.last_seen):
+                        router.adapter.end(sid)
+                router.flush()
+                print(json.dumps({"hints": router.log, "stats": router.policy.stats}, indent=2))
+            else:
+                threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stop.set()
+            server.shutdown()
+            server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

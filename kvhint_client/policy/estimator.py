@@ -1,0 +1,159 @@
+"""Online pause-duration estimates, per tool name and session class.
+
+A pause is the gap between a session's tool call starting and its next
+request. `PauseModel.observe(key, seconds)` records one observed gap;
+`PauseModel.residual(key, elapsed)` predicts how much longer a pause that has
+lasted `elapsed` seconds will last.
+
+Each key keeps a bounded sample of its most recent gaps (a sliding window,
+`window` observations), so the estimate follows a drifting workload and
+represents multi-modal shapes (a "short" tool that sometimes hangs) that one
+log-normal would smear. Predictions back off through a hierarchy of keys
+(tool + session class -> tool -> session class -> the declared duration
+class -> everything) and blend the best key's sample with a log-normal prior
+worth `prior_weight` observations: with no data the prior decides, with
+many observations the data does.
+
+The residual is the conditional median: given the pause has lasted `e`, the
+time until the median of the durations that exceed `e`. A session that has
+outlived most of its class's pauses is therefore predicted to stay paused
+for longer, which is what ranks a mispredicted long call correctly.
+
+Not thread-safe; owned by one `SessionPolicy`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+
+_STD = NormalDist()
+
+
+@dataclass(frozen=True)
+class LogNormalPrior:
+    """A prior over pause durations: log-normal with median `median_s` and log-sd `sigma`."""
+
+    median_s: float = 5.0
+    sigma: float = 1.2
+
+    def quantile(self, q: float) -> float:
+        q = min(max(q, 1e-9), 1 - 1e-9)
+        return self.median_s * math.exp(self.sigma * _STD.inv_cdf(q))
+
+    def cdf(self, x: float) -> float:
+        if x <= 0:
+            return 0.0
+        return _STD.cdf(math.log(x / self.median_s) / self.sigma)
+
+
+class _Sample:
+    """The last `window` observations of one key, also kept sorted."""
+
+    __slots__ = ("recent", "ordered", "window")
+
+    def __init__(self, window: int) -> None:
+        self.recent: deque[float] = deque()
+        self.ordered: list[float] = []
+        self.window = window
+
+    def add(self, x: float) -> None:
+        self.recent.append(x)
+        bisect.insort(self.ordered, x)
+        if len(self.recent) > self.window:
+            old = self.recent.popleft()
+            del self.ordered[bisect.bisect_left(self.ordered, old)]
+
+    def __len__(self) -> int:
+        return len(self.ordered)
+
+
+def _blend_quantile(sample: Sequence[float], prior: LogNormalPrior, weight: float, q: float) -> float:
+    """The q-quantile of the mixture (sample, empirical) + (prior, `weight` pseudo-observations)."""
+    n = len(sample)
+    if n == 0:
+        return prior.quantile(q)
+    total = n + weight
+    lo, hi = 0.0, max(sample[-1], prior.quantile(0.999)) * 2 + 1e-9
+    for _ in range(48):  # bisection on the mixture CDF
+        mid = (lo + hi) / 2
+        mass = (bisect.bisect_right(sample, mid) + weight * prior.cdf(mid)) / total
+        if mass < q:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _blend_cdf(sample: Sequence[float], prior: LogNormalPrior, weight: float, x: float) -> float:
+    n = len(sample)
+    return (bisect.bisect_right(sample, x) + weight * prior.cdf(x)) / (n + weight)
+
+
+class PauseModel:
+    """Per-key pause distributions learned online (see module doc).
+
+    Keys are tuples from most to least specific, as `SessionPolicy` builds
+    them, e.g. ``(("tool", "run_tests", "coder"), ("tool", "run_tests"),
+    ("class", "coder"), ("declared", "long"), ("all",))``. `min_samples` is how
+    many observations a key needs before it is preferred over a more general
+    one.
+    """
+
+    def __init__(
+        self,
+        prior: LogNormalPrior | None = None,
+        *,
+        window: int = 256,
+        prior_weight: float = 2.0,
+        min_samples: int = 3,
+    ) -> None:
+        if window < 1 or prior_weight <= 0 or min_samples < 1:
+            raise ValueError("window and min_samples must be >= 1 and prior_weight > 0")
+        self.prior = prior or LogNormalPrior()
+        self.window = window
+        self.prior_weight = prior_weight
+        self.min_samples = min_samples
+        self._samples: dict[tuple[str, ...], _Sample] = {}
+
+    def observe(self, keys: Iterable[tuple[str, ...]], seconds: float) -> None:
+        """Record one observed pause under every key of its hierarchy."""
+        if not seconds >= 0 or math.isinf(seconds):
+            return
+        for key in keys:
+            sample = self._samples.get(key)
+            if sample is None:
+                sample = self._samples[key] = _Sample(self.window)
+            sample.add(seconds)
+
+    def count(self, key: tuple[str, ...]) -> int:
+        sample = self._samples.get(key)
+        return len(sample) if sample else 0
+
+    def _basis(self, keys: Sequence[tuple[str, ...]], prior: LogNormalPrior | None) -> tuple[list[float], LogNormalPrior]:
+        """The most specific key with enough data, and the prior to blend it with."""
+        for key in keys:
+            sample = self._samples.get(key)
+            if sample is not None and len(sample) >= self.min_samples:
+                return sample.ordered, prior or self.prior
+        return [], prior or self.prior
+
+    def quantile(self, keys: Sequence[tuple[str, ...]], q: float, prior: LogNormalPrior | None = None) -> float:
+        """The q-quantile of a pause's total duration."""
+        sample, p = self._basis(keys, prior)
+        return _blend_quantile(sample, p, self.prior_weight, q)
+
+    def residual(self, keys: Sequence[tuple[str, ...]], elapsed: float, prior: LogNormalPrior | None = None, q: float = 0.5) -> float:
+        """Seconds until the pause is expected to end, given it has lasted `elapsed` (the
+        conditional q-quantile of the remaining time; >= 0)."""
+        sample, p = self._basis(keys, prior)
+        weight = self.prior_weight
+        survived = _blend_cdf(sample, p, weight, max(elapsed, 0.0))
+        target = survived + q * (1.0 - survived)
+        if target >= 1.0 - 1e-12:
+            return max(0.0, _blend_quantile(sample, p, weight, 1 - 1e-9) - elapsed)
+        return max(0.0, _blend_quantile(sample, p, weight, target) - elapsed)

@@ -1,0 +1,480 @@
+"""SessionPolicy: turns agent lifecycle signals into kvhint.v1 hints.
+
+Embed one per router (or agent runtime). Feed it `signals` with `observe`,
+call `flush(sink)` (or `await flush_async(sink)`) after each batch of
+signals and on a timer (a few times a second is plenty), and it sends:
+
+* a paused session (tool call, idle, waiting for its children): Retain at
+  `session_priority` with `expected_reuse_in` = the predicted time to its
+  next request (`PauseModel.residual`, learned online per tool name and
+  session class). All paused sessions share one priority, so the engine
+  orders them by expected reuse: the one expected back last is evicted first.
+  When the prediction passes and the session is still paused, the policy
+  re-predicts from the time already waited and refreshes the hint (an engine
+  treats a passed expectation as plain LRU).
+* engines without `supports_expected_reuse`: the same ranking as priority
+  bands below `session_priority` (nearer resume, higher priority).
+* a predicted pause >= `demote_after_s` on an engine with lower tiers (and
+  `use_tiers`): Demote instead of Retain, and Prefetch `prefetch_margin_s`
+  before the predicted resume.
+* optionally (`pin_within_s`) a Pin for a session predicted back within that
+  many seconds, while the engine's pin budget (GetCapabilities) has room for
+  its blocks.
+* a declared template: Retain at `template_priority` (above every session),
+  refreshed at half its TTL.
+* a session ended (or a dead branch): Release; a parent's unjoined children
+  are released with it.
+
+It never sends more than `max_hints_per_s` hints per second (token bucket,
+`burst` at once). Hints waiting for tokens are coalesced: a newer hint for
+the same target replaces the older one, and a Release cancels pending
+hints for its session. Results feed back (`record`): MISSING marks a session
+cold (nothing resident, no refreshes until it runs again), REJECTED
+UNSUPPORTED turns the feature off (expected reuse -> priority bands, tiers ->
+Retain), CLIPPED PIN_BUDGET stops pinning until a pin ends.
+
+Not thread-safe: call it from one thread or one event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kvhint.v1 import kvhint_pb2 as pb
+
+from ..builders import Target, session
+from ..durations import duration_to_seconds
+from .estimator import LogNormalPrior, PauseModel
+from .signals import (
+    ChildJoined,
+    ChildSpawned,
+    RequestCompleted,
+    RequestSent,
+    SessionEnded,
+    Signal,
+    TemplateDeclared,
+    TemplateRetired,
+    ToolCallFinished,
+    ToolCallStarted,
+)
+from .sinks import AsyncHintSink, HintSink, TokenBucket
+
+Key = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Tuning knobs; the defaults need no knowledge of a particular workload."""
+
+    session_priority: int = 10
+    template_priority: int = 1000
+    template_ttl_s: float = 600.0
+    #: Retain TTL = clamp(ttl_factor x predicted pause, min_ttl_s, max_ttl_s (and the engine's max_ttl)).
+    ttl_factor: float = 4.0
+    min_ttl_s: float = 30.0
+    max_ttl_s: float = 3600.0
+    #: Prior for pauses nothing is known about (log-normal).
+    prior: LogNormalPrior = field(default_factory=LogNormalPrior)
+    #: Declared duration classes -> nominal upper bound (s); a call declared in a class gets a
+    #: prior with median bound/3 until its keys have data.
+    declared_classes: Mapping[str, float] = field(default_factory=dict)
+    #: Conditional quantile used as the prediction (0.5: median of the remaining pause).
+    quantile: float = 0.5
+    #: Observations per key kept, pseudo-observations of the prior, observations before a key is used.
+    window: int = 256
+    prior_weight: float = 2.0
+    min_samples: int = 3
+    #: Refresh a paused session's hint this long before its expectation passes.
+    refresh_lead_s: float = 0.25
+    #: Expected reuse sent when a tool call finished (the next request is imminent).
+    resume_s: float = 1.0
+    release_on_end: bool = True
+    #: Tiers: Demote a pause predicted at least this long; Prefetch this margin before the resume.
+    use_tiers: bool = False
+    demote_after_s: float = 10.0
+    prefetch_margin_s: float = 2.0
+    #: Pin sessions predicted back within this many seconds (None: never pin).
+    pin_within_s: Optional[float] = None
+    #: Rate limit.
+    max_hints_per_s: float = 100.0
+    burst: int = 50
+
+
+@dataclass
+class _Session:
+    sid: str
+    cls: Optional[str] = None
+    state: str = "running"  # running | paused | waiting | resuming | ended (then forgotten)
+    pause_start: float = 0.0
+    keys: tuple[Key, ...] = ()
+    prior: Optional[LogNormalPrior] = None
+    reuse_at: Optional[float] = None  # the expectation last queued/sent (absolute)
+    ttl_until: float = math.inf
+    demoted: bool = False
+    prefetch_at: Optional[float] = None
+    cold: bool = False
+    children: set[str] = field(default_factory=set)
+    parent: Optional[str] = None
+    blocks: int = 0  # device blocks the last keep hint reported
+    pinned_blocks: int = 0  # blocks its pin holds (reserved when queued, then as reported)
+    pin_until: float = -math.inf
+
+
+@dataclass
+class _Intent:
+    kind: str  # "release" | "keep" | "demote" | "prefetch"
+    owner: str  # session id or "template:<id>"
+    hint: pb.Hint
+    order: float  # drain order within a kind (lower first)
+
+
+_KIND_ORDER = {"release": 0, "keep": 1, "demote": 2, "prefetch": 3}
+
+
+class SessionPolicy:
+    """See the module doc. `clock` gives "now" for signals and calls without a time."""
+
+    def __init__(
+        self,
+        config: PolicyConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        model: PauseModel | None = None,
+        id_prefix: str | None = None,
+    ) -> None:
+        self.config = c = config or PolicyConfig()
+        self.clock = clock
+        self.model = model or PauseModel(c.prior, window=c.window, prior_weight=c.prior_weight, min_samples=c.min_samples)
+        self.bucket = TokenBucket(c.max_hints_per_s, c.burst)
+        self.sessions: dict[str, _Session] = {}
+        self.templates: dict[str, tuple[Target, float]] = {}  # id -> (target, refresh at)
+        self.stats: dict[str, int] = {}
+        self._outbox: dict[tuple[str, str], _Intent] = {}
+        self._ids = itertools.count()
+        self._id_prefix = id_prefix if id_prefix is not None else "p" + secrets.token_hex(3) + "-"
+        self._sent: dict[str, _Intent] = {}  # hint id -> intent, until its result is recorded
+        # What the engine supports (configure() narrows it; results narrow it further).
+        self.expected_reuse = True
+        self.tiers = c.use_tiers
+        self.max_ttl_s = c.max_ttl_s
+        self.pin_budget_blocks: Optional[int] = None
+        self.max_batch = 64
+        self._pins_blocked_until = -math.inf  # after CLIPPED/PIN_BUDGET: until the pins then held expire
+        self._last_t = -math.inf
+
+    # ------------------------------------------------------------ engine capabilities
+
+    def configure(self, caps: pb.GetCapabilitiesResponse) -> None:
+        """Adopt the engine's limits and feature support (GetCapabilities)."""
+        support = {a.action: a for a in caps.actions}
+        retain = support.get(pb.ACTION_RETAIN)
+        self.expected_reuse = bool(retain and retain.supports_expected_reuse)
+        tiers = all(support.get(a) is not None and support[a].supported for a in (pb.ACTION_DEMOTE, pb.ACTION_PREFETCH))
+        self.tiers = self.config.use_tiers and tiers
+        if caps.limits.HasField("max_ttl"):
+            self.max_ttl_s = min(self.config.max_ttl_s, duration_to_seconds(caps.limits.max_ttl))
+        self.pin_budget_blocks = caps.limits.pin_budget_blocks or None
+        if caps.limits.max_hints_per_batch:
+            self.max_batch = caps.limits.max_hints_per_batch
+
+    # ------------------------------------------------------------ signals
+
+    def observe(self, signal: Signal) -> None:
+        """Update the state with one signal (in time order) and queue the hints it calls for."""
+        now = self._time(signal.t)
+        if isinstance(signal, RequestSent):
+            self._on_request(signal, now)
+        elif isinstance(signal, RequestCompleted):
+            s = self._session(signal.session_id)
+            if s.state == "running":
+                self._pause(s, now, "paused", (("idle", s.cls or ""), ("idle",)), None)
+        elif isinstance(signal, ToolCallStarted):
+            s = self._session(signal.session_id)
+            self._pause(s, now, "paused", self._tool_keys(s, signal), self._tool_prior(signal))
+        elif isinstance(signal, ToolCallFinished):
+            s = self._session(signal.session_id)
+            if s.state == "paused":
+                self.model.observe(s.keys, now - s.pause_start)
+                s.state = "resuming"
+                self._keep(s, now, self.config.resume_s)
+        elif isinstance(signal, ChildSpawned):
+            parent = self._session(signal.parent_session_id)
+            child = self._session(signal.child_session_id)
+            child.parent = parent.sid
+            parent.children.add(child.sid)
+            if parent.state != "waiting":
+                self._pause(parent, now, "waiting", (("children", parent.cls or ""), ("children",)), None)
+        elif isinstance(signal, ChildJoined):
+            self._session(signal.parent_session_id).children.discard(signal.child_session_id)
+        elif isinstance(signal, SessionEnded):
+            self._end(signal.session_id)
+        elif isinstance(signal, TemplateDeclared):
+            self.templates[signal.template_id] = (signal.target, now + self.config.template_ttl_s / 2)
+            self._queue_template(signal.template_id, signal.target)
+        elif isinstance(signal, TemplateRetired):
+            entry = self.templates.pop(signal.template_id, None)
+            if entry is not None:
+                self._queue("release", "template:" + signal.template_id, entry[0].release(), 0.0)
+        else:
+            raise TypeError(f"not a policy signal: {signal!r}")
+
+    def _time(self, t: Optional[float]) -> float:
+        now = self.clock() if t is None else t
+        if now < self._last_t:
+            raise ValueError(f"signals must arrive in time order ({now} < {self._last_t})")
+        self._last_t = now
+        return now
+
+    def _session(self, sid: str) -> _Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            s = self.sessions[sid] = _Session(sid)
+        return s
+
+    def _on_request(self, signal: RequestSent, now: float) -> None:
+        s = self._session(signal.session_id)
+        if signal.session_class and not s.cls:
+            s.cls = signal.session_class
+        if s.state in ("paused", "waiting"):
+            self.model.observe(s.keys, now - s.pause_start)
+        s.state, s.cold, s.demoted, s.prefetch_at = "running", False, False, None
+        for kind in ("demote", "prefetch"):
+            self._outbox.pop((kind, s.sid), None)
+
+    def _tool_keys(self, s: _Session, signal: ToolCallStarted) -> tuple[Key, ...]:
+        keys: list[Key] = []
+        cls = s.cls or ""
+        if signal.tools:
+            name = "+".join(sorted(set(signal.tools)))
+            keys += [("tool", name, cls), ("tool", name)]
+        if signal.expected_class:
+            keys.append(("declared", signal.expected_class))
+        keys += [("class", cls), ("all",)]
+        return tuple(keys)
+
+    def _tool_prior(self, signal: ToolCallStarted) -> Optional[LogNormalPrior]:
+        sigma = self.config.prior.sigma
+        if signal.expected_duration_s is not None and signal.expected_duration_s > 0:
+            return LogNormalPrior(signal.expected_duration_s, min(sigma, 0.75))
+        bound = self.config.declared_classes.get(signal.expected_class or "")
+        if bound:
+            return LogNormalPrior(bound / 3, sigma)
+        return None
+
+    def _pause(self, s: _Session, now: float, state: str, keys: tuple[Key, ...], prior: Optional[LogNormalPrior]) -> None:
+        s.state, s.pause_start, s.keys, s.prior = state, now, keys, prior
+        self._predict_and_keep(s, now)
+
+    def _end(self, sid: str) -> None:
+        s = self.sessions.get(sid)
+        if s is None:
+            if self.config.release_on_end:  # unknown to this policy (started late): release anyway
+                self._queue("release", sid, session(sid).release(), 0.0)
+            return
+        s.state = "ended"
+        for kind in ("keep", "demote", "prefetch"):
+            self._outbox.pop((kind, sid), None)
+        if self.config.release_on_end:
+            self._queue("release", sid, session(sid).release(), 0.0)
+        for child in list(s.children):  # unjoined children are dead branches
+            self._end(child)
+        if s.parent is not None and s.parent in self.sessions:
+            self.sessions[s.parent].children.discard(sid)
+        del self.sessions[sid]
+
+    # ------------------------------------------------------------ predictions and hints
+
+    def residual(self, s: _Session, now: float) -> float:
+        """Predicted seconds until the paused session `s` sends its next request."""
+        return self.model.residual(s.keys, now - s.pause_start, s.prior, self.config.quantile)
+
+    def predicted_resume(self, session_id: str, now: Optional[float] = None) -> Optional[float]:
+        """Absolute predicted time of the session's next request; None when it is running or unknown."""
+        s = self.sessions.get(session_id)
+        if s is None or s.state not in ("paused", "waiting", "resuming"):
+            return None
+        if s.state == "resuming":
+            return s.reuse_at
+        now = self.clock() if now is None else now
+        return now + self.residual(s, now)
+
+    def ranking(self, now: Optional[float] = None) -> list[tuple[str, float]]:
+        """Paused sessions by predicted resume, soonest first (what the engine will keep longest)."""
+        now = self.clock() if now is None else now
+        out = [(sid, self.predicted_resume(sid, now)) for sid in self.sessions]
+        return sorted(((sid, t) for sid, t in out if t is not None), key=lambda item: item[1])
+
+    def _predict_and_keep(self, s: _Session, now: float) -> None:
+        c = self.config
+        residual = self.residual(s, now)
+        if self.tiers and residual >= c.demote_after_s:
+            s.prefetch_at = now + max(0.0, residual - c.prefetch_margin_s)
+            s.reuse_at = now + residual
+            if not s.demoted:
+                s.demoted = True
+                self._outbox.pop(("keep", s.sid), None)
+                self._queue("demote", s.sid, session(s.sid).demote(), now)
+            return
+        self._keep(s, now, residual)
+
+    def _keep(self, s: _Session, now: float, residual: float) -> None:
+        """Queue a Retain (or Pin) of `s` expecting reuse in `residual` seconds."""
+        c = self.config
+        ttl = min(self.max_ttl_s, max(c.min_ttl_s, c.ttl_factor * residual, residual + c.refresh_lead_s))
+        s.reuse_at, s.ttl_until = now + residual, now + ttl
+        target = session(s.sid)
+        reuse = min(residual, ttl) if self.expected_reuse else None
+        if self._may_pin(s, now, residual):
+            pin_ttl = max(residual * 2, 1.0)
+            s.pinned_blocks, s.pin_until = s.blocks, now + pin_ttl
+            hint = target.pin(ttl=pin_ttl, expected_reuse_in=reuse)
+        else:
+            hint = target.retain(ttl=ttl, priority=self._priority(residual), expected_reuse_in=reuse)
+        self._queue("keep", s.sid, hint, residual)
+
+    def _priority(self, residual: float) -> int:
+        if self.expected_reuse:
+            return self.config.session_priority
+        # No expected reuse on this engine: nearer resumes get higher priority bands.
+        return self.config.session_priority - min(30, int(math.log2(1.0 + max(residual, 0.0))))
+
+    def _may_pin(self, s: _Session, now: float, residual: float) -> bool:
+        """Pin only sessions of known size that fit the budget left by unexpired pins."""
+        limit = self.config.pin_within_s
+        if limit is None or residual > limit or not s.blocks or self.pin_budget_blocks is None:
+            return False
+        if now < self._pins_blocked_until:
+            return False
+        used = sum(x.pinned_blocks for x in self.sessions.values() if x.pin_until > now and x is not s)
+        return used + s.blocks <= self.pin_budget_blocks
+
+    def _queue_template(self, template_id: str, target: Target) -> None:
+        c = self.config
+        hint = target.retain(ttl=min(c.template_ttl_s, self.max_ttl_s), priority=c.template_priority)
+        self._queue("keep", "template:" + template_id, hint, -1.0)
+
+    def _queue(self, kind: str, owner: str, hint: pb.Hint, order: float) -> None:
+        hint.hint_id = f"{self._id_prefix}{next(self._ids)}"
+        self._outbox[(kind, owner)] = _Intent(kind, owner, hint, order)
+
+    # ------------------------------------------------------------ time passing
+
+    def tick(self, now: Optional[float] = None) -> None:
+        """Queue refreshes that are due at `now`: passed expectations, TTLs running
+        out, Prefetches before a predicted resume, template refreshes."""
+        now = self._time(now)
+        lead = self.config.refresh_lead_s
+        for s in self.sessions.values():
+            if s.cold or s.state not in ("paused", "waiting"):
+                continue
+            if s.demoted:
+                if s.prefetch_at is not None and now >= s.prefetch_at:
+                    s.prefetch_at = None
+                    self._queue("prefetch", s.sid, session(s.sid).prefetch(), s.reuse_at or now)
+                elif s.reuse_at is not None and now >= s.reuse_at:
+                    self._predict_and_keep(s, now)  # still paused: re-predict the prefetch time
+                continue
+            if (s.reuse_at is not None and now >= s.reuse_at - lead) or now >= s.ttl_until - lead:
+                self._predict_and_keep(s, now)
+        for tid, (target, refresh_at) in list(self.templates.items()):
+            if now >= refresh_at:
+                self.templates[tid] = (target, now + self.config.template_ttl_s / 2)
+                self._queue_template(tid, target)
+
+    def drain(self, now: Optional[float] = None) -> list[pb.Hint]:
+        """Take the queued hints the rate limit allows now: Releases first, then keeps
+        soonest-resume first, then Demotes and Prefetches."""
+        now = self.clock() if now is None else now
+        if not self._outbox:
+            return []
+        allowed = self.bucket.take(len(self._outbox), now)
+        if allowed <= 0:
+            return []
+        ordered = sorted(self._outbox.values(), key=lambda i: (_KIND_ORDER[i.kind], i.order))[:allowed]
+        for intent in ordered:
+            del self._outbox[(intent.kind, intent.owner)]
+            self._sent[intent.hint.hint_id] = intent
+        self._count("sent", len(ordered))
+        return [i.hint for i in ordered]
+
+    @property
+    def pending(self) -> int:
+        """Hints queued and not yet sent (waiting for rate-limit tokens)."""
+        return len(self._outbox)
+
+    # ------------------------------------------------------------ results
+
+    def record(self, hints: Sequence[pb.Hint], results: Sequence[pb.HintResult]) -> None:
+        """Feed back the engine's results for hints returned by `drain`."""
+        for hint, result in zip(hints, results):
+            intent = self._sent.pop(hint.hint_id, None)
+            self._count(pb.Outcome.Name(result.outcome) if result.outcome in pb.Outcome.values() else "OUTCOME_UNKNOWN")
+            if intent is None:
+                continue
+            s = self.sessions.get(intent.owner)
+            action = hint.WhichOneof("action")
+            blocks = sum(c.blocks for c in result.affected_blocks if c.tier == pb.TIER_DEVICE)
+            if result.outcome == pb.OUTCOME_MISSING and s is not None and intent.kind == "keep":
+                s.cold = True
+            elif result.outcome == pb.OUTCOME_REJECTED and result.reason == pb.REASON_UNSUPPORTED:
+                self._unsupported(action, s)
+            if s is not None and intent.kind == "keep" and result.outcome in (pb.OUTCOME_ACCEPTED, pb.OUTCOME_CLIPPED):
+                s.blocks = blocks
+                if action == "pin":
+                    s.pinned_blocks = blocks
+            if any(clip.reason == pb.REASON_PIN_BUDGET for clip in result.clips):
+                held = [x.pin_until for x in self.sessions.values() if x.pinned_blocks]
+                self._pins_blocked_until = max(held, default=self._last_t)
+            if any(clip.reason == pb.REASON_TTL_CAPPED for clip in result.clips) and result.HasField("effective_ttl"):
+                self.max_ttl_s = min(self.max_ttl_s, duration_to_seconds(result.effective_ttl))
+
+    def _unsupported(self, action: Optional[str], s: Optional[_Session]) -> None:
+        if action in ("retain", "pin") and self.expected_reuse:
+            self.expected_reuse = False
+        elif action in ("demote", "prefetch"):
+            self.tiers = False
+        else:
+            return
+        if s is not None and s.state in ("paused", "waiting"):
+            s.demoted = False
+            self._predict_and_keep(s, self._last_t)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.stats[name] = self.stats.get(name, 0) + n
+
+    # ------------------------------------------------------------ sending
+
+    def flush(self, sink: HintSink, now: Optional[float] = None) -> list[tuple[pb.Hint, pb.HintResult]]:
+        """tick + drain + send through `sink` + record. Returns (hint, result) pairs."""
+        hints = self._due(now)
+        out: list[tuple[pb.Hint, pb.HintResult]] = []
+        for batch in self._batches(hints):
+            results = list(sink.apply(batch))
+            self.record(batch, results)
+            out.extend(zip(batch, results))
+        return out
+
+    async def flush_async(self, sink: AsyncHintSink, now: Optional[float] = None) -> list[tuple[pb.Hint, pb.HintResult]]:
+        """`flush` for an asyncio sink (`AsyncClientSink`)."""
+        hints = self._due(now)
+        out: list[tuple[pb.Hint, pb.HintResult]] = []
+        for batch in self._batches(hints):
+            results = list(await sink.apply(batch))
+            self.record(batch, results)
+            out.extend(zip(batch, results))
+        return out
+
+    def _due(self, now: Optional[float]) -> list[pb.Hint]:
+        now = max(self.clock() if now is None else now, self._last_t)
+        self.tick(now)
+        return self.drain(now)
+
+    def _batches(self, hints: list[pb.Hint]) -> list[list[pb.Hint]]:
+        n = max(1, self.max_batch)
+        return [hints[i : i + n] for i in range(0, len(hints), n)]

@@ -1,0 +1,119 @@
+"""Where a `SessionPolicy` sends its hints, and how fast.
+
+A sink takes a batch of `kvhint_pb2.Hint` and returns one `HintResult` per
+hint, in order. `ClientSink` wraps `KvHintClient`, `AsyncClientSink` wraps
+`AsyncKvHintClient`, `FleetSink` wraps `FleetClient` (a hint counts as applied
+when any engine holding the session applied it). Tests use `RecordingSink`.
+
+`TokenBucket` bounds the hint rate: `rate` hints per second on average, at
+most `burst` at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from kvhint.v1 import kvhint_pb2 as pb
+
+if TYPE_CHECKING:
+    from ..client import AsyncKvHintClient, KvHintClient
+    from ..fleet import FleetClient
+
+#: Outcome preference when engines of a fleet disagree (most applied first).
+_OUTCOME_RANK = {pb.OUTCOME_ACCEPTED: 0, pb.OUTCOME_DEFERRED: 1, pb.OUTCOME_CLIPPED: 2, pb.OUTCOME_MISSING: 3, pb.OUTCOME_REJECTED: 4}
+
+
+class HintSink(Protocol):
+    def apply(self, hints: Sequence[pb.Hint]) -> Sequence[pb.HintResult]: ...
+
+
+class AsyncHintSink(Protocol):
+    async def apply(self, hints: Sequence[pb.Hint]) -> Sequence[pb.HintResult]: ...
+
+
+class ClientSink:
+    """Hints to one engine through `KvHintClient.apply`."""
+
+    def __init__(self, client: KvHintClient, timeout: float | None = 5.0) -> None:
+        self.client = client
+        self.timeout = timeout
+
+    def apply(self, hints: Sequence[pb.Hint]) -> Sequence[pb.HintResult]:
+        return list(self.client.apply(*hints, timeout=self.timeout))
+
+
+class AsyncClientSink:
+    """Hints to one engine through `AsyncKvHintClient.apply`."""
+
+    def __init__(self, client: AsyncKvHintClient, timeout: float | None = 5.0) -> None:
+        self.client = client
+        self.timeout = timeout
+
+    async def apply(self, hints: Sequence[pb.Hint]) -> Sequence[pb.HintResult]:
+        return list(await self.client.apply(*hints, timeout=self.timeout))
+
+
+class FleetSink:
+    """Hints to the engines of a fleet that hold each selected session (`FleetClient.apply`).
+
+    Each hint's result is the most applied one among the engines (ACCEPTED >
+    DEFERRED > CLIPPED > MISSING > REJECTED); no engine answering is MISSING."""
+
+    def __init__(self, fleet: FleetClient, timeout: float | None = 5.0) -> None:
+        self.fleet = fleet
+        self.timeout = timeout
+
+    def apply(self, hints: Sequence[pb.Hint]) -> Sequence[pb.HintResult]:
+        result = self.fleet.apply(*hints, timeout=self.timeout)
+        out = []
+        for hint in hints:
+            per_engine = list(result.results_for(hint.hint_id).values())
+            if not per_engine:
+                out.append(pb.HintResult(hint_id=hint.hint_id, outcome=pb.OUTCOME_MISSING, message="no engine holds it"))
+            else:
+                out.append(min(per_engine, key=lambda r: _OUTCOME_RANK.get(r.outcome, 9)))
+        return out
+
+
+class RecordingSink:
+    """Keeps every batch; answers with `respond(hint)` (default ACCEPTED)."""
+
+    def __init__(self, respond: Callable[[pb.Hint], pb.HintResult] | None = None) -> None:
+        self.batches: list[list[pb.Hint]] = []
+        self.respond = respond or (lambda h: pb.HintResult(hint_id=h.hint_id, outcome=pb.OUTCOME_ACCEPTED))
+
+    @property
+    def hints(self) -> list[pb.Hint]:
+        return [h for batch in self.batches for h in batch]
+
+    def apply(self, hints: Sequence[pb.Hint]) -> Sequence[pb.HintResult]:
+        self.batches.append(list(hints))
+        return [self.respond(h) for h in hints]
+
+
+class TokenBucket:
+    """`rate` tokens per second, at most `burst` stored; time is passed in, so it is testable."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError("rate must be > 0 and burst >= 1")
+        self.rate = rate
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self._at: float | None = None
+
+    def available(self, now: float) -> int:
+        """Whole tokens available at `now` (time never moves backwards here)."""
+        if self._at is None:
+            self._at = now
+        elif now > self._at:
+            self.tokens = min(self.burst, self.tokens + (now - self._at) * self.rate)
+            self._at = now
+        return int(self.tokens)
+
+    def take(self, n: int, now: float) -> int:
+        """Take up to `n` tokens at `now`; returns how many were taken."""
+        got = min(n, self.available(now))
+        self.tokens -= got
+        return got

@@ -1,0 +1,438 @@
+"""kvhint_client.policy: what a router embedding SessionPolicy observes on the wire.
+
+Learning: pause estimates follow the observed gaps per tool (and fall back
+to the prior without data). Ranking: paused sessions expected back sooner
+get earlier expected_reuse_in, so the engine keeps them longer. Plus the
+contract around it: refresh of passed expectations, Release of ended
+sessions and dead branches, the rate limit, tiers, pins within the budget,
+and feedback from CLIPPED / REJECTED / MISSING results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_client import continuation
+from kvhint_client.durations import duration_to_seconds
+from kvhint_client.policy import (
+    ChildJoined,
+    ChildSpawned,
+    FleetSink,
+    LogNormalPrior,
+    PauseModel,
+    PolicyConfig,
+    RecordingSink,
+    RequestCompleted,
+    RequestSent,
+    SessionEnded,
+    SessionPolicy,
+    TemplateDeclared,
+    TemplateRetired,
+    TokenBucket,
+    ToolCallFinished,
+    ToolCallStarted,
+)
+
+ALL = (("all",),)
+
+
+def make(config: PolicyConfig | None = None) -> tuple[SessionPolicy, RecordingSink]:
+    return SessionPolicy(config or PolicyConfig(), clock=lambda: 0.0, id_prefix="h"), RecordingSink()
+
+
+def expected(hint: pb.Hint) -> float | None:
+    action = hint.retain if hint.HasField("retain") else hint.pin
+    return duration_to_seconds(action.expected_reuse_in) if action.HasField("expected_reuse_in") else None
+
+
+def last_keep(sink: RecordingSink, sid: str) -> pb.Hint:
+    keeps = [h for h in sink.hints if h.selector.session.session_id == sid and h.WhichOneof("action") in ("retain", "pin")]
+    assert keeps, f"no keep hint for {sid}"
+    return keeps[-1]
+
+
+def train(policy: SessionPolicy, sink: RecordingSink, tool: str, durations: list[float], sid: str, t0: float) -> float:
+    """Run `sid` through one pause per duration on `tool`; returns the time after the last one."""
+    t = t0
+    for d in durations:
+        policy.observe(ToolCallStarted(sid, tools=(tool,), t=t))
+        policy.flush(sink, t)
+        t += d
+        policy.observe(RequestSent(sid, t=t))
+        t += 0.1
+    return t
+
+
+# --------------------------------------------------------------------------- learning
+
+
+def test_prior_decides_without_data_and_data_decides_with_it() -> None:
+    model = PauseModel(LogNormalPrior(median_s=5.0, sigma=1.0), prior_weight=2.0)
+    assert model.quantile(ALL, 0.5) == pytest.approx(5.0, rel=1e-3)
+    rng = random.Random(1)
+    for _ in range(200):
+        model.observe(ALL, math.exp(rng.gauss(math.log(0.8), 0.3)))
+    assert model.quantile(ALL, 0.5) == pytest.approx(0.8, rel=0.1)
+
+
+def test_residual_grows_for_a_pause_that_outlives_its_class() -> None:
+    """A bimodal tool (mostly 1 s, sometimes 30 s): after 3 s the pause is probably a slow one."""
+    model = PauseModel(window=512)
+    for i in range(300):
+        model.observe(ALL, 30.0 if i % 10 == 0 else 1.0)
+    assert model.residual(ALL, 0.0) == pytest.approx(1.0, abs=0.05)
+    assert model.residual(ALL, 3.0) == pytest.approx(27.0, rel=0.05)
+
+
+def test_specific_keys_win_once_they_have_data() -> None:
+    model = PauseModel(min_samples=3)
+    model.observe([("tool", "a"), ALL[0]], 1.0)
+    model.observe([("tool", "a"), ALL[0]], 1.0)
+    for _ in range(20):
+        model.observe([("tool", "b"), ALL[0]], 20.0)
+    keys = (("tool", "a"), ALL[0])
+    assert model.quantile(keys, 0.5) > 10  # 2 samples of "a" are not enough: backs off to "all"
+    model.observe([("tool", "a"), ALL[0]], 1.0)
+    assert model.quantile(keys, 0.5) < 2
+
+
+def test_window_forgets_old_behaviour() -> None:
+    model = PauseModel(window=16)
+    for _ in range(16):
+        model.observe(ALL, 50.0)
+    for _ in range(16):
+        model.observe(ALL, 0.5)
+    assert model.quantile(ALL, 0.5) < 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(0.01, 100), min_size=1, max_size=40),
+    st.floats(0, 200),
+    st.floats(0.05, 0.95),
+)
+def test_residual_is_a_valid_conditional_quantile(sample: list[float], elapsed: float, q: float) -> None:
+    model = PauseModel(min_samples=1)
+    for x in sample:
+        model.observe(ALL, x)
+    r = model.residual(ALL, elapsed, q=q)
+    assert r >= 0 and math.isfinite(r)
+    # Shifting every observation later never predicts an earlier end.
+    later = PauseModel(min_samples=1)
+    for x in sample:
+        later.observe(ALL, x * 2)
+    assert later.residual(ALL, 0.0, q=q) >= model.residual(ALL, 0.0, q=q) - 1e-6
+
+
+# --------------------------------------------------------------------------- ranking
+
+
+def test_sessions_on_faster_tools_are_expected_back_sooner() -> None:
+    policy, sink = make()
+    t = train(policy, sink, "grep", [0.4, 0.5, 0.6, 0.5, 0.45], "a", 0.0)
+    t = train(policy, sink, "run_tests", [20, 25, 30, 22, 28], "b", t)
+    policy.observe(ToolCallStarted("b", tools=("run_tests",), t=t))
+    policy.observe(ToolCallStarted("a", tools=("grep",), t=t))
+    policy.flush(sink, t)
+    assert [sid for sid, _ in policy.ranking(t)] == ["a", "b"]
+    fast, slow = expected(last_keep(sink, "a")), expected(last_keep(sink, "b"))
+    assert fast is not None and slow is not None
+    assert fast == pytest.approx(0.5, rel=0.2) and slow == pytest.approx(25, rel=0.2)
+    # Same priority: the engine orders the two by expected reuse alone.
+    assert last_keep(sink, "a").retain.priority == last_keep(sink, "b").retain.priority
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["t1", "t2", "t3"]), st.floats(0.1, 60)), min_size=3, max_size=40))
+def test_ranking_follows_the_learned_medians(history: list[tuple[str, float]]) -> None:
+    policy, sink = make(PolicyConfig(min_samples=1))
+    t = 0.0
+    for tool, d in history:
+        t = train(policy, sink, tool, [d], "trainer", t)
+    tools = sorted({tool for tool, _ in history})
+    for tool in tools:
+        policy.observe(ToolCallStarted(f"s-{tool}", tools=(tool,), t=t))
+    ranked = policy.ranking(t)
+    assert {sid for sid, _ in ranked} >= {f"s-{tool}" for tool in tools}
+    times = [at for _, at in ranked]
+    assert times == sorted(times)
+    for tool in tools:  # each paused session is predicted at its tool's learned conditional median
+        sid = f"s-{tool}"
+        assert dict(ranked)[sid] == pytest.approx(t + policy.model.residual(policy.sessions[sid].keys, 0.0))
+
+
+def test_passed_expectation_is_refreshed_with_a_later_one() -> None:
+    policy, sink = make()
+    t = train(policy, sink, "flaky", [1.0] * 9 + [30.0] * 1, "a", 0.0)
+    policy.observe(ToolCallStarted("a", tools=("flaky",), t=t))
+    policy.flush(sink, t)
+    first = expected(last_keep(sink, "a"))
+    assert first is not None and first < 3
+    policy.flush(sink, t + 5.0)  # still paused well past the prediction
+    second = expected(last_keep(sink, "a"))
+    assert second is not None and second > 10
+
+
+def test_children_wait_is_learned_and_parent_kept() -> None:
+    policy, sink = make()
+    policy.observe(ChildSpawned("p", "p.c0", t=0.0))
+    policy.observe(RequestSent("p.c0", t=0.1))
+    policy.flush(sink, 0.1)
+    assert last_keep(sink, "p").HasField("retain")
+    policy.observe(SessionEnded("p.c0", t=4.0))
+    policy.observe(ChildJoined("p", "p.c0", t=4.0))
+    policy.observe(RequestSent("p", t=4.0))
+    assert policy.model.count(("children",)) == 1
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def test_ended_session_and_its_dead_branches_are_released_and_forgotten() -> None:
+    policy, sink = make()
+    policy.observe(ToolCallStarted("p", tools=("x",), t=0.0))
+    policy.observe(ChildSpawned("p", "p.c0", t=0.0))
+    policy.observe(ChildSpawned("p", "p.c1", t=0.0))
+    policy.observe(SessionEnded("p", t=1.0))
+    policy.flush(sink, 1.0)
+    released = {h.selector.session.session_id for h in sink.hints if h.HasField("release")}
+    assert released == {"p", "p.c0", "p.c1"}
+    assert not any(h.HasField("retain") for h in sink.hints), "a Release cancels the keep queued for the same session"
+    assert policy.sessions == {}
+
+
+def test_tool_finished_means_imminent_reuse_and_is_learned() -> None:
+    policy, sink = make(PolicyConfig(resume_s=0.5))
+    policy.observe(ToolCallStarted("a", tools=("x",), t=0.0))
+    policy.observe(ToolCallFinished("a", t=3.0))
+    policy.flush(sink, 3.0)
+    assert expected(last_keep(sink, "a")) == pytest.approx(0.5)
+    policy.observe(RequestSent("a", t=3.2))
+    assert policy.model.count(("tool", "x")) == 1  # the tool's own duration, learned once
+
+
+def test_idle_session_after_completion_is_kept_until_a_tool_call_replaces_it() -> None:
+    policy, sink = make()
+    policy.observe(RequestSent("a", t=0.0))
+    policy.observe(RequestCompleted("a", t=1.0))
+    policy.observe(ToolCallStarted("a", tools=("x",), t=1.0))
+    policy.flush(sink, 1.0)
+    assert len([h for h in sink.hints if h.selector.session.session_id == "a"]) == 1  # coalesced
+
+
+def test_template_is_kept_above_sessions_refreshed_and_retired() -> None:
+    policy, sink = make(PolicyConfig(template_ttl_s=100))
+    policy.observe(TemplateDeclared("sys", continuation("sys-v1"), t=0.0))
+    policy.observe(ToolCallStarted("a", t=0.0))
+    policy.flush(sink, 0.0)
+    tmpl = [h for h in sink.hints if h.selector.continuation.continuation_id == "sys-v1"]
+    assert len(tmpl) == 1 and tmpl[0].retain.priority > last_keep(sink, "a").retain.priority
+    assert not tmpl[0].retain.HasField("expected_reuse_in")
+    policy.flush(sink, 49.0)
+    assert len([h for h in sink.hints if h.selector.continuation.continuation_id == "sys-v1"]) == 1
+    policy.flush(sink, 51.0)
+    assert len([h for h in sink.hints if h.selector.continuation.continuation_id == "sys-v1"]) == 2
+    policy.observe(TemplateRetired("sys", t=52.0))
+    policy.flush(sink, 52.0)
+    assert sink.hints[-1].HasField("release") and sink.hints[-1].selector.continuation.continuation_id == "sys-v1"
+
+
+def test_signals_out_of_order_are_refused() -> None:
+    policy, _ = make()
+    policy.observe(RequestSent("a", t=5.0))
+    with pytest.raises(ValueError, match="time order"):
+        policy.observe(RequestSent("a", t=4.0))
+
+
+# --------------------------------------------------------------------------- rate limit
+
+
+def test_token_bucket_bounds_the_rate() -> None:
+    bucket = TokenBucket(rate=10, burst=5)
+    assert bucket.take(100, 0.0) == 5
+    assert bucket.take(100, 0.0) == 0
+    assert bucket.take(100, 0.35) == 3
+    assert bucket.take(100, 100.0) == 5
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.floats(0, 2)), min_size=1, max_size=30))
+def test_policy_never_exceeds_its_configured_rate(steps: list[tuple[int, float]]) -> None:
+    rate, burst = 4.0, 3
+    policy, sink = make(PolicyConfig(max_hints_per_s=rate, burst=burst))
+    t, sent_at = 0.0, []
+    for n, dt in steps:
+        t += dt
+        for i in range(n):
+            policy.observe(ToolCallStarted(f"s{i}", tools=("x",), t=t))
+        before = len(sink.hints)
+        policy.flush(sink, t)
+        sent_at += [t] * (len(sink.hints) - before)
+    for i, start in enumerate(sent_at):
+        window = [x for x in sent_at[i:] if x <= start + 1.0]
+        assert len(window) <= burst + rate * 1.0 + 1e-9
+    # Nothing is lost: coalesced hints wait for tokens and go out later.
+    for k in range(20):
+        policy.flush(sink, t + 1000.0 + k)
+    assert policy.pending == 0
+
+
+# --------------------------------------------------------------------------- engine support and results
+
+
+def caps(expected_reuse: bool = True, tiers: bool = False, pin_budget: int = 0, max_ttl: float = 3600) -> pb.GetCapabilitiesResponse:
+    actions = [
+        pb.ActionSupport(action=pb.ACTION_RETAIN, supported=True, supports_expected_reuse=expected_reuse),
+        pb.ActionSupport(action=pb.ACTION_PIN, supported=True, supports_expected_reuse=expected_reuse),
+        pb.ActionSupport(action=pb.ACTION_DEMOTE, supported=tiers),
+        pb.ActionSupport(action=pb.ACTION_PREFETCH, supported=tiers),
+    ]
+    limits = pb.Limits(pin_budget_blocks=pin_budget, max_hints_per_batch=8)
+    limits.max_ttl.FromSeconds(int(max_ttl))
+    return pb.GetCapabilitiesResponse(actions=actions, limits=limits)
+
+
+def test_engine_without_expected_reuse_gets_priority_bands() -> None:
+    policy, sink = make()
+    policy.configure(caps(expected_reuse=False, max_ttl=60))
+    t = train(policy, sink, "fast", [0.5] * 5, "a", 0.0)
+    t = train(policy, sink, "slow", [40.0] * 5, "b", t)
+    policy.observe(ToolCallStarted("a", tools=("fast",), t=t))
+    policy.observe(ToolCallStarted("b", tools=("slow",), t=t))
+    policy.flush(sink, t)
+    fast, slow = last_keep(sink, "a"), last_keep(sink, "b")
+    assert expected(fast) is None and expected(slow) is None
+    assert fast.retain.priority > slow.retain.priority
+    assert duration_to_seconds(slow.retain.ttl) <= 60
+
+
+def test_rejected_unsupported_expected_reuse_falls_back() -> None:
+    def respond(h: pb.Hint) -> pb.HintResult:
+        if h.HasField("retain") and h.retain.HasField("expected_reuse_in"):
+            return pb.HintResult(hint_id=h.hint_id, outcome=pb.OUTCOME_REJECTED, reason=pb.REASON_UNSUPPORTED)
+        return pb.HintResult(hint_id=h.hint_id, outcome=pb.OUTCOME_ACCEPTED)
+
+    policy, _ = make()
+    sink = RecordingSink(respond)
+    policy.observe(ToolCallStarted("a", t=0.0))
+    policy.flush(sink, 0.0)
+    policy.flush(sink, 0.0)
+    assert expected(sink.hints[0]) is not None and expected(sink.hints[-1]) is None
+    assert policy.stats["OUTCOME_REJECTED"] == 1 and not policy.expected_reuse
+
+
+def test_missing_session_is_not_refreshed_until_it_runs_again() -> None:
+    policy, _ = make()
+    sink = RecordingSink(lambda h: pb.HintResult(hint_id=h.hint_id, outcome=pb.OUTCOME_MISSING))
+    policy.observe(ToolCallStarted("a", t=0.0))
+    policy.flush(sink, 0.0)
+    for t in (100.0, 1000.0, 5000.0):
+        policy.flush(sink, t)
+    assert len(sink.hints) == 1
+
+
+def test_long_pause_with_tiers_demotes_then_prefetches_before_the_resume() -> None:
+    policy, sink = make(PolicyConfig(use_tiers=True, demote_after_s=10, prefetch_margin_s=2))
+    policy.configure(caps(tiers=True))
+    t = train(policy, sink, "build", [30.0] * 5, "trainer", 0.0)
+    policy.observe(ToolCallStarted("a", tools=("build",), t=t))
+    policy.flush(sink, t)
+    mine = [h for h in sink.hints if h.selector.session.session_id == "a"]
+    assert [h.WhichOneof("action") for h in mine] == ["demote"]
+    resume = policy.predicted_resume("a", t)
+    assert resume is not None
+    policy.flush(sink, resume - 2.5)
+    assert [h.WhichOneof("action") for h in sink.hints if h.selector.session.session_id == "a"] == ["demote"]
+    policy.flush(sink, resume - 1.9)
+    assert [h.WhichOneof("action") for h in sink.hints if h.selector.session.session_id == "a"] == ["demote", "prefetch"]
+
+
+def test_tiers_unsupported_by_the_engine_means_retain() -> None:
+    policy, sink = make(PolicyConfig(use_tiers=True, demote_after_s=1))
+    policy.configure(caps(tiers=False))
+    policy.observe(ToolCallStarted("a", expected_duration_s=100, t=0.0))
+    policy.flush(sink, 0.0)
+    assert [h.WhichOneof("action") for h in sink.hints] == ["retain"]
+
+
+def _device(n: int) -> list[pb.TierBlockCount]:
+    return [pb.TierBlockCount(tier=pb.TIER_DEVICE, blocks=n)]
+
+
+def test_pins_stay_inside_the_budget() -> None:
+    def respond(h: pb.Hint) -> pb.HintResult:
+        return pb.HintResult(hint_id=h.hint_id, outcome=pb.OUTCOME_ACCEPTED, affected_blocks=_device(10))
+
+    policy, _ = make(PolicyConfig(pin_within_s=5.0))
+    sink = RecordingSink(respond)
+    policy.configure(caps(pin_budget=25))
+    for sid in ("a", "b", "c"):  # learn each session's size from a first Retain
+        policy.observe(ToolCallStarted(sid, expected_duration_s=1.0, t=0.0))
+    policy.flush(sink, 0.0)
+    for sid in ("a", "b", "c"):
+        policy.observe(RequestSent(sid, t=1.0))
+        policy.observe(ToolCallStarted(sid, expected_duration_s=1.0, t=1.0))
+    policy.flush(sink, 1.0)
+    pins = [h for h in sink.hints[3:] if h.HasField("pin")]
+    assert len(pins) == 2  # 2 x 10 blocks fit a budget of 25; the third is retained
+    assert sum(s.pinned_blocks for s in policy.sessions.values()) <= 25
+
+
+def test_pin_budget_clip_stops_pinning() -> None:
+    def respond(h: pb.Hint) -> pb.HintResult:
+        if h.HasField("pin"):
+            return pb.HintResult(hint_id=h.hint_id, outcome=pb.OUTCOME_CLIPPED, affected_blocks=_device(3),
+                                 clips=[pb.Clip(reason=pb.REASON_PIN_BUDGET)])
+        return pb.HintResult(hint_id=h.hint_id, outcome=pb.OUTCOME_ACCEPTED, affected_blocks=_device(5))
+
+    policy, _ = make(PolicyConfig(pin_within_s=5.0))
+    sink = RecordingSink(respond)
+    policy.configure(caps(pin_budget=1000))
+    for sid in ("a", "b"):
+        policy.observe(ToolCallStarted(sid, expected_duration_s=1.0, t=0.0))
+    policy.flush(sink, 0.0)
+    policy.observe(RequestSent("a", t=1.0))
+    policy.observe(ToolCallStarted("a", expected_duration_s=1.0, t=1.0))
+    policy.flush(sink, 1.0)
+    assert sink.hints[-1].HasField("pin")
+    policy.observe(RequestSent("b", t=2.0))
+    policy.observe(ToolCallStarted("b", expected_duration_s=1.0, t=2.0))
+    policy.flush(sink, 2.0)
+    assert sink.hints[-1].HasField("retain")
+
+
+# --------------------------------------------------------------------------- sinks
+
+
+def test_fleet_sink_reports_the_most_applied_outcome() -> None:
+    results = {
+        "h0": {"e1": pb.HintResult(hint_id="h0", outcome=pb.OUTCOME_MISSING), "e2": pb.HintResult(hint_id="h0", outcome=pb.OUTCOME_ACCEPTED)},
+        "h1": {},
+    }
+    fleet = SimpleNamespace(apply=lambda *hints, timeout=None: SimpleNamespace(results_for=lambda i: results[i]))
+    out = FleetSink(fleet).apply([pb.Hint(hint_id="h0"), pb.Hint(hint_id="h1")])  # type: ignore[arg-type]
+    assert [r.outcome for r in out] == [pb.OUTCOME_ACCEPTED, pb.OUTCOME_MISSING]
+
+
+def test_flush_async_sends_through_an_async_sink() -> None:
+    class AsyncSink:
+        def __init__(self) -> None:
+            self.hints: list[pb.Hint] = []
+
+        async def apply(self, hints):  # type: ignore[no-untyped-def]
+            self.hints += hints
+            return [pb.HintResult(hint_id=h.hint_id, outcome=pb.OUTCOME_ACCEPTED) for h in hints]
+
+    policy, _ = make()
+    sink = AsyncSink()
+    policy.observe(ToolCallStarted("a", t=0.0))
+    pairs = asyncio.run(policy.flush_async(sink, 0.0))
+    assert len(pairs) == 1 and sink.hints[0].HasField("retain") and policy.stats["OUTCOME_ACCEPTED"] == 1

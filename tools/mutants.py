@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Mutation check: each mutant below must make the fast suite fail.
+
+Each mutant is data: a file, a regular expression that must match exactly once
+(the anchor), and its replacement. For every mutant the tool applies it, runs
+the fast suite (`pytest -m "not engine" -x -q` over FAST_PATHS, tests/inproc
+first so a killed mutant is found quickly), and restores the file. It prints a
+table mutant -> killed/survived and exits 1 if any mutant survived, 2 if an
+anchor no longer matches (the code moved: update the mutant, never drop it
+silently).
+
+By default the work happens in a temporary copy of the working tree (tracked
+and untracked, non-ignored files), so other people's runs in this checkout
+never see a mutated file; `--in-place` mutates the checkout itself (the file is
+always restored, in a `finally`). Either way only the mutant's own file is
+touched.
+
+  python3 tools/mutants.py                 # every mutant, the whole fast suite
+  python3 tools/mutants.py --paths tests/inproc --only refile-noop
+  python3 tools/mutants.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FAST_PATHS = ("tests/inproc", "tests/unit", "tests/client", "tests/bench", "tests/conformance", "tests/stubs")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    anchor: str  # regex, must match exactly once (re.MULTILINE | re.DOTALL off)
+    replacement: str  # re.sub replacement (may use \1 ...)
+    what: str
+
+
+MUTANTS = (
+    Mutant(
+        "priority-reversed",
+        "engine_integration/protected.py",
+        r"for priority in sorted\(self\._retained\)",
+        "for priority in sorted(self._retained, reverse=True)",
+        "retained blocks are given up highest priority first",
+    ),
+    Mutant(
+        "refile-noop",
+        "engine_integration/hooks.py",
+        r"(    def kvh_refile_block\(self[^\n]*\n(?:        \"\"\"(?:[^\"]|\"(?!\"\"))*\"\"\"\n)?)",
+        r"\1        return\n",
+        "kvh_refile_block does nothing: Pin and Retain protect nothing",
+    ),
+    Mutant(
+        "free-order-idle",
+        "engine_integration/hooks.py",
+        r"super\(\)\.free_blocks\(ordered_blocks\)(\n\s+return)",
+        r"super().free_blocks(list(ordered_blocks)[::-1])\1",
+        "free_blocks reverses vLLM's free order when no grant is in effect",
+    ),
+    Mutant(
+        "free-order-active",
+        "engine_integration/hooks.py",
+        r"blocks = list\(ordered_blocks\)\n",
+        "blocks = list(ordered_blocks)[::-1]\n",
+        "free_blocks reverses vLLM's free order while a grant is in effect",
+    ),
+    Mutant(
+        "grant-no-refile",
+        "kvhint_server/executor.py",
+        r"core\.adapter\.refile\(list\(reversed\(hashes\)\)\)",
+        "pass",
+        "the executor does not refile after a Pin/Retain grant",
+    ),
+    Mutant(
+        "release-no-refile",
+        "kvhint_server/executor.py",
+        r"(if released:\n\s+)core\.adapter\.refile\(released\)",
+        r"\1pass",
+        "the executor does not refile after a Release",
+    ),
+    Mutant(
+        "expiry-no-refile",
+        "kvhint_server/core.py",
+        r"self\.adapter\.refile\(expired\)",
+        "pass",
+        "expired grants are dropped from the ledger but their blocks stay protected",
+    ),
+    Mutant(
+        "evict-ignores-in-use",
+        "engine_integration/adapter.py",
+        r"(def evict\(self.*?)if any\(b\.ref_cnt > 0 for b in copies\):",
+        r"\1if False:",
+        "Evict does not check whether a block is in use",
+    ),
+    Mutant(
+        "protected-not-free",
+        "engine_integration/hooks.py",
+        r"return self\.free_block_queue\.num_free_blocks \+ self\._kvh_protected\.count",
+        "return self.free_block_queue.num_free_blocks",
+        "protected blocks are not counted free (the pool shrinks under retention)",
+    ),
+    Mutant(
+        "bucket-lifo",
+        "engine_integration/protected.py",
+        r"plain_id = next\(iter\(self\.plain\), None\)",
+        "plain_id = next(reversed(self.plain), None)",
+        "within a priority, the chain's head is given up before its tail",
+    ),
+)
+
+
+class AnchorMissing(RuntimeError):
+    pass
+
+
+def mutate(text: str, mutant: Mutant) -> str:
+    pattern = re.compile(mutant.anchor, re.DOTALL if ".*?" in mutant.anchor else 0)
+    matches = len(pattern.findall(text))
+    if matches != 1:
+        raise AnchorMissing(f"{mutant.name}: anchor {mutant.anchor!r} matches {matches} times in {mutant.path}")
+    return pattern.sub(mutant.replacement, text, count=1)
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree as git sees it (tracked + untracked, not ignored)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, check=True, capture_output=True,
+    ).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def run_suite(root: Path, paths: list[str], timeout: float) -> tuple[bool, str]:
+    """True if the suite passed. Runs with `root` first on sys.path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    cmd = [sys.executable, "-m", "pytest", "-m", "not engine", "-x", "-q", "-p", "no:cacheprovider", *paths]
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, "timeout"
+    last = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
+    failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    return proc.returncode == 0, (failed[0] if failed else last[0])
+
+
+def check_loaded_from(root: Path, mutant: Mutant) -> None:
+    """The suite must import the copy, not the editable install in REPO."""
+    module = mutant.path[: -len(".py")].replace("/", ".")
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", f"import {module} as m; print(m.__file__)"],
+        cwd=root, env=env, capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    if Path(out).resolve() != (root / mutant.path).resolve():
+        raise RuntimeError(f"{module} imports from {out}, not from {root}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--paths", nargs="+", default=list(FAST_PATHS), help="test paths (default: the fast suite)")
+    parser.add_argument("--only", nargs="+", help="mutant names")
+    parser.add_argument("--in-place", action="store_true", help="mutate this checkout (restored afterwards)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per suite run")
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args(argv)
+    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:22} {m.path:34} {m.what}")
+        return 0
+    if args.only and len(mutants) != len(args.only):
+        parser.error(f"unknown mutant in {args.only}")
+    # Every anchor is checked before anything runs.
+    for m in mutants:
+        mutate((REPO / m.path).read_text(), m)
+
+    tmp = None
+    root = REPO
+    if not args.in_place:
+        tmp = tempfile.mkdtemp(prefix="kvhint-mutants-")
+        root = Path(tmp)
+        copy_tree(root)
+    rows = []
+    try:
+        if tmp:
+            check_loaded_from(root, mutants[0])
+        ok, detail = run_suite(root, args.paths, args.timeout)
+        if not ok:
+            print(f"the unmutated suite fails ({detail}); fix that first", file=sys.stderr)
+            return 2
+        for m in mutants:
+            target = root / m.path
+            original = target.read_text()
+            start = time.monotonic()
+            try:
+                target.write_text(mutate(original, m))
+                passed, detail = run_suite(root, args.paths, args.timeout)
+            finally:
+                target.write_text(original)
+            rows.append((m, "survived" if passed else "killed", time.monotonic() - start, detail))
+            print(f"{m.name:22} {rows[-1][1]:8} {rows[-1][2]:6.1f}s  {detail}", flush=True)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    print("| mutant | file | what it breaks | result |")
+    print("|---|---|---|---|")
+    for m, result, _, _ in rows:
+        print(f"| {m.name} | {m.path} | {m.what} | {result} |")
+    survived = [m.name for m, result, _, _ in rows if result == "survived"]
+    if survived:
+        print(f"\nsurvived: {', '.join(survived)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except AnchorMissing as exc:
+        print(f"anchor not found: {exc}", file=sys.stderr)
+        sys.exit(2)
