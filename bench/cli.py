@@ -2,8 +2,10 @@
 ``kvhint bench``).
 
   generate  --preset default --seed 0 [--set concurrency=4 --set turns=[3,8]] -o trace.jsonl
-  analyze   TRACE.jsonl [--num-gpu-blocks N] [--pin-budget 0.5] [--async-scheduling] [--json]
-            LRU / hints / hints+release / Belady / infinite on one trace (yours or generated)
+  analyze   TRACE.jsonl [--num-gpu-blocks N] [--pin-budget 0.5] [--async-scheduling] [--no-tiers] [--json]
+            side by side on one trace (yours or generated): (a) LRU, (b) the earlier reference
+            policy, (c) kvhint_client.policy, (d) Belady, (e) infinite cache, and the tier runs
+            (f, g) on a host tier as large as the device pool
   headroom  --preset default --seeds 0,1,2 [--set ...]    analyze several generated traces
   policy    TRACE.jsonl [--no-release]                      the reference policy's actions, JSON lines
 """
@@ -51,7 +53,7 @@ def _cmd_analyze(a: argparse.Namespace) -> int:
     tr.validate()
     t0 = time.perf_counter()
     res = analyze(tr, num_gpu_blocks=a.num_gpu_blocks, pin_budget_fraction=a.pin_budget,
-                  async_scheduling=a.async_scheduling)
+                  async_scheduling=a.async_scheduling, tiers=not a.no_tiers)
     dt = time.perf_counter() - t0
     if a.json:
         print(json.dumps({**res.to_json(), "seconds": round(dt, 3)}, indent=2))
@@ -64,7 +66,7 @@ def _cmd_analyze(a: argparse.Namespace) -> int:
 def _cmd_headroom(a: argparse.Namespace) -> int:
     p = _params(a.preset, a.set)
     print(f"{'seed':>6}{'reqs':>6}{'pool':>6}{'live':>6}{'LRU hit':>9}{'hints':>8}{'+rel':>8}"
-          f"{'Belady':>8}{'inf':>7}{'B/LRU':>7}{'h/LRU':>7}{'h+r/LRU':>8}")
+          f"{'Belady':>8}{'inf':>7}{'B/LRU':>7}{'h/LRU':>7}{'h+r/LRU':>8}{'pol/LRU':>8}{'pol/B':>7}")
     for seed in (int(s) for s in a.seeds.split(",")):
         tr = generate_trace(p, seed, preset=a.preset)
         r = analyze(tr, pin_budget_fraction=a.pin_budget)
@@ -73,7 +75,8 @@ def _cmd_headroom(a: argparse.Namespace) -> int:
         print(f"{seed:>6}{len(R['lru'].cached_tokens):>6}{r.num_gpu_blocks:>6}{r.peak_live_blocks:>6}"
               f"{R['lru'].hit_rate:>9.3f}{R['hints'].hit_rate:>8.3f}{R['hints+release'].hit_rate:>8.3f}"
               f"{R['belady'].hit_rate:>8.3f}{R['infinite'].hit_rate:>7.3f}{r.belady_over_lru:>7.3f}"
-              f"{R['hints'].recomputed_tokens / lru:>7.3f}{R['hints+release'].recomputed_tokens / lru:>8.3f}")
+              f"{R['hints'].recomputed_tokens / lru:>7.3f}{R['hints+release'].recomputed_tokens / lru:>8.3f}"
+              f"{R['policy'].recomputed_tokens / lru:>8.3f}{r.share_of_belady('policy'):>7.2f}")
     return 0
 
 
@@ -102,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--num-gpu-blocks", type=int, default=None, help="override the header's pool size")
     n.add_argument("--pin-budget", type=float, default=0.5, help="pin budget, fraction of usable blocks")
     n.add_argument("--async-scheduling", action="store_true", help="model GPU async scheduling (decode cache lag)")
+    n.add_argument("--no-tiers", action="store_true", help="skip the simulated tier runs (f, g)")
     n.add_argument("--json", action="store_true")
     n.set_defaults(fn=_cmd_analyze)
 

@@ -62,9 +62,9 @@ class Run:
 def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
     """The runs: pools at the most sessions, sessions at the middle pool, hints, A/A."""
     if quick:
-        base: dict[str, Any] = dict(steps=30, warmup_steps=8, quiet_rounds=6, system_tokens=256, first_context_tokens=64,
+        base: dict[str, Any] = dict(steps=20, warmup_steps=6, quiet_rounds=4, system_tokens=256, first_context_tokens=64,
                                     max_tokens=16, arrivals_per_step=4, max_model_len=1024, max_num_seqs=64)
-        pools, sessions, mid, hints, sweep, event_steps, event_count = (2048, 8192), (50, 200), 8192, 10, (1, 16, 64, 256), 20, 3000
+        pools, sessions, mid, hints, sweep, event_steps, event_count = (2048, 8192), (50, 200), 8192, 10, (1, 16, 64), 10, 2000
     else:
         base = dict(steps=200, quiet_rounds=20)
         pools, sessions, mid, hints, sweep = (16384, 131072, 524288), (100, 1000, 10000), 131072, 20, (1, 16, 64, 256, 1024, 4096)
@@ -112,7 +112,7 @@ def execute(run: Run, extras: dict[str, Any], out_dir: Path, raw: dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, < 1 min (for tests)")
-    parser.add_argument("--steps", type=int, default=None, help="steady steps per run (default 200; quick 30)")
+    parser.add_argument("--steps", type=int, default=None, help="steady steps per run (default 200; quick 20)")
     parser.add_argument("--only", action="append", default=[], help="run only these run names (repeatable)")
     parser.add_argument("--out", default=None, help=f"output folder (default {FULL_OUT}; quick {QUICK_OUT})")
     parser.add_argument("--report-only", action="store_true", help="regenerate RESULTS.md and the plot from raw data")

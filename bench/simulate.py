@@ -59,7 +59,15 @@ Policies differ only in which free blocks a request's new blocks evict:
   clipped). A block is "released" only if every session that ever held it
   was Released, so shared blocks keep other sessions' protection. Each
   target has one pin slot and one retain slot; a new hint of the same kind
-  replaces the old one; Release clears both.
+  replaces the old one; Release clears both. Expected reuse
+  (``expected_reuse_in_s``, clamped to the TTL) orders blocks within a
+  (class, priority) as kvhint.v1 specifies and
+  `engine_integration.protected` implements: no or a passed expectation
+  first in queue (LRU) order, then the furthest expected reuse first; a
+  block's expectation is the earliest among its unexpired hints.
+* `simulate_library` -- the same pool driven by `bench.policy.LibraryPolicy`
+  (`kvhint_client.policy.SessionPolicy`), which also sees the runtime's own
+  requests (to learn pause durations) and ticks before each request.
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 import numpy as np
@@ -77,6 +85,7 @@ import numpy as np
 from bench.policy import (
     Action,
     Demote,
+    LibraryPolicy,
     Pin,
     PolicyConfig,
     Prefetch,
@@ -84,6 +93,7 @@ from bench.policy import (
     Release,
     Retain,
     Target,
+    library_config,
     policy_variant,
     shared_prefix_target,
 )
@@ -122,6 +132,7 @@ class BlockTrace:
     shared_prefix_hashes: tuple[int, ...] = ()
     shared_prefix_target: Target | None = None
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    library_config: Any = None  # kvhint_client.policy.PolicyConfig for `simulate_library`
 
     @property
     def prompt_tokens(self) -> int:
@@ -191,6 +202,7 @@ def compile_trace(
         shared_prefix_hashes=sp_hashes,
         shared_prefix_target=shared_prefix_target(trace.header),
         policy_config=PolicyConfig.from_header(trace.header),
+        library_config=library_config(trace.header),
     )
 
 
@@ -313,10 +325,38 @@ class BlockPoolModel:
 Chooser = Callable[[BlockPoolModel, int, BlockRequest], list[int]]
 
 
-def _run_request(pool: BlockPoolModel, req: BlockRequest, choose: Chooser) -> tuple[int, int]:
-    """Execute one request; returns (hit blocks, blocks in use at peak)."""
+class HostTier:
+    """A host-memory tier of `capacity` blocks, kept the way vLLM's OffloadingConnector keeps
+    its CPU tier: every newly computed full block is stored (most recent first kept), a block
+    loaded back is touched, and the least recently used block is dropped when full."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.loaded_blocks = 0
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.lru
+
+    def store(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self.lru[h] = None
+            self.lru.move_to_end(h)
+        while len(self.lru) > self.capacity:
+            self.lru.popitem(last=False)
+
+
+def _run_request(pool: BlockPoolModel, req: BlockRequest, choose: Chooser, host: HostTier | None = None) -> tuple[int, int]:
+    """Execute one request; returns (hit blocks, blocks in use at peak). With a `host` tier,
+    the blocks after the device prefix hit that the host holds are loaded (they count as hit
+    blocks: not recomputed), and the newly computed blocks are stored to the host."""
     hits = pool.lookup(req.chain, req.hit_cap_blocks)
     pool.touch(hits)
+    loaded = 0
+    if host is not None:
+        while len(hits) + loaded < req.hit_cap_blocks and req.chain[len(hits) + loaded] in host:
+            loaded += 1
+        host.loaded_blocks += loaded
     n_new = req.num_alloc_blocks - len(hits)
     if n_new > len(pool.free):
         raise ValueError(
@@ -330,7 +370,9 @@ def _run_request(pool: BlockPoolModel, req: BlockRequest, choose: Chooser) -> tu
     for i in range(len(hits), len(req.chain)):
         pool.cache(blocks[i], req.chain[i])
     pool.free_request(blocks)
-    return len(hits), len(blocks)
+    if host is not None:
+        host.store(req.chain[len(hits) :])  # loaded blocks are touched, computed ones stored
+    return len(hits) + loaded, len(blocks)
 
 
 def _lru_choose(pool: BlockPoolModel, n: int, req: BlockRequest) -> list[int]:
@@ -429,6 +471,7 @@ class _HintState:
     deadline: float = math.inf
     priority: int = 0
     hashes: frozenset[int] = frozenset()
+    reuse_at: float | None = None  # expected reuse (absolute), at most the deadline
 
 
 class HintedPool:
@@ -436,8 +479,10 @@ class HintedPool:
 
     T_UNHASHED, T_RELEASED, T_ORDINARY, T_RETAINED, T_PINNED = range(5)
 
-    def __init__(self, bt: BlockTrace, num_gpu_blocks: int | None, pin_budget_fraction: float):
+    def __init__(self, bt: BlockTrace, num_gpu_blocks: int | None, pin_budget_fraction: float, host: HostTier | None = None):
         self.bt = bt
+        self.host = host
+        self.demoted: set[str] = set()
         self.pool = BlockPoolModel(num_gpu_blocks or bt.num_gpu_blocks)
         self.pin_budget = int(pin_budget_fraction * self.pool.usable)
         self.now = 0.0
@@ -448,7 +493,7 @@ class HintedPool:
         self.pins: dict[Target, _HintState] = {}
         self.retains: dict[Target, _HintState] = {}
         self.released: set[str] = set()
-        self.stats = {"pins": 0, "pins_clipped_blocks": 0, "pins_broken": 0, "retains": 0, "releases": 0}
+        self.stats = {"pins": 0, "pins_clipped_blocks": 0, "pins_broken": 0, "retains": 0, "releases": 0, "demotes": 0}
 
     # ---- hints
     def _target_hashes(self, tgt: Target) -> tuple[int, ...]:
@@ -485,11 +530,13 @@ class HintedPool:
                 chosen.append(h)
             resident = sum(1 for h in chain if self.pool.resident(h) and h not in pinned)
             self.stats["pins_clipped_blocks"] += resident - len(chosen)
-            self.pins[tgt] = _HintState("pin", t + a.ttl_s, 0, frozenset(chosen))
+            self.pins[tgt] = _HintState("pin", t + a.ttl_s, 0, frozenset(chosen), _reuse_at(a, t))
             self.released.discard(tgt.id)
         elif isinstance(a, Retain):
             self.stats["retains"] += 1
-            self.retains[tgt] = _HintState("retain", t + a.ttl_s, a.priority, frozenset(self._target_hashes(tgt)))
+            self.retains[tgt] = _HintState(
+                "retain", t + a.ttl_s, a.priority, frozenset(self._target_hashes(tgt)), _reuse_at(a, t)
+            )
             self.released.discard(tgt.id)
         elif isinstance(a, Release):
             self.stats["releases"] += 1
@@ -497,8 +544,16 @@ class HintedPool:
             self.retains.pop(tgt, None)
             if tgt.kind == "session":
                 self.released.add(tgt.id)
+        elif isinstance(a, Demote) and self.host is not None and tgt.kind == "session":
+            # A host copy is made (the chain becomes the host's most recent), then the device
+            # copies go first; the target's device retention ends.
+            self.stats["demotes"] += 1
+            self.host.store([h for h in self._target_hashes(tgt) if self.pool.resident(h) or h in self.host])
+            self.pins.pop(tgt, None)
+            self.retains.pop(tgt, None)
+            self.demoted.add(tgt.id)
         elif isinstance(a, (Demote, Prefetch)):
-            pass  # tier actions: this model has the device tier only (tier runs are engine-only)
+            pass  # no host tier; and with one, Prefetch stages into the host, which already holds it
         else:  # pragma: no cover
             raise TypeError(a)
 
@@ -507,28 +562,32 @@ class HintedPool:
         now = self.now
         pinned: set[int] = set()
         retained: dict[int, int] = {}
+        reuse: dict[int, float] = {}  # block -> earliest expected reuse among its unexpired hints
         for st in self.pins.values():
             if st.deadline > now:
                 pinned |= st.hashes
+                _note_reuse(reuse, st)
         for st in self.retains.values():
             if st.deadline > now:
                 for h in st.hashes:
                     if retained.get(h, -(10**9)) < st.priority:
                         retained[h] = st.priority
+                _note_reuse(reuse, st)
         rel = self.released
         keyed = []
         for pos, b in enumerate(pool.free):
             h = pool.block_hash[b]
             if h is None:
-                key = (self.T_UNHASHED, 0, pos)
-            elif h in pinned:
-                key = (self.T_PINNED, 0, pos)
-            elif h in retained:
-                key = (self.T_RETAINED, retained[h], pos)
+                key: tuple[Any, ...] = (self.T_UNHASHED, 0, 0, 0.0, pos)
+            elif h in pinned or h in retained:
+                at = reuse.get(h)
+                order = (0, 0.0) if at is None or at <= now else (1, -at)  # passed: LRU; future: furthest first
+                cls = (self.T_PINNED, 0) if h in pinned else (self.T_RETAINED, retained[h])
+                key = (*cls, *order, pos)
             else:
                 owners = self.owners.get(h, ())
-                released = bool(owners) and all(o in rel for o in owners)
-                key = (self.T_RELEASED if released else self.T_ORDINARY, 0, pos)
+                released = bool(owners) and all(o in rel or o in self.demoted for o in owners)
+                key = (self.T_RELEASED if released else self.T_ORDINARY, 0, 0, 0.0, pos)
             keyed.append((key, b))
         keyed.sort(key=lambda kb: kb[0])
         chosen = keyed[:n]
@@ -537,12 +596,63 @@ class HintedPool:
 
     def run_request(self, req: BlockRequest) -> tuple[int, int]:
         self.now = max(self.now, req.t)
-        res = _run_request(self.pool, req, self.choose)
+        res = _run_request(self.pool, req, self.choose, self.host)
         self.released.discard(req.session_id)  # a session that runs again is live
+        self.demoted.discard(req.session_id)
         self.chain_of[req.session_id] = req.chain
         for h in req.chain:
             self.owners.setdefault(h, set()).add(req.session_id)
         return res
+
+
+def _reuse_at(a: Pin | Retain, t: float) -> float | None:
+    return None if a.expected_reuse_in_s is None else t + min(a.expected_reuse_in_s, a.ttl_s)
+
+
+def _note_reuse(reuse: dict[int, float], st: _HintState) -> None:
+    if st.reuse_at is None:
+        return
+    for h in st.hashes:
+        if st.reuse_at < reuse.get(h, math.inf):
+            reuse[h] = st.reuse_at
+
+
+class _NoHints:
+    """A policy that sends nothing (the unhinted tier run)."""
+
+    def start(self, t: float) -> list[Action]:
+        return []
+
+    def observe(self, sig: Signal) -> list[Action]:
+        return []
+
+
+def _drive(hp: HintedPool, pol: ReferencePolicy | LibraryPolicy | _NoHints, name: str) -> SimResult:
+    """Run the trace through `hp`, applying the policy's actions when it emits them."""
+    bt = hp.bt
+    t0 = bt.items[0].t if bt.items else 0.0
+    for a in pol.start(t0):
+        hp.apply(a, t0)
+    sees_requests = isinstance(pol, LibraryPolicy)
+    cached: list[int] = []
+    peak = 0
+    for item in bt.items:
+        if isinstance(item, BlockRequest):
+            if sees_requests:
+                for a in pol.request(item.session_id, item.t):
+                    hp.apply(a, item.t)
+            nhit, inuse = hp.run_request(item)
+            cached.append(nhit * bt.block_size)
+            peak = max(peak, inuse)
+        else:
+            for a in pol.observe(item):
+                hp.apply(a, item.t)
+    stats = dict(hp.stats)
+    if sees_requests:
+        stats["hints_sent"] = pol.policy.stats.get("sent", 0)
+    if hp.host is not None:
+        stats["host_loaded_tokens"] = hp.host.loaded_blocks * bt.block_size
+    return SimResult(name, cached, bt.prompt_tokens, peak, hp.pool.evictions, stats)
 
 
 def simulate_hinted(
@@ -556,21 +666,49 @@ def simulate_hinted(
     """Hint-aware pool driven by `bench.policy.ReferencePolicy` (causal)."""
     cfg = policy_config or bt.policy_config
     hp = HintedPool(bt, num_gpu_blocks, pin_budget_fraction)
-    pol = ReferencePolicy(cfg, bt.shared_prefix_target)
-    t0 = bt.items[0].t if bt.items else 0.0
-    for a in pol.start(t0):
-        hp.apply(a, t0)
-    cached: list[int] = []
-    peak = 0
-    for item in bt.items:
-        if isinstance(item, BlockRequest):
-            nhit, inuse = hp.run_request(item)
-            cached.append(nhit * bt.block_size)
-            peak = max(peak, inuse)
-        else:
-            for a in pol.observe(item):
-                hp.apply(a, item.t)
-    return SimResult(name, cached, bt.prompt_tokens, peak, hp.pool.evictions, dict(hp.stats))
+    return _drive(hp, ReferencePolicy(cfg, bt.shared_prefix_target), name)
+
+
+def simulate_library(
+    bt: BlockTrace,
+    config: Any = None,
+    *,
+    num_gpu_blocks: int | None = None,
+    pin_budget_fraction: float = 0.5,
+    name: str = "policy",
+) -> SimResult:
+    """Hint-aware pool driven by `bench.policy.LibraryPolicy` (`kvhint_client.policy`).
+    `config`: a `kvhint_client.policy.PolicyConfig` (default: `library_config` of the trace)."""
+    hp = HintedPool(bt, num_gpu_blocks, pin_budget_fraction)
+    return _drive(hp, LibraryPolicy(config or bt.library_config, bt.shared_prefix_target), name)
+
+
+def simulate_tiers(
+    bt: BlockTrace,
+    policy: str = "none",
+    *,
+    host_blocks: int | None = None,
+    num_gpu_blocks: int | None = None,
+    pin_budget_fraction: float = 0.5,
+    name: str | None = None,
+) -> SimResult:
+    """The device pool plus a `HostTier` of `host_blocks` (default: as many as the device
+    pool's usable blocks). `policy`: ``none`` (vLLM's offloading alone, run f),
+    ``reference`` (the earlier reference policy's ``hints+tiers`` variant, run g) or
+    ``library`` (`LibraryPolicy` with ``use_tiers``: Demote on a predicted long pause,
+    Prefetch before the predicted resume)."""
+    n = num_gpu_blocks or bt.num_gpu_blocks
+    hp = HintedPool(bt, n, pin_budget_fraction, HostTier(host_blocks if host_blocks is not None else n - 1))
+    pol: ReferencePolicy | LibraryPolicy | _NoHints
+    if policy == "none":
+        pol = _NoHints()
+    elif policy == "reference":
+        pol = ReferencePolicy(policy_variant("hints+tiers", bt.policy_config), bt.shared_prefix_target)
+    elif policy == "library":
+        pol = LibraryPolicy(replace(bt.library_config, use_tiers=True), bt.shared_prefix_target)
+    else:
+        raise ValueError(f"unknown tier policy {policy!r}")
+    return _drive(hp, pol, name or f"tiers+{policy}")
 
 
 # --------------------------------------------------------------------------- analysis
@@ -612,6 +750,20 @@ def peak_live_blocks(bt: BlockTrace) -> int:
     return peak
 
 
+RUN_LABELS = {
+    "lru": "(a) LRU",
+    "hints": "(b0) reference policy, no Release",
+    "hints+release": "(b) reference policy + Release",
+    "policy": "(c) kvhint_client.policy",
+    "belady": "(d) Belady-MIN (offline)",
+    "infinite": "(e) infinite cache (offline)",
+    "tiers+none": "(f) host tier = device pool, no hints",
+    "tiers+reference": "(g0) host tier, reference policy + tiers",
+    "tiers+library": "(g) host tier, kvhint_client.policy + tiers",
+}
+DEVICE_RUNS = ("lru", "hints", "hints+release", "policy", "belady")
+
+
 @dataclass
 class Analysis:
     results: dict[str, SimResult]
@@ -623,20 +775,33 @@ class Analysis:
         lru = self.results["lru"].recomputed_tokens
         return self.results["belady"].recomputed_tokens / lru if lru else 1.0
 
+    def share_of_belady(self, name: str) -> float:
+        """Share of Belady's savings over LRU that run `name` captures (recomputed tokens)."""
+        lru = self.results["lru"].recomputed_tokens
+        headroom = lru - self.results["belady"].recomputed_tokens
+        return (lru - self.results[name].recomputed_tokens) / headroom if headroom > 0 else math.nan
+
+    def vs_infinite(self, name: str) -> float:
+        inf = self.results["infinite"].recomputed_tokens
+        return self.results[name].recomputed_tokens / inf if inf else math.nan
+
     def table(self) -> str:
         lru = self.results["lru"].recomputed_tokens or 1
         lines = [
             f"pool {self.num_gpu_blocks} blocks (usable {self.num_gpu_blocks - 1}),"
             f" peak live set {self.peak_live_blocks} blocks,"
             f" prompt tokens {self.results['lru'].prompt_tokens}",
-            f"{'policy':<15}{'hit rate':>9}{'recomputed':>12}{'x LRU':>7}{'evictions':>11}",
+            f"{'run':<46}{'hit rate':>9}{'recomputed':>12}{'x LRU':>7}{'x inf':>7}{'of Belady':>10}",
         ]
         for name, r in self.results.items():
+            share = self.share_of_belady(name) if name in DEVICE_RUNS else math.nan
             lines.append(
-                f"{name:<15}{r.hit_rate:>9.3f}{r.recomputed_tokens:>12d}"
-                f"{r.recomputed_tokens / lru:>7.3f}{r.evictions:>11d}"
+                f"{RUN_LABELS.get(name, name):<46}{r.hit_rate:>9.3f}{r.recomputed_tokens:>12d}"
+                f"{r.recomputed_tokens / lru:>7.3f}{self.vs_infinite(name):>7.2f}"
+                + (f"{share:>10.2f}" if not math.isnan(share) else f"{'':>10}")
             )
         lines.append(f"Belady/LRU recomputation ratio: {self.belady_over_lru:.3f}")
+        lines.append("'of Belady': share of Belady's savings over LRU (device-only runs); 'x inf': recomputed / infinite cache.")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -655,8 +820,11 @@ def analyze(
     pin_budget_fraction: float = 0.5,
     policy_config: PolicyConfig | None = None,
     async_scheduling: bool = False,
+    tiers: bool = False,
 ) -> Analysis:
-    """Run LRU, hints (run b), hints+release (run c), Belady and infinite."""
+    """Run LRU, hints (run b), hints+release (run c), the library policy, Belady and infinite;
+    with `tiers`, also the tier runs on a host tier as large as the device pool: unhinted (f),
+    the reference policy (g) and the library policy (`simulate_tiers`)."""
     bt = trace if isinstance(trace, BlockTrace) else compile_trace(trace, async_scheduling=async_scheduling)
     n = num_gpu_blocks or bt.num_gpu_blocks
     if n < 2:
@@ -674,7 +842,12 @@ def analyze(
             pin_budget_fraction=pin_budget_fraction,
             name="hints+release",
         ),
+        "policy": simulate_library(bt, num_gpu_blocks=n, pin_budget_fraction=pin_budget_fraction),
         "belady": simulate_belady(bt, n),
         "infinite": simulate_infinite(bt),
     }
+    if tiers:
+        for policy in ("none", "reference", "library"):
+            r = simulate_tiers(bt, policy, num_gpu_blocks=n, pin_budget_fraction=pin_budget_fraction)
+            results[r.name] = r
     return Analysis(results, n, peak_live_blocks(bt))

@@ -6,7 +6,9 @@ A case is `Case(id, statement, requires, since, run)`:
 * `statement` is the MUST-worded requirement the case checks, quoted in reports.
 * `requires` names the capabilities the target must advertise (GetCapabilities) for the case
   to apply; see `conformance.target.Target.capabilities` for the vocabulary. A case whose
-  capability is not advertised is SKIPPED, and the report says which capability was missing.
+  capability is not advertised is SKIPPED, and the report says which capability was missing,
+  unless the claimed profile (`conformance.profiles`, `--profile`) requires that capability:
+  then the case FAILS.
 * `needs` names target requirements the suite cannot negotiate (an OpenAI endpoint, a pool
   small enough to put under pressure). They are checked by the `requirements/*` cases; a
   case whose need is unmet is SKIPPED with the requirement's reason, and the requirement

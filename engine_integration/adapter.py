@@ -45,6 +45,7 @@ from kvhint_server.model import (
 )
 
 from .coords import request_coords
+from .dp import dp_rank_and_size
 from .kv_groups import GroupLayout, layout_of
 
 log = logging.getLogger("kvhint.vllm")
@@ -131,6 +132,7 @@ class VllmAdapter:
             tiers += self.tiers.tier_infos()
             actions = self.tiers.actions(actions)
             destinations = self.tiers.share_destinations()
+        dp_rank, dp_size = dp_rank_and_size(self.scheduler.vllm_config)
         return EngineInfo(
             engine="vllm",
             engine_version=vllm.__version__,
@@ -141,6 +143,8 @@ class VllmAdapter:
             actions=actions,
             share_destinations=destinations,
             kv_cache_groups=self.groups.infos,
+            data_parallel_rank=dp_rank,
+            data_parallel_size=dp_size,
         )
 
     def request_wakeup(self) -> None:

@@ -5,12 +5,14 @@ KVCacheManager and BlockPool to the subclasses below (vLLM builds them inside
 the Scheduler, so a class swap is the least invasive hook). The subclasses
 call the stock methods and add:
 
-  * admission: every `cache_full_blocks` is reported with the owning
-    request (so the index and the event stream see it with its session);
+  * admission: every `cache_full_blocks`, of every KV-cache group, is
+    reported with the owning request (so the index and the event stream see
+    it with its session);
   * prefix hits: `allocate_slots` reports the hit blocks of requests with
     session coordinates (a hit establishes membership);
-  * removal: `_emit_block_removed_events` reports each hash whose last device
-    copy is gone, with a cause (eviction, Evict hint, pin broken, replaced);
+  * removal: `_emit_block_removed_events` reports each logical block that
+    stops being resident (its last copy in a residency group is gone; see
+    kv_groups), with a cause (eviction, Evict hint, pin broken, replaced);
   * retention order: free blocks that a hint protects are kept out of the free
     queue (`ProtectedFreeBlocks`) and counted as free; the queue (ordinary,
     LRU) is consumed first, then retained blocks by priority, then pins.

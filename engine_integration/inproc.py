@@ -11,7 +11,9 @@ Stable API:
   sliding_window=128, max_num_seqs=16, max_num_batched_tokens=8192, enable_prefix_caching=True,
   max_model_len=None, data_parallel_rank=0, data_parallel_size=1, grpc_address="127.0.0.1:0")
   -> Scheduler`
-    kvhint=True builds `engine_integration.scheduler.KvHintScheduler` (an instance of
+    data_parallel_rank/size configure the scheduler as rank r of an N-rank DP group of a dense
+    model exactly as vLLM's engine-core process does. kvhint=True builds
+    `engine_integration.scheduler.KvHintScheduler` (an instance of
     `KvHintAsyncScheduler` when async_scheduling=True, exactly as `--scheduler-cls` does in a
     served engine); its sidecar serves gRPC on `grpc_address` (port 0: a free loopback port;
     read `scheduler.kvhint_server.address`). kvhint=False builds stock `Scheduler` /
@@ -26,7 +28,7 @@ Stable API:
   Async (the scheduler is an AsyncScheduler): like EngineCore.step_with_batch_queue with 2
   batches in flight: schedule() while the previous batch's output is still pending (requests
   carry output placeholders), then deliver the oldest batch's output.
-- `on_engine_thread(scheduler, fn, timeout=10)`: run `fn()` (typically gRPC calls to the sidecar)
+- `on_engine_thread(scheduler_or_schedulers, fn, timeout=10)`: run `fn()` (typically gRPC calls to the sidecar)
   on a helper thread while this thread plays the idle engine (KvHintCore.run_pending() every
   millisecond), and return its result. RPCs that need the engine thread (ApplyHints, ListSessions,
   QueryResidency, ...) would otherwise wait for a step() that never comes.
@@ -124,12 +126,15 @@ def make_vllm_config(
         enable_prefix_caching=enable_prefix_caching,
         prefix_caching_hash_algo=HASH_ALGO,
     )
-    parallel_config = ParallelConfig(data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank)
+    parallel_config = ParallelConfig(data_parallel_size=data_parallel_size)
     config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config, parallel_config=parallel_config)
-    # VllmConfig's platform hook may rewrite these (the CPU platform forces async off); the
+    # VllmConfig's platform hook may rewrite this (the CPU platform forces async off); the
     # harness builds exactly the mode asked for, as vLLM's own scheduler tests do.
     config.scheduler_config.async_scheduling = async_scheduling
-    config.parallel_config.data_parallel_rank = data_parallel_rank
+    if data_parallel_size > 1:
+        # What EngineCoreProc.run_engine_core does in rank r's process for a dense model.
+        config.parallel_config.data_parallel_index = data_parallel_rank
+        config.parallel_config.reconfigure_for_independent_dp_rank()
     config.cache_config.num_gpu_blocks = num_blocks
     return config
 
@@ -311,16 +316,18 @@ def step(scheduler: Scheduler, *, sample: Callable[[Request, int], int] = defaul
     return StepResult(scheduled, delivered, _deliver(scheduler, delivered, sample))
 
 
-def on_engine_thread(scheduler: Scheduler, fn: Callable[[], _T], *, timeout: float = 10.0) -> _T:
-    """Run fn() on a helper thread while this thread runs the sidecar's engine-thread tasks."""
-    core = scheduler.kvhint_core  # type: ignore[attr-defined]
+def on_engine_thread(schedulers: Scheduler | Sequence[Scheduler], fn: Callable[[], _T], *, timeout: float = 10.0) -> _T:
+    """Run fn() on a helper thread while this thread runs the sidecars' engine-thread tasks
+    (one scheduler, or several: e.g. the ranks of a data-parallel group)."""
+    cores = [s.kvhint_core for s in (schedulers if isinstance(schedulers, Sequence) else [schedulers])]  # type: ignore[attr-defined]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="inproc-rpc") as pool:
         future = pool.submit(fn)
         deadline = time.monotonic() + timeout
         while not future.done():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{fn!r} did not finish within {timeout}s")
-            core.run_pending()
+            for core in cores:
+                core.run_pending()
             time.sleep(0.001)
         return future.result()
 

@@ -29,6 +29,7 @@ from kvhint_server.core import KvHintCore
 from kvhint_server.server import KvHintServer
 
 from .adapter import VllmAdapter
+from .dp import dp_rank_and_size
 from .envelope_hints import apply_request_envelope
 from .hooks import install
 
@@ -62,18 +63,10 @@ def _route_logs_through_vllm() -> None:
         ours.propagate = False
 
 
-def data_parallel_rank(vllm_config: Any) -> tuple[int, int]:
-    """(rank, size) of this EngineCore's data-parallel group ((0, 1) without DP)."""
-    parallel = vllm_config.parallel_config
-    size = int(getattr(parallel, "data_parallel_size", 1) or 1)
-    rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
-    return rank, size
-
-
 def _config_for(vllm_config: Any) -> ServerConfig:
     """The sidecar's config: KVHINT_* settings; DP rank r listens on port + r (port 0 stays 0)."""
     config = ServerConfig.from_env()
-    rank, _ = data_parallel_rank(vllm_config)
+    rank, _ = dp_rank_and_size(vllm_config)
     host, port = config.address.rsplit(":", 1)
     if rank and int(port):
         config = ServerConfig.from_env(address=f"{host}:{int(port) + rank}")

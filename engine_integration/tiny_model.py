@@ -95,6 +95,9 @@ def make_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0) -> Ti
     """Write a checkpoint to `path` (created if needed) and return it.
 
     Idempotent: if `path` already holds this preset, nothing is rewritten.
+    Concurrent callers are safe: the checkpoint is written to a private
+    directory and its files moved into `path` one atomic rename each, the
+    marker last, so a reader that sees the marker sees a complete model.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -103,15 +106,21 @@ def make_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0) -> Ti
     if marker.exists() and json.loads(marker.read_text()).get("preset") == preset:
         return TinyModel(out, preset)
 
+    import tempfile
+
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer(out)
     dims = PRESETS[preset]
-    torch.manual_seed(seed)
-    model = _hybrid_model(dims) if preset == "hybrid" else _llama_model(dims)
-    model.save_pretrained(str(out), safe_serialization=True)
-    marker.write_text(json.dumps({"preset": preset, "seed": seed, **dims}))
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
+        staging = Path(tmp)
+        _build_tokenizer(staging)
+        torch.manual_seed(seed)
+        model = _hybrid_model(dims) if preset == "hybrid" else _llama_model(dims)
+        model.save_pretrained(str(staging), safe_serialization=True)
+        (staging / _MARKER).write_text(json.dumps({"preset": preset, "seed": seed, **dims}))
+        for item in sorted(staging.iterdir(), key=lambda f: f.name == _MARKER):
+            item.replace(out / item.name)
     return TinyModel(out, preset)
 
 

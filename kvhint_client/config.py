@@ -35,9 +35,10 @@ PemSource = Union[bytes, str, Path]
 #: watched a server go away tens of seconds behind once it is back; with these, a channel
 #: retries the connection at least every ~0.5 s (+-20% jitter), so a client or follower sees
 #: a restarted engine within about a second of it answering SERVING.
+#: `grpc.min_reconnect_backoff_ms` stays at its default: gRPC uses it as the shortest time one
+#: connection attempt may take (20 s), and lowering it would abort slow TLS handshakes.
 RECONNECT_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 )
 

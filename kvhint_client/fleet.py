@@ -16,6 +16,11 @@ Routing of each hint (by its selector):
   only retention); other selectors to the engines whose QueryResidency finds at least one block.
 - `broadcast=True` skips routing and sends every hint to every engine.
 
+Data parallelism: an engine started with `--data-parallel-size N` runs N engine cores, each with
+its own KV-cache pool and its own KvHint server on port + rank. Treat the ranks as engines:
+`FleetClient(data_parallel_endpoints("10.0.0.1:50151"))` (and the same mapping for an
+EventFollower) routes each session's hints to the rank that served it.
+
 Each engine receives one ApplyHints batch holding its hints in request order (same hint_id on
 every engine, so per-engine retries stay idempotent). Engines that fail (routing or apply) are
 reported in `errors`; hints that no engine holds are reported in `unrouted` and sent nowhere.
@@ -26,6 +31,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TypeVar, Union
+
+import grpc
 
 from kvhint.v1 import kvhint_pb2
 
@@ -63,6 +70,34 @@ class FleetApplyResult:
             if found is not None:
                 out[engine] = found
         return out
+
+
+def data_parallel_endpoints(
+    address: str, size: Optional[int] = None, *, name: str = "dp", timeout: Optional[float] = 10.0
+) -> dict[str, str]:
+    """{"dp0": "host:port", "dp1": "host:port+1", ...}: the KvHint servers of a data-parallel engine.
+
+    `address` is rank 0's server (the engine's KVHINT_GRPC_ADDRESS). Without `size`, rank 0's
+    GetCapabilities.data_parallel_size says how many ranks there are (0 from an older server:
+    one). Every rank's GetCapabilities must name its own rank; KvHintError otherwise (e.g. the
+    port range overlaps another engine's)."""
+    host, port = address.rsplit(":", 1)
+    if size is None:
+        with KvHintClient(address) as client:
+            size = max(1, client.capabilities(timeout=timeout).data_parallel_size)
+    endpoints = {f"{name}{rank}": f"{host}:{int(port) + rank}" for rank in range(size)}
+    for rank, rank_address in enumerate(endpoints.values()):
+        with KvHintClient(rank_address) as client:
+            caps = client.capabilities(timeout=timeout)
+        if caps.data_parallel_rank != rank or max(1, caps.data_parallel_size) != size:
+            raise KvHintError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"GetCapabilities names rank {caps.data_parallel_rank} of {caps.data_parallel_size}, "
+                f"expected rank {rank} of {size}",
+                method="GetCapabilities",
+                address=rank_address,
+            )
+    return endpoints
 
 
 class FleetClient:
@@ -186,4 +221,4 @@ class FleetClient:
         self.close()
 
 
-__all__ = ["FleetApplyResult", "FleetClient"]
+__all__ = ["FleetApplyResult", "FleetClient", "data_parallel_endpoints"]

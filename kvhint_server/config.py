@@ -37,7 +37,8 @@ _FALSE = ("0", "false", "no", "off", "")
 OTHER_VARIABLES = frozenset({
     "KVHINT_ADDRESS", "KVHINT_TOKEN",  # the client and CLI
     "KVHINT_SHARE_PEERS", "KVHINT_TIER_OP_TIMEOUT_S",  # engine_integration.tiers.settings
-    "KVHINT_MODEL_CACHE", "KVHINT_GPU_MEMORY_UTILIZATION",  # tests, benchmarks, demo
+    "KVHINT_MODEL_CACHE", "KVHINT_GPU_MEMORY_UTILIZATION", "KVHINT_ENGINE_FORBIDDEN",  # tests, benchmarks, demo
+    "KVHINT_METRICS_ADDRESS",  # kvhint_server.metrics
 })
 
 
@@ -169,11 +170,16 @@ def _parse(name: str, kind: type, raw: str) -> object:
         raise ConfigError(f"{env}={raw!r}: expected {'an integer' if kind is int else 'a number'}") from None
 
 
-# (low, high, low inclusive) per numeric field; the default is "> 0".
+# Upper bounds every value must fit on the wire: counts go into uint32/int32
+# fields (Limits), seconds into google.protobuf.Duration (+-10,000 years).
+MAX_COUNT = 2**31 - 1
+MAX_SECONDS = 315_576_000_000.0
+# (low, high, low inclusive) per numeric field; the default is "> 0" up to
+# MAX_SECONDS for `*_s` fields and MAX_COUNT for the rest.
 _RANGES: dict[str, tuple[float, float, bool]] = {
     "pin_budget_fraction": (0.0, 1.0, True),
-    "shutdown_grace_s": (0.0, math.inf, True),
-    "operation_history": (0.0, math.inf, True),
+    "shutdown_grace_s": (0.0, MAX_SECONDS, True),
+    "operation_history": (0.0, MAX_COUNT, True),
 }
 _SECRET = frozenset({"auth_token"})
 
@@ -186,10 +192,10 @@ def _check_field(name: str, value: object) -> None:
         shown = repr(value)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{env}={shown} must be a finite number")
-        low, high, inclusive = _RANGES.get(name, (0.0, math.inf, False))
+        default = (0.0, MAX_SECONDS if name.endswith("_s") else MAX_COUNT, False)
+        low, high, inclusive = _RANGES.get(name, default)
         if value < low or (value == low and not inclusive) or value > high:
-            bound = f"within [{low:g}, {high:g}]" if high < math.inf else (f">= {low:g}" if inclusive else f"> {low:g}")
-            raise ConfigError(f"{env}={shown} must be {bound}")
+            raise ConfigError(f"{env}={shown} must be {'>=' if inclusive else '>'} {low:g} and <= {high:g}")
     elif isinstance(value, str):
         if name == "address":
             _check_address(value)

@@ -80,9 +80,11 @@ class KvHintCore:
         self.monotonic = monotonic
         self.wall = wall
         self.index = SessionPrefixIndex()
-        self.index.listener = None
-        # tier -> blocks resident on it, as published (tracked or not).
-        self.resident: dict[Tier, set[bytes]] = {t: set() for t in Tier}
+        self.index.listener = self._on_leave
+        # tier -> blocks resident on it, as published (tracked or not). Dicts used
+        # as ordered sets: a snapshot copies them, and copying in insertion order
+        # (≈ allocation order) is several times faster than a set's hash order.
+        self.resident: dict[Tier, dict[bytes, None]] = {t: {} for t in Tier}
         self.bus = EventBus(config.event_replay_window, clock=wall)
         self.operations = OperationRegistry(self.bus, config.operation_history)
         self.ledger = RetentionLedger(0, start=monotonic())
@@ -208,10 +210,10 @@ class KvHintCore:
         by a request with `coords` (None: a tier store with no request)."""
         if not hashes:
             return
-        self.resident[tier].update(hashes)
+        self.resident[tier].update(dict.fromkeys(hashes))
         if coords:
             self.index.record_chain(hashes, first_position, parent, tier, coords, self.wall(), self.tiers_of)
-            members = self._members(hashes[-1])
+            members = self.index.members(hashes[-1], first=coords.session_id)
             coordinates = Coordinates(coords.session_id or "", coords.continuation_id or "", members)
         else:
             # No session: only blocks the index already tracks change (a copy
@@ -264,7 +266,9 @@ class KvHintCore:
         device = tier is Tier.DEVICE
         nodes = self.index.nodes
         mark_removed = self.index.mark_removed
-        self.resident[tier].difference_update(hashes)
+        resident = self.resident[tier]
+        for h in hashes:
+            resident.pop(h, None)
         # (run key, removal of the run's first block, hashes, prefix tokens)
         runs: list[tuple[object, Removal | None, list[bytes], list[int]]] = []
         last_key: object = None

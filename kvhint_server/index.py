@@ -176,7 +176,12 @@ class SessionPrefixIndex:
         had_copy = bool(node.tiers & bit)
         node.tiers &= ~bit
         removal = Removal(
-            h, node.position, node.tiers == 0, node.admit_session, node.admit_continuation, self.members(h)
+            h,
+            node.position,
+            node.tiers == 0,
+            node.admit_session,
+            node.admit_continuation,
+            self.members(h, first=node.admit_session),
         )
         if node.tiers or not had_copy:
             return removal  # another copy remains, or there was none to lose
@@ -312,10 +317,16 @@ class SessionPrefixIndex:
         node = self.nodes.get(h)
         return tuple(node.sessions) if node is not None else ()
 
-    def members(self, h: bytes, limit: int = MAX_MEMBERS_REPORTED) -> tuple[str, ...]:
-        """At most `limit` members of `h`, in O(limit), whatever the member count."""
+    def members(self, h: bytes, limit: int = MAX_MEMBERS_REPORTED, first: str | None = None) -> tuple[str, ...]:
+        """At most `limit` members of `h`, in O(limit), whatever the member
+        count; `first` leads the list when it is a member."""
         node = self.nodes.get(h)
-        return tuple(islice(node.sessions, limit)) if node is not None else ()
+        if node is None:
+            return ()
+        sessions = node.sessions
+        if first is None or first not in sessions:
+            return tuple(islice(sessions, limit))
+        return (first, *islice((s for s in sessions if s != first), limit - 1))
 
     # ------------------------------------------------------------------ internals
 

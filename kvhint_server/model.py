@@ -264,6 +264,9 @@ class EngineInfo:
     actions: tuple[ActionSupport, ...]
     share_destinations: tuple[str, ...] = ()
     kv_cache_groups: tuple[KvCacheGroupInfo, ...] = ()
+    # Data-parallel rank of this engine core and the group's size (0 and 1 without DP).
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
 
     def supports(self, action: Action, kind: SelectorKind) -> ActionSupport | None:
         """The support entry if `action` accepts selector `kind`, else None."""

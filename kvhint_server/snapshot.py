@@ -4,9 +4,10 @@ A snapshot of 10k sessions sharing a prefix is ~60k block views; built in one
 engine-thread task it stalls serving for as long as it takes. The cursor
 instead does a bounded piece per engine step (`KvHintCore.submit_slice`):
 
-  * `begin()` (engine thread, O(blocks + sessions) list copies, no Python-level
-    work per item) fixes the work list: every resident block (from
-    `core.resident`, all tiers) and every live session;
+  * `begin()` (engine thread, a C-level copy of the resident block list, no
+    Python-level work per item) fixes the first work list: every resident
+    block (from `core.resident`, all tiers); the second, every live session,
+    is copied when the first is done;
   * each `step(deadline)` (engine thread) turns items into views until the
     deadline passes (at least one item, so it always progresses) and returns
     them with the current sequence: the piece is the state at that sequence.
@@ -24,8 +25,12 @@ proto's SnapshotBegin for the wire contract):
   * membership: every session chunk comes after the residency phase, so a
     client's tier sets are exact while it applies membership; a session's
     chunk states its membership at the chunk's sequence (events before it that
-    concerned the session are subsumed, events after it apply on top); a
-    session that appeared after the start is known from its events.
+    concerned the session are subsumed, events after it apply on top). The
+    session list is taken when the residency phase ends, so every session
+    alive then gets a chunk: membership a client dropped too eagerly while its
+    tier sets were still partial (a cache reset of a block whose other copy it
+    had not heard of yet) is restated. Sessions that appear later are known
+    from their events, applied to exact tier sets.
 
 Items gone by the time they come up (evicted blocks, forgotten sessions) are
 skipped: the events that removed them came first.
@@ -36,10 +41,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from .model import Tier
 from .queries import BlockView, Queries
 
 # Blocks turned into views between two clock checks.
-_BLOCK_BATCH = 64
+_BLOCK_BATCH = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,20 +76,24 @@ class SnapshotCursor:
         self._queries = queries
         self._max_items = max_items
         self._blocks: list[bytes] = []
-        self._sessions: list[str] = []
+        self._sessions: list[str] | None = None  # taken when the residency phase ends
         self._next_block = 0
         self._next_session = 0
 
     def begin(self) -> SnapshotStart:
         core = self._queries.core
-        resident = core.resident.values()
-        self._blocks = list(set().union(*resident))
-        self._sessions = list(core.index.sessions)
-        return SnapshotStart(core.bus.last_sequence, len(self._sessions), len(self._blocks))
+        device = core.resident[Tier.DEVICE]
+        lower = [held for t, held in core.resident.items() if t is not Tier.DEVICE and held]
+        self._blocks = list(device)  # a C-level copy; the set union is for the (smaller) lower tiers
+        if lower:
+            self._blocks.extend(set().union(*lower) - device.keys())
+        return SnapshotStart(core.bus.last_sequence, len(core.index.sessions), len(self._blocks))
 
     @property
     def done(self) -> bool:
-        return self._next_block >= len(self._blocks) and self._next_session >= len(self._sessions)
+        if self._next_block < len(self._blocks):
+            return False
+        return self._sessions is not None and self._next_session >= len(self._sessions)
 
     def step(self, deadline: float) -> SnapshotPiece:
         """One bounded piece: views until `time.perf_counter()` passes
@@ -118,6 +128,8 @@ class SnapshotCursor:
         self, deadline: float, budget: int, chunks: list[tuple[str, list[BlockView]]], first: bool
     ) -> None:
         index = self._queries.core.index
+        if self._sessions is None:
+            self._sessions = list(index.sessions)
         cache: dict[bytes, BlockView] = {}  # shared prefixes: one view per block per piece
         sessions = self._sessions
         while self._next_session < len(sessions) and budget > 0:
@@ -127,5 +139,5 @@ class SnapshotCursor:
             session = sessions[self._next_session]
             self._next_session += 1
             budget -= 1
-            if session in index.sessions:  # forgotten since the start: its events said so
+            if session in index.sessions:  # forgotten since: its events said so
                 chunks.append((session, self._queries.block_views(index.resolve_session(session), cache)))

@@ -33,6 +33,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 from . import wire
 from .config import ServerConfig
 from .core import KvHintCore
+from .errors import excerpt
 from .events import Event, EventBus
 from .model import Tier
 from .queries import BlockView, Queries
@@ -191,7 +192,7 @@ class WatchHub:
         if start == pb.WatchEventsRequest.START_RESUME:
             cursor = request.resume_after_sequence
             if request.resume_epoch != bus.epoch:
-                yield self._resync(pb.Resync.CAUSE_EPOCH_CHANGED, f"epoch {request.resume_epoch!r} is not the current epoch")
+                yield self._resync(pb.Resync.CAUSE_EPOCH_CHANGED, f"epoch {excerpt(request.resume_epoch)} is not the current epoch")
                 return
             if cursor > bus.last_sequence:
                 yield self._resync(pb.Resync.CAUSE_FUTURE_SEQUENCE, f"sequence {cursor} is ahead of {bus.last_sequence}")

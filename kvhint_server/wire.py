@@ -155,6 +155,8 @@ def capabilities(info: EngineInfo, config: ServerConfig, epoch: str, pin_budget_
         event_replay_window=config.event_replay_window,
         share_destinations=list(info.share_destinations),
         kv_cache_groups=[kv_cache_group(g) for g in info.kv_cache_groups],
+        data_parallel_rank=info.data_parallel_rank,
+        data_parallel_size=info.data_parallel_size,
     )
 
 

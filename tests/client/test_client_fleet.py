@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import grpc
+import pytest
 from fake_kvhint_server import h, snapshot, start_fake_server
 
 from kvhint.v1 import kvhint_pb2
 from kvhint_client.builders import blocks, continuation, session
-from kvhint_client.fleet import FleetClient
+from kvhint_client.errors import KvHintError
+from kvhint_client.fleet import FleetClient, data_parallel_endpoints
 from kvhint_client.follower import EngineTracker, ResidencyIndex
 
 
@@ -69,3 +71,57 @@ def test_broadcast_sends_everything_everywhere() -> None:
     finally:
         a.stop()
         b.stop()
+
+
+def _consecutive_fake_servers(n: int) -> list:
+    """n fake servers on ports p, p+1, ... (a data-parallel engine's port layout)."""
+    for _ in range(50):
+        first = start_fake_server()
+        port = int(first.address.rsplit(":", 1)[1])
+        servers = [first]
+        try:
+            for rank in range(1, n):
+                servers.append(start_fake_server(port=port + rank))
+            return servers
+        except RuntimeError:
+            for server in servers:
+                server.stop()
+    raise RuntimeError("no run of free consecutive ports")
+
+
+def _as_ranks(servers: list, size: int) -> None:
+    for rank, server in enumerate(servers):
+        server.servicer.capabilities.data_parallel_rank = rank
+        server.servicer.capabilities.data_parallel_size = size
+
+
+def test_data_parallel_endpoints_from_rank0_capabilities() -> None:
+    servers = _consecutive_fake_servers(2)
+    try:
+        _as_ranks(servers, 2)
+        servers[1].servicer.sessions = [kvhint_pb2.SessionInfo(session_id="on-rank-1")]
+        endpoints = data_parallel_endpoints(servers[0].address)
+        assert endpoints == {"dp0": servers[0].address, "dp1": servers[1].address}
+        with FleetClient(endpoints) as fleet:
+            out = fleet.apply(session("on-rank-1").pin(ttl=5, hint_id="p"))
+        assert out.routes == {"p": ["dp1"]} and out.all_accepted
+        assert [x.hint_id for x in servers[1].servicer.applied] == ["p"] and not servers[0].servicer.applied
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_data_parallel_endpoints_checks_every_rank_names_itself() -> None:
+    servers = _consecutive_fake_servers(2)
+    try:
+        _as_ranks(servers, 2)
+        servers[1].servicer.capabilities.data_parallel_rank = 0  # another engine's rank 0 on port + 1
+        with pytest.raises(KvHintError) as err:
+            data_parallel_endpoints(servers[0].address)
+        assert err.value.address == servers[1].address and "rank 0 of 2, expected rank 1 of 2" in err.value.details
+        # A server that predates the DP fields (size 0) is one rank.
+        _as_ranks(servers, 0)
+        assert data_parallel_endpoints(servers[0].address) == {"dp0": servers[0].address}
+    finally:
+        for server in servers:
+            server.stop()

@@ -152,7 +152,7 @@ def test_sessions_on_faster_tools_are_expected_back_sooner() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["t1", "t2", "t3"]), st.floats(0.1, 60)), min_size=3, max_size=40))
-def test_ranking_follows_the_learned_medians(history: list[tuple[str, float]]) -> None:
+def test_ranking_follows_the_learned_estimates(history: list[tuple[str, float]]) -> None:
     policy, sink = make(PolicyConfig(min_samples=1))
     t = 0.0
     for tool, d in history:
@@ -164,9 +164,10 @@ def test_ranking_follows_the_learned_medians(history: list[tuple[str, float]]) -
     assert {sid for sid, _ in ranked} >= {f"s-{tool}" for tool in tools}
     times = [at for _, at in ranked]
     assert times == sorted(times)
-    for tool in tools:  # each paused session is predicted at its tool's learned conditional median
+    for tool in tools:  # each paused session is predicted at its tool's learned conditional quantile
         sid = f"s-{tool}"
-        assert dict(ranked)[sid] == pytest.approx(t + policy.model.residual(policy.sessions[sid].keys, 0.0))
+        keys = policy.sessions[sid].keys
+        assert dict(ranked)[sid] == pytest.approx(t + policy.model.residual(keys, 0.0, q=policy.config.quantile))
 
 
 def test_passed_expectation_is_refreshed_with_a_later_one() -> None:

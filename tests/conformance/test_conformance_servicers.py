@@ -144,3 +144,15 @@ def test_known_failing_list_names_registered_cases() -> None:
     otherwise); that each still fails is checked by the engine run (a passing entry is stale)."""
     patterns = read_known_failing(str(KNOWN_FAILING), REGISTRY)
     assert all(any(re.fullmatch(p.replace("*", ".*"), i) for i in REGISTRY.ids()) for p in patterns)
+
+
+def test_every_fault_is_expected_to_be_caught_by_registered_cases() -> None:
+    """The engine test's fault table covers every fault the proxy offers, naming real cases."""
+    from test_conformance_engine import CAUGHT_BY  # same folder; the module starts no engine on import
+
+    from conformance.testing.fault_proxy import FAULTS
+
+    assert set(CAUGHT_BY) == set(FAULTS)
+    ids = set(REGISTRY.ids())
+    for fault, (cases, _whole_suite) in CAUGHT_BY.items():
+        assert cases and set(cases) <= ids, (fault, sorted(set(cases) - ids))

@@ -1,6 +1,7 @@
 """Zero effect when unused: with no hints, the KvHint scheduler behaves exactly
 like stock vLLM — same generated tokens, same prefix hits, same block
-admissions and evictions in the same order (vLLM's own KV events)."""
+admissions and evictions in the same order (vLLM's own KV events, every
+KV-cache group's). Runs on the dense and on the hybrid model."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from engine_support import Engine, running_engine, tokens
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def stock(tiny_model: str) -> Iterator[Engine]:
-    with running_engine(tiny_model, kvhint=False, zmq=True) as eng:
-        yield eng
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Engine]]:
+    """(stock vLLM, the shared KvHint engine) on the same model; one stock engine at a time."""
+    model = request.getfixturevalue("tiny_model" if request.param == "dense" else "hybrid_model")
+    ours = request.getfixturevalue("engine" if request.param == "dense" else "hybrid_engine")
+    with running_engine(model, kvhint=False, zmq=True) as stock:
+        yield stock, ours
 
 
 def agentic_workload() -> list[tuple[list[int], str | None, int]]:
@@ -30,7 +34,7 @@ def agentic_workload() -> list[tuple[list[int], str | None, int]]:
     return out
 
 
-def run(engine: Engine) -> tuple[list[tuple[int, tuple[int, ...]]], list[tuple[str, object, str | None]]]:
+def run(engine: Engine) -> tuple[list[tuple[int, tuple[int, ...]]], list[tuple[str, object, str | None, int | None]]]:
     engine.complete(tokens("warm-up"))  # the first ZMQ batch can race the subscription
     engine.zmq.settle()  # type: ignore[union-attr]
     mark = len(engine.zmq.batches)  # type: ignore[union-attr]
@@ -43,16 +47,18 @@ def run(engine: Engine) -> tuple[list[tuple[int, tuple[int, ...]]], list[tuple[s
     for e in engine.zmq.events_since(mark):  # type: ignore[union-attr]
         kind = type(e).__name__
         if kind in ("BlockStored", "BlockRemoved"):
-            events += [(kind, h, e.medium) for h in e.block_hashes]  # type: ignore[attr-defined]
+            events += [(kind, h, e.medium, e.group_idx) for h in e.block_hashes]  # type: ignore[attr-defined]
     return results, events
 
 
-def test_tokens_hits_and_eviction_order_match_stock_vllm(stock: Engine, clean: Engine) -> None:
+def test_tokens_hits_and_eviction_order_match_stock_vllm(pair: tuple[Engine, Engine]) -> None:
+    stock, ours = pair
     stock.reset_cache()
+    ours.reset_cache()
     expected, expected_events = run(stock)
-    got, got_events = run(clean)
+    got, got_events = run(ours)
     assert [tokens_ for _, tokens_ in got] == [tokens_ for _, tokens_ in expected]
     assert [cached for cached, _ in got] == [cached for cached, _ in expected]
     assert any(cached for cached, _ in got), "the workload should produce prefix hits"
-    assert any(kind == "BlockRemoved" for kind, _, _ in expected_events), "the workload should evict"
+    assert any(kind == "BlockRemoved" for kind, *_ in expected_events), "the workload should evict"
     assert got_events == expected_events

@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -106,22 +106,26 @@ def test_resume_outside_the_replay_window_gets_compacted_resync(small: Engine) -
 class RecoveryClock:
     """Timestamps, during a restart, when a fresh channel first gets an answer
     from a new epoch ("serving"), and when the long-lived `client` and
-    `follower` first see that epoch."""
+    `follower` first see that epoch. Each probe polls on its own thread every
+    20 ms, so one probe's timeout does not delay another's observation."""
 
     def __init__(self, address: str, old_epoch: str, client: KvHintClient, follower: EventFollower) -> None:
         self.address, self.old_epoch = address, old_epoch
         self.client, self.follower = client, follower
         self.at: dict[str, float] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        probes = {"serving": self._fresh_epoch, "client": self._client_epoch, "follower": self._follower_epoch}
+        self._threads = [threading.Thread(target=self._poll, args=item, daemon=True) for item in probes.items()]
 
     def __enter__(self) -> "RecoveryClock":
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(5)
+        for thread in self._threads:
+            thread.join(5)
 
     def _fresh_epoch(self) -> str | None:
         with grpc.insecure_channel(self.address) as channel:
@@ -140,19 +144,18 @@ class RecoveryClock:
         position = self.follower.position("e1")
         return position[0] if position and self.follower.index.is_live("e1") else None
 
-    def _run(self) -> None:
-        probes = {"serving": self._fresh_epoch, "client": self._client_epoch, "follower": self._follower_epoch}
-        while not self._stop.is_set() and len(self.at) < len(probes):
-            for name, probe in probes.items():
-                if name not in self.at:
-                    epoch = probe()
-                    if epoch and epoch != self.old_epoch:
-                        self.at[name] = time.monotonic()
+    def _poll(self, name: str, probe: Callable[[], str | None]) -> None:
+        while not self._stop.is_set():
+            epoch = probe()
+            if epoch and epoch != self.old_epoch:
+                self.at[name] = time.monotonic()
+                return
             self._stop.wait(0.02)
 
     def delays(self, timeout: float) -> dict[str, float]:
         """Seconds from "serving" to the client and the follower seeing the new epoch."""
-        self._thread.join(timeout)
+        for thread in self._threads:
+            thread.join(timeout)
         serving = self.at.get("serving", float("nan"))
         return {name: round(self.at[name] - serving, 3) if name in self.at else float("inf") for name in ("client", "follower")}
 

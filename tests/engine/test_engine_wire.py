@@ -121,6 +121,18 @@ def test_capabilities_describe_the_engine(engine: Engine) -> None:
     assert caps.limits.max_ttl.seconds == 3600 and caps.event_replay_window == 10_000
 
 
+def test_capabilities_list_the_kv_cache_groups(any_engine: Engine) -> None:
+    """Dense: one full-attention group. Hybrid (Gemma 2): a sliding-window group of
+    128 tokens and a full-attention group, which alone defines residency."""
+    groups = any_engine.stub.GetCapabilities(pb.GetCapabilitiesRequest()).kv_cache_groups
+    kinds = sorted((g.kind, g.sliding_window_tokens, g.defines_residency, g.block_size) for g in groups)
+    full = (pb.KvCacheGroup.KIND_FULL_ATTENTION, 0, True, 32)
+    window = (pb.KvCacheGroup.KIND_SLIDING_WINDOW, 128, False, 32)
+    hybrid = any_engine.served.spec.model.rstrip("/").endswith("hybrid")
+    assert kinds == ([full, window] if hybrid else [full])
+    assert sorted(g.group_id for g in groups) == list(range(len(groups)))
+
+
 def test_health_service_reports_serving(engine: Engine) -> None:
     stub = health_pb2_grpc.HealthStub(engine.channel)
     for service in ("", "kvhint.v1.KvHintService"):

@@ -24,10 +24,12 @@ def _send_then_resume(scheduler: object) -> int:
     return result.prefix_hits["resume"]
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_stock_scheduler_prefix_hit(async_scheduling: bool) -> None:
-    with inproc.running_scheduler(num_blocks=32, kvhint=False, async_scheduling=async_scheduling) as scheduler:
+def test_stock_scheduler_prefix_hit(async_scheduling: bool, hybrid: bool) -> None:
+    with inproc.running_scheduler(num_blocks=32, kvhint=False, async_scheduling=async_scheduling, hybrid=hybrid, sliding_window=32) as scheduler:
         assert isinstance(scheduler, AsyncScheduler) is async_scheduling
+        assert len(scheduler.kv_cache_config.kv_cache_groups) == (2 if hybrid else 1)
         assert _send_then_resume(scheduler) == len(PROMPT)
 
 

@@ -21,9 +21,10 @@ from pool_support import evict, pin, release, retain, session, tokens
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
 from engine_integration import inproc
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_client import KvHintClient
 from kvhint_server.executor import HintExecutor
 from kvhint_server.model import HintResult, KvCacheGroupKind, Outcome, Tier
-from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.validation import parse_apply_request
 
 BLOCK = 16
@@ -105,9 +106,9 @@ ORDERS = pytest.mark.parametrize("window_first", [False, True], ids=["full-first
 
 @ORDERS
 def test_capabilities_list_both_groups_and_which_define_residency(window_first: bool) -> None:
-    with hybrid(window_first) as s:
-        groups = {g.kind: g for g in s.kvhint_core.info.kv_cache_groups}
-    full, window = groups[KvCacheGroupKind.FULL_ATTENTION], groups[KvCacheGroupKind.SLIDING_WINDOW]
+    with hybrid(window_first) as s, KvHintClient(s.kvhint_server.address) as client:
+        groups = {g.kind: g for g in client.capabilities(timeout=5).kv_cache_groups}
+    full, window = groups[pb.KvCacheGroup.KIND_FULL_ATTENTION], groups[pb.KvCacheGroup.KIND_SLIDING_WINDOW]
     assert (full.group_id, window.group_id) == ((1, 0) if window_first else (0, 1))
     assert full.defines_residency and not window.defines_residency
     assert window.sliding_window_tokens == WINDOW and full.block_size == window.block_size == BLOCK

@@ -51,6 +51,16 @@ def test_out_of_range_and_unparseable_numbers_name_the_variable(name):
     var = env_name(name)
     assert var in _error({var: "-1"})
     assert var in _error({var: "twelve"})
+    assert var in _error({var: "1e300" if name in FLOATS else str(2**31)})  # past what the wire can carry
+
+
+def test_the_largest_accepted_values_still_serve_get_capabilities():
+    from kvhint_server import wire
+    from kvhint_server.config import MAX_COUNT, MAX_SECONDS
+
+    config = ServerConfig(max_ttl_s=MAX_SECONDS, **{n: MAX_COUNT for n in NUMERIC if n not in FLOATS})
+    caps = wire.capabilities(local_engine_info(), config, "e", MAX_COUNT)
+    assert caps.limits.max_ttl.seconds == int(MAX_SECONDS) and caps.limits.max_page_size == MAX_COUNT
 
 
 def test_the_reported_cases():
@@ -156,3 +166,9 @@ def test_launcher_serve_exits_at_once_naming_the_variable(environ):
     )
     assert proc.returncode != 0 and next(iter(environ)) in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - started < 10
+
+
+def test_the_readme_lists_every_server_variable():
+    readme = (REPO / "README.md").read_text()
+    missing = [env_name(f.name) for f in dataclasses.fields(ServerConfig) if f"`{env_name(f.name)}`" not in readme]
+    assert not missing, f"README configuration table lacks {missing}"

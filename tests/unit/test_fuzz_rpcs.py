@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from kvhint_unit_support import Harness, error_info, h, pin
 
 from kvhint.v1 import kvhint_pb2 as pb
-from kvhint_server.errors import EXCERPT_CHARS
 from kvhint_server.page_tokens import PageTokens
 
 REQUESTS: dict[str, type[pb_message.Message]] = {

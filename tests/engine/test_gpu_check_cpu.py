@@ -1,0 +1,41 @@
+"""scripts/gpu_check.sh runs unchanged on CPU (`--cpu --quick`), end to end: both generated models
+are served with the KvHint sidecar, pass the conformance subset, the identity test passes and the
+step-overhead benchmark reports its ratios, all in one results file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_runs_on_cpu_and_writes_one_results_file(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "gpu_check_results.json").read_text())
+    text = (tmp_path / "gpu_check_results.md").read_text()
+    assert data["ok"] and "Overall: **PASS**" in text
+    assert data["platform"]["mode"] == "cpu"
+    assert set(data["models"]) == {"dense", "hybrid"}
+    for model, steps in data["models"].items():
+        by_name = {s["name"].split(" (")[0]: s for s in steps}
+        serve = by_name["serve"]
+        assert serve["status"] == "pass", serve
+        assert serve["details"]["async_scheduling"] is False, "vLLM forces async scheduling off on CPU"
+        assert "forces async scheduling off" in serve["summary"]
+        assert by_name["conformance suite"]["status"] == "pass", by_name["conformance suite"]
+        assert by_name["conformance suite"]["summary"].startswith("PASS")
+        overhead = by_name["step overhead"]
+        assert overhead["status"] == "pass" and overhead["details"]["rows"], overhead
+        assert (tmp_path / overhead["details"]["result_file"]).exists()
+    identity = [s for steps in data["models"].values() for s in steps if s["name"].startswith("identity test")]
+    assert identity and all(s["status"] == "pass" for s in identity), identity
