@@ -100,12 +100,14 @@ from typing import Any
 from bench.policy import (
     Action,
     Demote,
+    LibraryPolicy,
     Pin,
     PolicyConfig,
     Prefetch,
     ReferencePolicy,
     Release,
     Retain,
+    library_config,
     policy_variant,
     shared_prefix_target,
 )
@@ -136,6 +138,10 @@ RUNS: dict[str, RunSpec] = {
     "offload": RunSpec("offload", "(f) OffloadingConnector tiers, no hints", None, ("--kvhint-tiers", "{tiers}")),
     "hints+tiers": RunSpec("hints+tiers", "(g) hints + Release + Demote/Prefetch, tiers", "hints+tiers",
                            ("--kvhint-tiers", "{tiers}")),
+    # kvhint_client.policy (bench.policy.LibraryPolicy): expected reuse, learned pauses.
+    "policy": RunSpec("policy", "(c2) kvhint_client.policy", "library"),
+    "policy+tiers": RunSpec("policy+tiers", "(g2) kvhint_client.policy + tiers", "library+tiers",
+                            ("--kvhint-tiers", "{tiers}")),
 }
 TIER_RUNS = frozenset(name for name, spec in RUNS.items() if spec.engine_args)
 OFFLINE_LABELS = {
@@ -563,12 +569,16 @@ class Monitor:
 class HintDriver:
     """Feeds signals to the reference policy and sends its actions as kvhint.v1 hints."""
 
-    def __init__(self, grpc_address: str, trace: Trace, cfg: PolicyConfig, ns: Callable[[str], str],
-                 scale: float, clock: Callable[[], float], monitor: Monitor | None) -> None:
+    def __init__(self, grpc_address: str, trace: Trace, cfg: PolicyConfig | None, ns: Callable[[str], str],
+                 scale: float, clock: Callable[[], float], monitor: Monitor | None, library_tiers: bool = False) -> None:
         from kvhint_client import KvHintClient
 
         self.client = KvHintClient(grpc_address)
-        self.policy = ReferencePolicy(cfg, shared_prefix_target(trace.header))
+        self.policy: ReferencePolicy | LibraryPolicy
+        if cfg is None:  # the library policy (runs "policy", "policy+tiers")
+            self.policy = LibraryPolicy(library_config(trace.header, use_tiers=library_tiers), shared_prefix_target(trace.header))
+        else:
+            self.policy = ReferencePolicy(cfg, shared_prefix_target(trace.header))
         self.ns = ns
         self.scale = scale
         self.clock = clock  # trace-clock seconds since the replay started
@@ -627,6 +637,12 @@ class HintDriver:
             if completed_continuation is not None:
                 self._maybe_prefix(completed_continuation)
 
+    def on_request(self, session_id: str) -> None:
+        """The runtime sends a request of `session_id` (the library policy learns from it)."""
+        if isinstance(self.policy, LibraryPolicy):
+            with self.lock:
+                self._handle(self.policy.request(session_id, self.clock()), None)
+
     def _handle(self, actions: Sequence[Action], cont: str | None) -> None:
         from kvhint_client import session
 
@@ -653,12 +669,16 @@ class HintDriver:
             elif isinstance(a, Demote):
                 named.append(("demote", sel.demote()))
             elif isinstance(a, Pin):
-                named.append(("pin", sel.pin(ttl=a.ttl_s * self.scale)))
+                named.append(("pin", sel.pin(ttl=a.ttl_s * self.scale, expected_reuse_in=self._scaled(a.expected_reuse_in_s))))
             elif isinstance(a, Retain):
-                named.append(("retain", sel.retain(ttl=a.ttl_s * self.scale, priority=a.priority)))
+                named.append(("retain", sel.retain(ttl=a.ttl_s * self.scale, priority=a.priority,
+                                                   expected_reuse_in=self._scaled(a.expected_reuse_in_s))))
             elif isinstance(a, Release):
                 named.append(("release", sel.release()))
         self._send(named)
+
+    def _scaled(self, seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * self.scale
 
     def _later(self, delay_s: float, named: list[tuple[str, Any]]) -> None:
         """A runtime timer: send `named` after `delay_s` unless the run is over."""
@@ -840,8 +860,10 @@ def replay(
 
     driver: HintDriver | None = None
     if spec.policy is not None and not sequential:
-        cfg = policy_variant(spec.policy, PolicyConfig.from_header(trace.header))
-        driver = HintDriver(engine.grpc_address, trace, cfg, ns, time_scale, clock, monitor)
+        library = spec.policy.startswith("library")
+        cfg = None if library else policy_variant(spec.policy, PolicyConfig.from_header(trace.header))
+        driver = HintDriver(engine.grpc_address, trace, cfg, ns, time_scale, clock, monitor,
+                            library_tiers=spec.policy == "library+tiers")
 
     outputs: dict[str, list[int]] = {}
     records: list[RequestRecord | None] = [None] * n
@@ -868,6 +890,8 @@ def replay(
         rec: RequestRecord
         try:
             prompt = trace.expand_prompt(r, outputs)
+            if driver is not None:
+                driver.on_request(r.session_id)
             ts = time.perf_counter()
             ws = now_wall()
             c = complete(

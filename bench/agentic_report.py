@@ -42,6 +42,7 @@ from bench.trace import Trace
 GOAL_G1 = 0.90  # hints recover >= 90% of Belady's recomputed-token savings over LRU
 GOAL_TTFT = 0.60  # mean TTFT with hints (and tiers) <= 0.6 x LRU
 GOAL_TIERS_VS_INFINITE = 1.10  # with tiers: recomputed tokens <= 1.1 x the infinite-cache bound, and below run (f)
+TIERED_HINT_RUNS = ("hints+tiers", "policy+tiers")  # hinted runs on the tier engine, compared with run (f)
 
 
 # --------------------------------------------------------------------------- block sequences
@@ -368,7 +369,7 @@ class Report:
                 "recomputed_vs_infinite": m["recomputed_tokens"] / infinite if infinite else math.nan,
             }
             entry["ttft_met"] = bool(entry["ttft_mean_vs_lru"] <= GOAL_TTFT)
-            if name == "hints+tiers":
+            if name in TIERED_HINT_RUNS:
                 f = self.run_metrics("offload")["recomputed_tokens"] if "offload" in self.runs else math.nan
                 entry["recomputed_vs_offload"] = m["recomputed_tokens"] / f if f else math.nan
                 f_ttft = self.run_metrics("offload")["ttft_mean_ms"] if "offload" in self.runs else math.nan
@@ -520,7 +521,7 @@ class Report:
             for name, e in g.items():
                 if name not in self.runs:
                     continue
-                tiered = name in ("offload", "hints+tiers")
+                tiered = name in ("offload", *TIERED_HINT_RUNS)
                 g1 = f"{e['g1_savings_vs_belady']:.2f}" + ("" if tiered else f" ({'met' if e['g1_met'] else 'missed'})")
                 inf = f"{e['recomputed_vs_infinite']:.2f}"
                 if "tiers_met" in e:

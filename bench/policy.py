@@ -14,7 +14,8 @@ The earlier reference policy (runs b and c) and the action types live in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -59,12 +60,37 @@ class _Accepting:
         return [pb.HintResult(hint_id=h.hint_id, outcome=pb.OUTCOME_ACCEPTED) for h in hints]
 
 
-class LibraryPolicy:
-    """`SessionPolicy` on a trace's signals; each call returns the abstract actions sent then."""
+class ClairvoyantSessionPolicy(SessionPolicy):
+    """A diagnostic, not a policy anyone can run: `SessionPolicy` whose prediction for a paused
+    session is its true next request time (`starts`: session -> sorted request start times).
+    It separates what the engine's expected-reuse order can capture from what the predictions
+    miss."""
 
-    def __init__(self, config: LibraryConfig, shared_prefix: Target | None = None) -> None:
+    def __init__(self, config: LibraryConfig, starts: Mapping[str, Sequence[float]], **kw: Any) -> None:
+        super().__init__(config, **kw)
+        self._starts = starts
+
+    def residual(self, s: Any, now: float) -> float:
+        times = self._starts.get(s.sid, ())
+        j = bisect.bisect_right(times, now)
+        return times[j] - now if j < len(times) else 10 * self.max_ttl_s  # never again
+
+
+class LibraryPolicy:
+    """`SessionPolicy` on a trace's signals; each call returns the abstract actions sent then.
+    With `true_starts` the predictions are the true resume times (`ClairvoyantSessionPolicy`)."""
+
+    def __init__(
+        self,
+        config: LibraryConfig,
+        shared_prefix: Target | None = None,
+        true_starts: Mapping[str, Sequence[float]] | None = None,
+    ) -> None:
         self._now = 0.0
-        self.policy = SessionPolicy(config, clock=lambda: self._now, id_prefix="b")
+        if true_starts is None:
+            self.policy = SessionPolicy(config, clock=lambda: self._now, id_prefix="b")
+        else:
+            self.policy = ClairvoyantSessionPolicy(config, true_starts, clock=lambda: self._now, id_prefix="b")
         self.shared_prefix = shared_prefix
         self._sink = _Accepting()
 
@@ -129,6 +155,7 @@ def _seconds(msg: Any, name: str) -> float | None:
 
 __all__ = [
     "Action",
+    "ClairvoyantSessionPolicy",
     "Demote",
     "LibraryPolicy",
     "Pin",

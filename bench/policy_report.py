@@ -8,6 +8,10 @@ infinite cache, (f) a host tier as large as the device pool without hints, (g) t
 with `kvhint_client.policy` (and the reference policy's tier variant for comparison). It writes
 ``results.json`` (every simulator result) and ``results.md`` (the tables and the issue's goals,
 checked on the committed default and heldout traces and on every preset and seed).
+
+``--sweep`` also writes ``sweep.md``: the library policy's choices tried (prediction quantile;
+Demote threshold on the tier runs) over the same traces, and where the committed default trace's
+recomputed tokens come from (by the cause of each resumed request).
 """
 
 from __future__ import annotations
@@ -20,7 +24,23 @@ from pathlib import Path
 from typing import Any
 
 from bench.generate import PRESETS, generate_trace
-from bench.simulate import Analysis, analyze
+from dataclasses import replace
+
+from bench.simulate import (
+    Analysis,
+    BlockTrace,
+    HintedPool,
+    HostTier,
+    drive_policy,
+    analyze,
+    compile_trace,
+    simulate_belady,
+    simulate_infinite,
+    simulate_library,
+    simulate_lru,
+)
+from bench.policy import LibraryPolicy
+from bench.trace import Trace
 
 #: The committed traces the goals name (bench/results/*/trace.jsonl): preset -> seed.
 COMMITTED = {"default": 0, "heldout": 1001}
@@ -29,14 +49,13 @@ GOAL_SHARE = 0.75  # device only: share of Belady's savings over LRU
 GOAL_TIERS = 1.25  # host tier = device pool: recomputed / infinite cache
 
 
-def run(seeds: int) -> list[dict[str, Any]]:
+def run(traces: dict[tuple[str, int], tuple[Trace, BlockTrace]]) -> list[dict[str, Any]]:
     rows = []
-    for preset in ("default", "heldout", "coding", "research"):
-        first = FIRST_SEED.get(preset, 0)
-        for seed in range(first, first + seeds):
-            t0 = time.perf_counter()
-            a = analyze(generate_trace(PRESETS[preset], seed, preset=preset), tiers=True)
-            rows.append(_row(preset, seed, a, time.perf_counter() - t0))
+    for (preset, seed), (_, bt) in traces.items():
+        t0 = time.perf_counter()
+        a = analyze(bt, tiers=True)
+        a.results["clairvoyant"] = simulate_library(bt, name="clairvoyant", clairvoyant=True)
+        rows.append(_row(preset, seed, a, time.perf_counter() - t0))
     return rows
 
 
@@ -48,7 +67,7 @@ def _row(preset: str, seed: int, a: Analysis, seconds: float) -> dict[str, Any]:
         "committed": COMMITTED.get(preset) == seed,
         "num_gpu_blocks": a.num_gpu_blocks,
         "peak_live_blocks": a.peak_live_blocks,
-        "share_of_belady": {n: round(a.share_of_belady(n), 4) for n in ("hints+release", "policy")},
+        "share_of_belady": {n: round(a.share_of_belady(n), 4) for n in ("hints+release", "policy", "clairvoyant")},
         "x_lru": {n: round(r.recomputed_tokens / lru, 4) for n, r in a.results.items()},
         "x_infinite": {n: round(a.vs_infinite(n), 4) for n in a.results},
         "results": a.to_json()["results"],
@@ -68,15 +87,16 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
         "captured (device only), and recomputed tokens relative to the infinite cache for the tier runs.",
         "",
         "| trace | (b) reference + Release | (c) kvhint_client.policy | (d) Belady | (e) infinite "
-        "| (b) share | (c) share | (f) tiers, no hints / inf | (g0) tiers, reference / inf | (g) tiers, policy / inf |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| (b) share | (c) share | (c) with true resume times: share "
+        "| (f) tiers, no hints / inf | (g0) tiers, reference / inf | (g) tiers, policy / inf |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         x, inf, share = r["x_lru"], r["x_infinite"], r["share_of_belady"]
         name = f"{r['preset']} seed {r['seed']}" + (" (committed)" if r["committed"] else "")
         out.append(
             f"| {name} | {x['hints+release']:.3f} | {x['policy']:.3f} | {x['belady']:.3f} | {x['infinite']:.3f} "
-            f"| {share['hints+release']:.2f} | {share['policy']:.2f} | {inf['tiers+none']:.2f} "
+            f"| {share['hints+release']:.2f} | {share['policy']:.2f} | {share['clairvoyant']:.2f} | {inf['tiers+none']:.2f} "
             f"| {inf['tiers+reference']:.2f} | {inf['tiers+library']:.2f} |"
         )
     out += ["", "## Goals", ""]
@@ -102,6 +122,61 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
         + ", ".join(f"{p} {sum(v) / len(v):.2f}" for p, v in means.items())
         + f" (goal >= {GOAL_SHARE})."
     )
+    out.append(
+        "* The column \"with true resume times\" is a diagnostic (the same policy and engine order, each pause "
+        "predicted by its true end): what the expected-reuse order captures when predictions are exact."
+    )
+    out.append("")
+    return "\n".join(out)
+
+
+def _traces(seeds: int) -> dict[tuple[str, int], tuple[Trace, BlockTrace]]:
+    out = {}
+    for preset in ("default", "heldout", "coding", "research"):
+        first = FIRST_SEED.get(preset, 0)
+        for seed in range(first, first + seeds):
+            tr = generate_trace(PRESETS[preset], seed, preset=preset)
+            out[(preset, seed)] = (tr, compile_trace(tr))
+    return out
+
+
+def sweep(traces: dict[tuple[str, int], tuple[Trace, BlockTrace]], command: str) -> str:
+    """The library policy's choices, tried on every preset and seed (see the module doc)."""
+    refs = {k: (simulate_lru(bt).recomputed_tokens, simulate_belady(bt).recomputed_tokens) for k, (_, bt) in traces.items()}
+    presets = ("default", "heldout", "coding", "research")
+    out = [f"# Library policy choices in the simulator\n\nCommand: `{command}`.\n",
+           "## Prediction quantile: mean share of Belady's savings over LRU (device only)\n",
+           "| quantile | " + " | ".join(presets) + " |", "|---|" + "---|" * len(presets)]
+    for q in (0.5, 0.6, 0.7, 0.8):
+        shares: dict[str, list[float]] = {}
+        for key, (_, bt) in traces.items():
+            lru, bel = refs[key]
+            r = simulate_library(bt, replace(bt.library_config, quantile=q)).recomputed_tokens
+            shares.setdefault(key[0], []).append((lru - r) / (lru - bel))
+        out.append(f"| {q} | " + " | ".join(f"{sum(v) / len(v):.2f}" for v in (shares[p] for p in presets)) + " |")
+    out += ["", "## Demote threshold with a host tier as large as the device pool: recomputed / infinite cache\n",
+            "| Demote pauses predicted at least | " + " | ".join(f"{p} (committed seed)" for p in ("default", "heldout")) + " |",
+            "|---|---|---|"]
+    for label, kw in (("10 s", {"demote_after_s": 10.0}), ("30 s", {"demote_after_s": 30.0}),
+                      ("60 s (default)", {"demote_after_s": 60.0}), ("never (no Demote)", {"use_tiers": False})):
+        cells = []
+        for key in COMMITTED.items():
+            bt = traces[key][1]
+            inf = simulate_infinite(bt).recomputed_tokens
+            hp = HintedPool(bt, None, 0.5, HostTier(bt.num_gpu_blocks - 1))
+            cfg = replace(bt.library_config, **{"use_tiers": True, **kw})
+            cells.append(f"{drive_policy(hp, LibraryPolicy(cfg, bt.shared_prefix_target), 'x').recomputed_tokens / inf:.2f}")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    out += ["", "## Default seed 0 (committed): recomputed prompt tokens by the cause of the resumed request\n"]
+    tr, bt = traces[("default", 0)]
+    runs = {"LRU": simulate_lru(bt), "Belady": simulate_belady(bt), "policy": simulate_library(bt),
+            "policy, true resume times": simulate_library(bt, clairvoyant=True)}
+    causes = [r.cause or "?" for r in tr.requests()]
+    out += ["| cause | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    for cause in sorted(set(causes)):
+        cells = [sum(q.num_prompt_tokens - res.cached_tokens[i] for i, q in enumerate(bt.requests) if causes[i] == cause)
+                 for res in runs.values()]
+        out.append(f"| {cause} | " + " | ".join(str(c) for c in cells) + " |")
     out.append("")
     return "\n".join(out)
 
@@ -111,13 +186,17 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/policy")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per preset (heldout starts at 1001, the others at 0)")
+    ap.add_argument("--sweep", action="store_true", help="also write sweep.md (the policy's choices tried)")
     a = ap.parse_args(argv)
-    command = "python -m bench.policy_report" + ("" if a.seeds == 3 else f" --seeds {a.seeds}")
-    rows = run(a.seeds)
+    command = "python -m bench.policy_report" + ("" if a.seeds == 3 else f" --seeds {a.seeds}") + (" --sweep" if a.sweep else "")
+    traces = _traces(a.seeds)
+    rows = run(traces)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1, default=_nan) + "\n")
     (out / "results.md").write_text(markdown(rows, command))
+    if a.sweep:
+        (out / "sweep.md").write_text(sweep(traces, command))
     print((out / "results.md").read_text())
     return 0
 

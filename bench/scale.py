@@ -76,12 +76,13 @@ def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
     runs += [Run(f"p{mid}_s{s}", Shape(mid, s, **base)) for s in sessions[:-1]]
     runs.append(Run(f"p{mid}_s{most}_hints", Shape(mid, most, hints_per_step=hints, **base)))
     runs.append(Run(f"aa_p{mid}_s{most}", Shape(mid, most, **base), aa=True))
-    return runs, {"sweep": sweep, "event_steps": event_steps, "event_count": event_count}
+    return runs, {"sweep": sweep, "event_steps": event_steps, "event_count": event_count, "attribution_steps": 10 if quick else 60,
+                  "owners": (1, 10, 50) if quick else (1, 10, 100, 1000)}
 
 
 def execute(run: Run, extras: dict[str, Any], out_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
     from .scale_driver import Pair
-    from .scale_probes import apply_sweep, event_bus, memory
+    from .scale_probes import apply_sweep, attribution, event_bus, memory, shared_sweep
 
     t0 = time.monotonic()
     pair = Pair(run.shape, aa=run.aa)
@@ -99,9 +100,12 @@ def execute(run: Run, extras: dict[str, Any], out_dir: Path, raw: dict[str, Any]
             entry["memory"] = memory(pair.kv)
             if pair.sender is not None and pair.sender.batches:
                 entry["hint_batches"] = pair.sender.batches
+            if not run.shape.hints_per_step:
+                entry["attribution"] = attribution(pair, extras["attribution_steps"])
         if run.probes:
             raw["events"] = {"run": run.shape.label, **event_bus(pair, extras["event_steps"], extras["event_count"])}
-            raw["apply_sweep"] = {"run": run.shape.label, "rows": apply_sweep(pair.kv, extras["sweep"])}
+            raw["apply_sweep"] = {"run": run.shape.label, "rows": apply_sweep(pair.kv, extras["sweep"]),
+                                  "shared": shared_sweep(pair.kv, extras["owners"])}
         write_units(out_dir / entry["units_csv"], [u.row() for u in pair.units])
         entry["wall_s"] = round(time.monotonic() - t0, 1)
         return entry

@@ -12,6 +12,7 @@ import statistics
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,12 +24,13 @@ from .scale_workload import HintPlan, Turn, tokens
 # ---------------------------------------------------------------- memory
 
 
-def deep_size(roots: Iterable[Any], exclude: tuple[type, ...] = ()) -> int:
+def deep_size(roots: Iterable[Any], exclude: tuple[type, ...] = (), stop: Iterable[Any] = ()) -> int:
     """Bytes of every object reachable from `roots` (sys.getsizeof, each object once), not
-    following into classes, modules, functions or instances of `exclude` (objects owned by
-    someone else, such as vLLM's KVCacheBlocks that the protected classes refer to)."""
-    skip = (type, type(sys), type(deep_size), type(len), *exclude)
-    seen: set[int] = set()
+    following into classes, modules, functions, methods, instances of `exclude` or the `stop`
+    objects (objects owned by someone else: vLLM's KVCacheBlocks that the protected classes refer
+    to, the core or pool a clock or callback is bound to)."""
+    skip = (type, type(sys), type(deep_size), type(len), types.MethodType, *exclude)
+    seen: set[int] = {id(x) for x in stop}
     stack = list(roots)
     total = 0
     while stack:
@@ -63,9 +65,10 @@ def memory(side: Side) -> dict[str, int]:
         "sessions": sessions,
         "memberships": sum(len(s.blocks) for s in index.sessions.values()),
         "retained_blocks": len(core.ledger.grants),
-        "index_bytes": deep_size([index.nodes, index.sessions, index.children_of, index.continuations, index._continuations_at]),
-        "hash_map_bytes": deep_size(_adapter_maps(adapter)),
-        "retention_bytes": deep_size([core.ledger, pool._kvh_protected], exclude=(KVCacheBlock,)),
+        "index_bytes": deep_size([index.nodes, index.sessions, index.children_of, index.continuations, index._continuations_at],
+                                 stop=(core, adapter, pool, sched)),
+        "hash_map_bytes": deep_size(_adapter_maps(adapter), exclude=(KVCacheBlock,), stop=(core, adapter, pool, sched)),
+        "retention_bytes": deep_size([core.ledger, pool._kvh_protected], exclude=(KVCacheBlock,), stop=(core, adapter, pool, sched)),
         "bus_bytes": deep_size([core.bus._ring]),
     }
 
@@ -73,6 +76,55 @@ def memory(side: Side) -> dict[str, int]:
 def _adapter_maps(adapter: Any) -> list[Any]:
     """The adapter's own containers (whatever their names), not the objects it points to."""
     return [v for v in vars(adapter).values() if isinstance(v, (dict, set, frozenset, list))]
+
+
+# ---------------------------------------------------------------- attribution
+
+
+CALLBACKS = {  # adapter callback -> blocks it handles, from its arguments
+    "on_blocks_cached": lambda a: a[3] - a[2],  # (request, blocks, num_cached, num_full, ...)
+    "on_keys_removed": lambda a: len(a[0]),  # (keys, cause)
+    "on_prefix_hit": lambda a: 0,
+}
+
+
+def attribution(pair: Pair, steps: int) -> dict[str, dict[str, float]]:
+    """CPU time of the adapter's residency callbacks (the index, retention and event bookkeeping
+    behind every admission and removal) in `steps` steps of the KvHint side alone, timed per call
+    on the engine thread: us per call, blocks per call, us per block."""
+    side, wl = pair.kv, pair.workload
+    adapter = side.sched.kvhint_adapter
+    stats: dict[str, list[int]] = {}
+    originals = {}
+    for name, blocks_of in CALLBACKS.items():
+        fn = getattr(adapter, name, None)
+        if fn is None:
+            continue
+        acc = stats[name] = [0, 0, 0]  # ns, calls, blocks
+        originals[name] = fn
+
+        def timed(*a: Any, _fn: Any = fn, _acc: list[int] = acc, _blocks: Any = blocks_of, **k: Any) -> Any:
+            t = thread_ns()
+            try:
+                return _fn(*a, **k)
+            finally:
+                _acc[0] += thread_ns() - t
+                _acc[1] += 1
+                _acc[2] += _blocks(a)
+
+        setattr(adapter, name, timed)
+    try:
+        for _ in range(steps):
+            for rid in side.step(wl.arrivals()):
+                wl.finished(rid)
+            wl.hints()
+    finally:
+        for name in originals:
+            delattr(adapter, name)  # back to the class's method
+    return {
+        name: {"calls": c, "blocks": b, "us_per_call": ns / 1e3 / max(1, c), "us_per_block": ns / 1e3 / max(1, b), "ms": ns / 1e6}
+        for name, (ns, c, b) in stats.items()
+    }
 
 
 # ---------------------------------------------------------------- ApplyHints apply time
@@ -117,6 +169,30 @@ def apply_sweep(side: Side, sizes: Iterable[int], repeats: int = 5) -> list[dict
         selected["evict"] = sender.batches[-1]["blocks"]
         for action, ns in times.items():
             rows.append({"action": action, "blocks": selected[action], "requested": n, "us": statistics.median(ns) / 1e3})
+    return rows
+
+
+def shared_sweep(side: Side, owners: Iterable[int], shared_blocks: int = 64, repeats: int = 5) -> list[dict[str, Any]]:
+    """Apply time of Retain on one session whose `shared_blocks`-block prefix is also retained by
+    k other sessions (a shared system prompt under per-session hints), against k."""
+    shape = side.shape
+    sender = HintSender(side.sched)
+    prefix = tokens("shared-prefix", shared_blocks * shape.block_size)
+    rows, retained = [], 0
+    for k in sorted(owners):
+        while retained < k:  # k sessions on the prefix, each retaining its blocks
+            sid = f"share-{retained}"
+            own = tokens(f"own-{sid}", shape.block_size + 1)
+            side.fill(Turn(f"{sid}-probe", prefix + own, sid, "", 1))
+            sender.apply_now([HintPlan("retain", sid, ttl_s=600.0, priority=1)])
+            retained += 1
+        times, blocks = [], 0
+        for _ in range(repeats):
+            sender.batches.clear()
+            sender.apply_now([HintPlan("retain", "share-0", ttl_s=600.0, priority=2)])
+            times.append(sender.batches[-1]["ns"])
+            blocks = sender.batches[-1]["blocks"]
+        rows.append({"owners": k, "blocks": blocks, "us": statistics.median(times) / 1e3})
     return rows
 
 

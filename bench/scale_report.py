@@ -1,13 +1,13 @@
 """Tables and plots of `bench.scale`, computed from its raw data alone (`raw.json` + one CSV of
 timed units per run), so `python -m bench.scale --report-only` regenerates them.
 
-Per-block costs come from a least-squares fit over every timed unit of a run (fill chunks,
-steady steps, quiet steps):
-
-    KvHint CPU - stock CPU = a * blocks admitted + b * blocks evicted + c * is_step + d * running
-
-a and b are the costs per admitted and per evicted block, c + d * running what a step costs when
-nothing changes (no block stored or evicted, no hint).
+Costs per block, three ways:
+  * churn: (KvHint - stock) CPU over the steady steps / (blocks admitted + blocks evicted);
+  * bulk admission: the same over the fill units that admitted without evicting (large
+    admissions through the KVCacheManager: the per-call costs are spread over many blocks);
+  * callbacks: the adapter's residency callbacks timed per call in steady steps (raw.json
+    "attribution"): us per admitted block (on_blocks_cached) and per evicted block
+    (on_keys_removed); the hook wrappers around vLLM's methods come on top.
 """
 
 from __future__ import annotations
@@ -53,16 +53,17 @@ def _ratios(units: Sequence[dict[str, Any]], key: str = "") -> dict[str, float]:
     }
 
 
-def fit_costs(units: Sequence[dict[str, Any]], side: str = "diff") -> dict[str, float]:
-    """Least squares of (KvHint - stock) CPU (side="diff") or of stock CPU (side="stock")
-    per unit: µs per admitted block, per evicted block, per step, per running request."""
-    rows = [u for u in units if u["phase"] in ("fill", *STEP_PHASES)]
-    if len(rows) < 4:
-        return {"admit_us": float("nan"), "evict_us": float("nan"), "step_us": float("nan"), "running_us": float("nan")}
-    x = np.array([[u["admitted"], u["evicted"], 1.0 if u["phase"] != "fill" else 0.0, u["running"]] for u in rows])
-    y = np.array([(u["kv_ns"] - u["stock_ns"]) if side == "diff" else u["stock_ns"] for u in rows], dtype=float) / 1e3
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    return {"admit_us": float(coef[0]), "evict_us": float(coef[1]), "step_us": float(coef[2]), "running_us": float(coef[3])}
+def churn_costs(units: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """(KvHint - stock) us per churned block in steady steps, and per admitted block in bulk fills."""
+    steady = [u for u in units if u["phase"] == "steady"]
+    bulk = [u for u in units if u["phase"] == "fill" and u["admitted"] and not u["evicted"]]
+    churned = sum(u["admitted"] + u["evicted"] for u in steady)
+    admitted = sum(u["admitted"] for u in bulk)
+    return {
+        "churn_us": sum(u["kv_ns"] - u["stock_ns"] for u in steady) / 1e3 / churned if churned else float("nan"),
+        "bulk_admit_us": sum(u["kv_ns"] - u["stock_ns"] for u in bulk) / 1e3 / admitted if admitted else float("nan"),
+        "stock_bulk_admit_us": sum(u["stock_ns"] for u in bulk) / 1e3 / admitted if admitted else float("nan"),
+    }
 
 
 def analyse(run: dict[str, Any], units: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -81,8 +82,7 @@ def analyse(run: dict[str, Any], units: Sequence[dict[str, Any]]) -> dict[str, A
         "hints_per_step": statistics.mean(u["hints"] for u in steady) if steady else 0.0,
     }
     if not run["shape"]["hints_per_step"] and not run.get("aa"):  # hints: the caches differ; A/A: no bus to count blocks
-        out["fit"] = fit_costs(units)
-        out["stock_fit"] = fit_costs(units, "stock")
+        out["costs"] = churn_costs(units)
     return out
 
 
@@ -131,20 +131,27 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         )
     lines += [
         "",
-        "## Costs per block and per step (least squares over every unit of a run)",
+        "## Costs per block and per step",
         "",
-        "Quiet steps: 32 resumed sessions decode inside one block each (no block stored or evicted, no hint).",
+        "Churn: (KvHint - stock) CPU of the steady steps / (blocks admitted + evicted). Bulk: the same per block of "
+        "the fill admissions that evicted nothing (whole prompts at once). Callbacks: the adapter's "
+        "`on_blocks_cached` / `on_keys_removed` timed per call over steady steps of the KvHint side (index, retention "
+        "and event bookkeeping; the hook wrappers come on top). Quiet steps: 32 resumed sessions decode inside one "
+        "block each (no block stored or evicted, no hint).",
         "",
-        "| run | KvHint us per admitted block | KvHint us per evicted block | stock us per admitted / evicted block | quiet steps | quiet step: stock us | quiet step: KvHint - stock us (median) | quiet step ratio (median) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | churn: KvHint - stock us per block | bulk admission: us per block (stock) | admission callback: us per block (per call, blocks per call) | removal callback: us per block (per call, blocks per call) | quiet steps | quiet step: stock us | quiet step: KvHint - stock us (median) | quiet step ratio (median) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         a = analyses[r["name"]]
-        fit, sf, q = a.get("fit"), a.get("stock_fit"), a["quiet"]
-        costs = f"{_f(fit['admit_us'])} | {_f(fit['evict_us'])} | {_f(sf['admit_us'])} / {_f(sf['evict_us'])}" if fit and sf else "- | - | -"
+        c, q, at = a.get("costs"), a["quiet"], r.get("attribution", {})
+        cells = [f"{_f(c['churn_us'])}", f"{_f(c['bulk_admit_us'])} ({_f(c['stock_bulk_admit_us'])})"] if c else ["-", "-"]
+        for name in ("on_blocks_cached", "on_keys_removed"):
+            x = at.get(name)
+            cells.append(f"{x['us_per_block']:.1f} ({x['us_per_call']:.0f}, {x['blocks'] / max(1, x['calls']):.1f})" if x else "-")
         lines.append(
-            f"| {r['label']} | {costs} | {a['quiet_steps']} | {_f(q['stock_median_ms'] * 1e3, 0)} | {_f(a['quiet_overhead_us'], 1)} | "
-            f"{_f(q['median_ratio'], 3)}x |"
+            f"| {r['label']} | {' | '.join(cells)} | {a['quiet_steps']} | {_f(q['stock_median_ms'] * 1e3, 0)} | "
+            f"{_f(a['quiet_overhead_us'], 1)} | {_f(q['median_ratio'], 3)}x |"
         )
     lines += [
         "",
@@ -177,6 +184,16 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         ]
         for row in sweep["rows"]:
             lines.append(f"| {row['action']} | {row['blocks']} | {row['us']:.0f} | {row['us'] / max(1, row['blocks']):.2f} |")
+        shared = sweep.get("shared")
+        if shared:
+            lines += [
+                "",
+                "Retain of one session whose prefix (a shared system prompt) k other sessions also retain:",
+                "",
+                "| sessions retaining the shared blocks | blocks selected | apply us |",
+                "|---|---|---|",
+                *(f"| {row['owners']} | {row['blocks']} | {row['us']:.0f} |" for row in shared),
+            ]
     for r in runs:
         hb = r.get("hint_batches")
         if hb:
@@ -249,7 +266,7 @@ def plot(raw: dict[str, Any], analyses: dict[str, dict[str, Any]], path: Path) -
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    runs = [r for r in raw["runs"] if not r["shape"]["hints_per_step"] and not r.get("aa") and "fit" in analyses[r["name"]]]
+    runs = [r for r in raw["runs"] if "costs" in analyses[r["name"]]]
     if not runs:
         return False
     most = max(r["shape"]["sessions"] for r in runs)
@@ -257,12 +274,17 @@ def plot(raw: dict[str, Any], analyses: dict[str, dict[str, Any]], path: Path) -
     pools = sorted({r["shape"]["pool_blocks"] for r in runs})
     mid = pools[len(pools) // 2]
     by_sessions = sorted((r for r in runs if r["shape"]["pool_blocks"] == mid), key=lambda r: r["shape"]["sessions"])
+    def callback(name: str) -> Any:
+        return lambda r, a: r.get("attribution", {}).get(name, {}).get("us_per_block", float("nan"))
+
     series = (
-        ("KvHint us per admitted block", lambda a: a["fit"]["admit_us"]),
-        ("KvHint us per evicted block", lambda a: a["fit"]["evict_us"]),
-        ("KvHint - stock us per quiet step", lambda a: a["quiet_overhead_us"]),
-        ("stock us per quiet step", lambda a: a["quiet"]["stock_median_ms"] * 1e3),
-        ("KvHint - stock us per steady step", lambda a: (a["steady"]["kv_median_ms"] - a["steady"]["stock_median_ms"]) * 1e3),
+        ("KvHint - stock us per churned block", lambda r, a: a["costs"]["churn_us"]),
+        ("admission callback us per block", callback("on_blocks_cached")),
+        ("removal callback us per block", callback("on_keys_removed")),
+        ("KvHint - stock us per bulk-admitted block", lambda r, a: a["costs"]["bulk_admit_us"]),
+        ("KvHint - stock us per quiet step", lambda r, a: a["quiet_overhead_us"]),
+        ("stock us per quiet step", lambda r, a: a["quiet"]["stock_median_ms"] * 1e3),
+        ("KvHint - stock us per steady step", lambda r, a: (a["steady"]["kv_median_ms"] - a["steady"]["stock_median_ms"]) * 1e3),
     )
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, group, key, xlabel in (
@@ -271,7 +293,7 @@ def plot(raw: dict[str, Any], analyses: dict[str, dict[str, Any]], path: Path) -
     ):
         xs = [r["shape"][key] for r in group]
         for label, get in series:
-            ys = [get(analyses[r["name"]]) for r in group]
+            ys = [get(r, analyses[r["name"]]) for r in group]
             pts = [(x, y) for x, y in zip(xs, ys) if y == y and y > 0]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=label)

@@ -627,7 +627,7 @@ class _NoHints:
         return []
 
 
-def _drive(hp: HintedPool, pol: ReferencePolicy | LibraryPolicy | _NoHints, name: str) -> SimResult:
+def drive_policy(hp: HintedPool, pol: ReferencePolicy | LibraryPolicy | _NoHints, name: str) -> SimResult:
     """Run the trace through `hp`, applying the policy's actions when it emits them."""
     bt = hp.bt
     t0 = bt.items[0].t if bt.items else 0.0
@@ -666,7 +666,7 @@ def simulate_hinted(
     """Hint-aware pool driven by `bench.policy.ReferencePolicy` (causal)."""
     cfg = policy_config or bt.policy_config
     hp = HintedPool(bt, num_gpu_blocks, pin_budget_fraction)
-    return _drive(hp, ReferencePolicy(cfg, bt.shared_prefix_target), name)
+    return drive_policy(hp, ReferencePolicy(cfg, bt.shared_prefix_target), name)
 
 
 def simulate_library(
@@ -676,11 +676,19 @@ def simulate_library(
     num_gpu_blocks: int | None = None,
     pin_budget_fraction: float = 0.5,
     name: str = "policy",
+    clairvoyant: bool = False,
 ) -> SimResult:
     """Hint-aware pool driven by `bench.policy.LibraryPolicy` (`kvhint_client.policy`).
-    `config`: a `kvhint_client.policy.PolicyConfig` (default: `library_config` of the trace)."""
+    `config`: a `kvhint_client.policy.PolicyConfig` (default: `library_config` of the trace).
+    `clairvoyant`: predict every pause by its true end (a diagnostic upper bound for the
+    predictions, `bench.policy.ClairvoyantSessionPolicy`)."""
     hp = HintedPool(bt, num_gpu_blocks, pin_budget_fraction)
-    return _drive(hp, LibraryPolicy(config or bt.library_config, bt.shared_prefix_target), name)
+    starts: dict[str, list[float]] | None = None
+    if clairvoyant:
+        starts = {}
+        for r in bt.requests:
+            starts.setdefault(r.session_id, []).append(r.t)
+    return drive_policy(hp, LibraryPolicy(config or bt.library_config, bt.shared_prefix_target, starts), name)
 
 
 def simulate_tiers(
@@ -708,7 +716,7 @@ def simulate_tiers(
         pol = LibraryPolicy(replace(bt.library_config, use_tiers=True), bt.shared_prefix_target)
     else:
         raise ValueError(f"unknown tier policy {policy!r}")
-    return _drive(hp, pol, name or f"tiers+{policy}")
+    return drive_policy(hp, pol, name or f"tiers+{policy}")
 
 
 # --------------------------------------------------------------------------- analysis

@@ -195,7 +195,7 @@ def step_overhead(opts: Options, name: str, model: str, step: Step) -> None:
 
 
 def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Step]], wall: float) -> bool:
-    ok = all(s.status != "fail" for group in steps.values() for s in group)
+    ok = bool(steps) and all(s.status == "pass" for group in steps.values() for s in group)
     data = {
         "ok": ok,
         "wall_s": round(wall, 1),
@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="dense,hybrid", help="comma-separated subset of: dense, hybrid")
     parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds per step (default 300)")
     args = parser.parse_args(argv)
+    wanted = set(args.models.split(","))
+    if not wanted or not wanted <= {name for name, _ in MODELS}:
+        parser.error(f"--models: a comma-separated subset of {', '.join(name for name, _ in MODELS)}")
     opts = Options(args.cpu, args.quick, Path(args.out or ROOT / "gpu_check_out").resolve(), args.step_timeout)
     opts.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("KVHINT_GPU_MEMORY_UTILIZATION", "0.1")
@@ -242,7 +245,6 @@ def main(argv: list[str] | None = None) -> int:
     if not opts.cpu and not info["cuda_available"]:
         print("gpu_check: no CUDA device visible; use --cpu on a machine without a GPU", file=sys.stderr)
         return 2
-    wanted = set(args.models.split(","))
     per_env = identity_honours_model_env()
     steps: dict[str, list[Step]] = {}
     for name, preset in MODELS:

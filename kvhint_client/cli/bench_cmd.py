@@ -2,12 +2,14 @@
 
     kvhint bench run [--mode fast|full] [--trace my.jsonl] [--model DIR] ...
         replay a trace on a real vLLM engine: (a) LRU, (b) hints, (c) hints + Release,
-        (f) vLLM's offloading tiers without hints, (g) hints + Demote/Prefetch on the tiers,
-        plus the offline (d) Belady-MIN and (e) infinite-cache references
+        (c2) kvhint_client.policy, (f) vLLM's offloading tiers without hints, (g) hints +
+        Demote/Prefetch on the tiers, (g2) kvhint_client.policy on the tiers, plus the offline
+        (d) Belady-MIN and (e) infinite-cache references
         (bench.agentic_engine; `kvhint bench run -h` for every option)
     kvhint bench generate|analyze|headroom|policy ...
-        the offline tools (bench.cli): generate a trace, simulate every policy on a
-        trace (yours or generated), print the reference policy's hints
+        the offline tools (bench.cli): generate a trace, simulate every policy on a trace
+        (yours or generated) side by side with LRU, Belady, the infinite cache and the tier
+        runs, print the reference policy's hints
 
 Everything after the subcommand is passed through to that tool. The global
 `--address` is not used: `run` starts its own engine (or takes `--http/--grpc`).

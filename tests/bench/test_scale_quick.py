@@ -73,6 +73,9 @@ def test_apply_sweep_selects_what_it_asks_for_and_the_bus_loses_nothing(out: Pat
     assert {r["action"] for r in rows} == {"pin", "retain", "release", "evict"}
     for r in rows:
         assert r["blocks"] == r["requested"], r
+    shared = raw["apply_sweep"]["shared"]
+    assert [r["owners"] for r in shared] == [1, 10, 50]
+    assert len({r["blocks"] for r in shared}) == 1 and shared[0]["blocks"] > 0, "the same blocks at every k"
     events = raw["events"]
     assert events["subscribers"] == 8
     for source in events["sources"]:

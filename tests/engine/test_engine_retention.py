@@ -145,41 +145,59 @@ def test_evict_skips_blocks_of_a_running_request(clean: Engine) -> None:
     """Evict of a running request's session is CLIPPED/BLOCKS_IN_USE, evicts
     nothing, and leaves the request's output unchanged.
 
-    Deterministic: the Evict is sent once the request's first blocks are
-    stored (it is running), and the event stream proves the request was still
-    running when the Evict was applied: it stores more blocks (it generates
-    760 tokens, 23 more blocks) after the Evict's own sequence number."""
+    Deterministic: once the request's first blocks are stored (it is running),
+    the engine is paused with vLLM's dev-mode `POST /pause?mode=keep`, which
+    freezes running requests with their blocks. While paused, QueryResidency
+    confirms the blocks are in use and the Evict is applied (KvHint applies
+    hints on the idle engine); then `POST /resume` lets the request finish."""
+    import urllib.request
+
     from events_support import Collector
 
-    session, max_tokens = "running", 760
-    prompt = tokens(session, 256)
-    reference = clean.complete(prompt, max_tokens=max_tokens, extra_body={"ignore_eos": True}).token_ids
-    clean.reset_cache()
+    def post(path: str) -> None:
+        with urllib.request.urlopen(urllib.request.Request(clean.http + path, data=b"", method="POST"), timeout=60) as r:
+            assert r.status == 200, path
 
-    def stored_after(sequence: int):
-        return lambda ms: any(m.WhichOneof("payload") == "blocks_stored" and m.sequence > sequence for m in ms)
+    def running_blocks(session: str) -> list[pb.BlockInfo]:
+        blocks = clean.stub.QueryResidency(pb.QueryResidencyRequest(selector=session_sel(session)), timeout=30).blocks
+        return [b for b in blocks if b.in_use]
 
-    watch = Collector(
-        clean.grpc_address,
-        pb.WatchEventsRequest(
-            start=pb.WatchEventsRequest.START_NOW,
-            filter=pb.EventFilter(session_ids=[session]),
-            heartbeat_interval={"nanos": 100_000_000},
-        ),
-    )
-    try:
-        watch.wait_for(bool)  # subscribed (a heartbeat arrived) before the request starts
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            running = pool.submit(clean.complete, prompt, session, max_tokens=max_tokens, extra_body={"ignore_eos": True})
-            watch.wait_for(stored_after(0), timeout=120)  # admitted and running
-            response = clean.stub.ApplyHints(pb.ApplyHintsRequest(hints=[evict(session)]), timeout=30)
-            watch.wait_for(stored_after(response.applied_at_sequence), timeout=120)  # still running after the Evict
-            output = running.result(timeout=300).token_ids
-    finally:
-        watch.stop()
-    (result,) = response.results
+    max_tokens = 760
+    for attempt in range(3):  # a retry only if the request finished before the pause took hold
+        session = f"running-{attempt}"
+        prompt = tokens(session, 256)
+        reference = clean.complete(prompt, max_tokens=max_tokens, extra_body={"ignore_eos": True}).token_ids
+        clean.reset_cache()
+        watch = Collector(
+            clean.grpc_address,
+            pb.WatchEventsRequest(
+                start=pb.WatchEventsRequest.START_NOW,
+                filter=pb.EventFilter(session_ids=[session]),
+                heartbeat_interval={"nanos": 100_000_000},
+            ),
+        )
+        try:
+            watch.wait_for(bool)  # subscribed (a heartbeat arrived) before the request starts
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                running = pool.submit(clean.complete, prompt, session, max_tokens=max_tokens, extra_body={"ignore_eos": True})
+                watch.wait_for(lambda ms: any(m.WhichOneof("payload") == "blocks_stored" for m in ms), timeout=120)
+                post("/pause?mode=keep")
+                try:
+                    in_use = running_blocks(session)  # frozen until /resume: this is the state Evict sees
+                    if in_use:
+                        (result,) = clean.apply(evict(session))
+                        after = running_blocks(session)
+                finally:
+                    post("/resume")
+                output = running.result(timeout=300).token_ids
+        finally:
+            watch.stop()
+        if in_use:
+            break
+    assert in_use, "the request finished before the engine paused, every time"
     assert result.outcome == pb.OUTCOME_CLIPPED and result.reason == pb.REASON_BLOCKS_IN_USE, result
-    assert result.clips[0].granted_blocks == 0 and result.clips[0].requested_blocks > 0
+    assert result.clips[0].granted_blocks == 0 and result.clips[0].requested_blocks == len(in_use)
+    assert [b.block_hash for b in after] == [b.block_hash for b in in_use]  # nothing was evicted
     assert len(output) == max_tokens and tuple(output) == reference  # the running request was not disturbed
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from google.protobuf import duration_pb2
+from vllm.config import CacheConfig, ParallelConfig, VllmConfig
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_block_hash
@@ -84,10 +85,17 @@ class Cache:
         self.removed: list[bytes] = []  # external hashes vLLM's events reported removed, in order
         if hooked:
             self.core = KvHintCore(ServerConfig(address="127.0.0.1:0", **config), monotonic=self.clock)
+            # The Scheduler attributes KvHint reads (install, VllmAdapter), real vLLM objects.
+            vllm_config = VllmConfig(
+                cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True, prefix_caching_hash_algo="sha256"),
+                parallel_config=ParallelConfig(),
+            )
             scheduler_like = SimpleNamespace(
                 kv_cache_manager=self.manager,
+                kv_cache_config=kv_config,
                 block_size=BLOCK_SIZE,
-                cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256"),
+                cache_config=vllm_config.cache_config,
+                vllm_config=vllm_config,
             )
             self.adapter = VllmAdapter(self.core, scheduler_like, None)
             self.adapter.attach_pool(install(scheduler_like, self.adapter))

@@ -215,7 +215,7 @@ def operations(draw: Any) -> list[tuple[str, Any]]:
     return ops
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(
     ops=operations(),
     subscribe_at=st.integers(0, 30),

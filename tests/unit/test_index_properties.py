@@ -633,6 +633,9 @@ def test_shared_block_members_are_capped_and_leaves_are_exact(n, leave):
     assert len(index.node(A).sessions) == n
     reported = index.members(A)
     assert len(reported) == min(n, MAX_MEMBERS_REPORTED) and set(reported) <= index.node(A).sessions
+    # An event's own session leads its member list, whatever the member count.
+    assert index.members(A, first=f"s{n - 1}")[0] == f"s{n - 1}"
+    assert len(index.members(A, first=f"s{n - 1}")) == len(reported)
     gone = {f"s{i}" for i in leave if i < n}
     for s in sorted(gone):
         tail = HASH[(0, 0, int(s[1:]) % 2)]
