@@ -16,35 +16,21 @@ import argparse
 import json
 import platform
 import re
-import socket
 import sys
 import time
 import traceback
 import urllib.request
 from pathlib import Path
 
-from engine_integration.served import EngineSpec, ServedEngine, default_model, free_port
+from engine_integration.dp import free_base_port
+from engine_integration.served import EngineSpec, ServedEngine, default_model
 
 RANKS = 2
 PROMPT_TOKENS = 96
 
 
-def _free_port_run(n: int) -> int:
-    for _ in range(100):
-        port = free_port()
-        taken = False
-        for offset in range(1, n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + offset))
-                except OSError:
-                    taken = True
-        if not taken:
-            return port
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
-def _complete_on_rank(http_url: str, rank: int, session_id: str) -> dict[str, object]:
+def complete_on_rank(http_url: str, rank: int, session_id: str) -> dict[str, object]:
+    """A 2-token completion of a 96-token prompt, sent to DP rank `rank` with `session_id`."""
     body = {"prompt": [100 + 7 * rank + i % 50 for i in range(PROMPT_TOKENS)], "max_tokens": 2, "temperature": 0.0}
     request = urllib.request.Request(
         http_url + "/v1/completions",
@@ -68,7 +54,7 @@ def probe(out: list[str]) -> bool:
     from kvhint_client import KvHintClient, session
     from kvhint_client.fleet import FleetClient, data_parallel_endpoints
 
-    base_port = _free_port_run(RANKS)
+    base_port = free_base_port(RANKS)
     spec = EngineSpec(model=default_model("tiny"), grpc_port=base_port, extra_args=["--data-parallel-size", str(RANKS)])
     engine = ServedEngine(spec)
     out.append("command: " + " ".join(engine.command()[1:]))
@@ -98,7 +84,7 @@ def probe(out: list[str]) -> bool:
                 out.append(f"rank {rank} {address}: GetCapabilities failed: {error}")
                 ok = False
         for rank in range(RANKS):
-            reply = _complete_on_rank(engine.http_url, rank, f"dp-session-{rank}")
+            reply = complete_on_rank(engine.http_url, rank, f"dp-session-{rank}")
             out.append(f"request with X-data-parallel-rank: {rank}, session dp-session-{rank}: "
                        f"{reply['usage']['completion_tokens']} tokens")
         for rank in range(RANKS):

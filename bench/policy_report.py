@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +51,13 @@ GOAL_TIERS = 1.25  # host tier = device pool: recomputed / infinite cache
 def run(traces: dict[tuple[str, int], tuple[Trace, BlockTrace]]) -> list[dict[str, Any]]:
     rows = []
     for (preset, seed), (_, bt) in traces.items():
-        t0 = time.perf_counter()
         a = analyze(bt, tiers=True)
         a.results["clairvoyant"] = simulate_library(bt, name="clairvoyant", clairvoyant=True)
-        rows.append(_row(preset, seed, a, time.perf_counter() - t0))
+        rows.append(_row(preset, seed, a))
     return rows
 
 
-def _row(preset: str, seed: int, a: Analysis, seconds: float) -> dict[str, Any]:
+def _row(preset: str, seed: int, a: Analysis) -> dict[str, Any]:
     lru = a.results["lru"].recomputed_tokens
     return {
         "preset": preset,
@@ -71,7 +69,6 @@ def _row(preset: str, seed: int, a: Analysis, seconds: float) -> dict[str, Any]:
         "x_lru": {n: round(r.recomputed_tokens / lru, 4) for n, r in a.results.items()},
         "x_infinite": {n: round(a.vs_infinite(n), 4) for n in a.results},
         "results": a.to_json()["results"],
-        "seconds": round(seconds, 2),
     }
 
 

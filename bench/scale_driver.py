@@ -27,7 +27,7 @@ from typing import Any
 
 from kvhint.v1 import kvhint_pb2 as pb
 
-from .scale_workload import HintPlan, Shape, Turn, Workload
+from .scale_workload import HintPlan, Shape, Turn, Workload, tokens
 
 FILL_CHUNK = 16  # direct admissions per recorded fill unit
 
@@ -243,11 +243,10 @@ class Pair:
         self.stock = Side(shape, False, "stock")
         self.kv = Side(shape, not aa, "stock-b" if aa else "kvhint")
         self.rng = random.Random(shape.seed + 1)
-        probe = self.kv if not aa else self.stock
         self.counter = BusCounter(self.kv.core) if self.kv.core is not None else None
         self.sender = HintSender(self.kv.sched) if self.kv.core is not None else None
         self.clock = SimClock(self.kv.core, shape.step_seconds) if self.kv.core is not None else None
-        default_sample = probe.inproc.default_sample
+        default_sample = self.stock.inproc.default_sample
         self.workload = Workload(shape, sample or (lambda rid, i: default_sample(_Rid(rid), i)))
         self.units: list[Unit] = []
 
@@ -361,7 +360,5 @@ class _Rid:
 
 
 def _filler(i: int, n: int) -> list[int]:
-    from .scale_workload import tokens
-
     return tokens(f"filler-{i}", n)
 

@@ -173,10 +173,12 @@ def apply_sweep(side: Side, sizes: Iterable[int], repeats: int = 5) -> list[dict
 
 
 def shared_sweep(side: Side, owners: Iterable[int], shared_blocks: int = 64, repeats: int = 5) -> list[dict[str, Any]]:
-    """Apply time of Retain on one session whose `shared_blocks`-block prefix is also retained by
-    k other sessions (a shared system prompt under per-session hints), against k."""
+    """Apply time of Retain on one session whose `shared_blocks`-block prefix is retained by k
+    sessions in all, itself included (a shared system prompt under per-session hints), against k. The prefix is
+    capped so that prefix + the session's own block fit max_model_len."""
     shape = side.shape
     sender = HintSender(side.sched)
+    shared_blocks = min(shared_blocks, shape.max_model_len // shape.block_size - 2)  # prompt + own block fit the model
     prefix = tokens("shared-prefix", shared_blocks * shape.block_size)
     rows, retained = [], 0
     for k in sorted(owners):

@@ -106,6 +106,20 @@ def _memory_fit(runs: Sequence[dict[str, Any]]) -> tuple[float, float, float] | 
     return float(coef[0]), float(coef[1]), worst
 
 
+def _index_fit(runs: Sequence[dict[str, Any]]) -> tuple[float, float, float] | None:
+    """index bytes = a * nodes + b * memberships over the no-hint runs (no constant; sessions
+    are left out: their memberships are nearly proportional to them, so a third term is not
+    identifiable from these runs)."""
+    mem = [r["memory"] for r in runs if r.get("memory") and not r["shape"]["hints_per_step"]]
+    if len(mem) < 4:
+        return None
+    x = np.array([[m["index_nodes"], m["memberships"]] for m in mem], dtype=float)
+    y = np.array([m["index_bytes"] for m in mem], dtype=float)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    worst = float(np.max(np.abs(x @ coef - y) / y))
+    return float(coef[0]), float(coef[1]), worst
+
+
 def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str]:
     runs = raw["runs"]
     lines = [
@@ -134,7 +148,9 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         "## Costs per block and per step",
         "",
         "Churn: (KvHint - stock) CPU of the steady steps / (blocks admitted + evicted). Bulk: the same per block of "
-        "the fill admissions that evicted nothing (whole prompts at once). Callbacks: the adapter's "
+        "the fill admissions that evicted nothing (whole prompts at once; KvHint also records the session's membership of the "
+        "prefix-hit blocks there, which are not counted as admitted, so runs with many sessions on shared prompts cost more "
+        "per admitted block). Callbacks: the adapter's "
         "`on_blocks_cached` / `on_keys_removed` timed per call over steady steps of the KvHint side (index, retention "
         "and event bookkeeping; the hook wrappers come on top). Quiet steps: 32 resumed sessions decode inside one "
         "block each (no block stored or evicted, no hint).",
@@ -173,6 +189,12 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
     if fit:
         lines += ["", f"Linear fit over the runs without hints: bytes = {fit[0]:.0f} x cached blocks + {fit[1]:.0f} x sessions "
                       f"(+ constant); worst relative error of the fit {fit[2] * 100:.1f}%."]
+    index_fit = _index_fit(runs)
+    if index_fit:
+        lines += [f"The index alone: {index_fit[0]:.0f} B per index node + {index_fit[1]:.0f} B per membership (a session's "
+                  f"claim on a block, shared system-prompt blocks included); worst relative error {index_fit[2] * 100:.1f}%. "
+                  "A session's cost grows with the blocks it is a member of, so a long shared prefix costs every session "
+                  "that uses it."]
     sweep = raw.get("apply_sweep")
     if sweep:
         lines += [
@@ -188,9 +210,9 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         if shared:
             lines += [
                 "",
-                "Retain of one session whose prefix (a shared system prompt) k other sessions also retain:",
+                "Retain of one session whose prefix (a shared system prompt) is retained by k sessions in all, this one included:",
                 "",
-                "| sessions retaining the shared blocks | blocks selected | apply us |",
+                "| k: sessions retaining the shared blocks | blocks selected | apply us |",
                 "|---|---|---|",
                 *(f"| {row['owners']} | {row['blocks']} | {row['us']:.0f} |" for row in shared),
             ]
@@ -264,6 +286,7 @@ def plot(raw: dict[str, Any], analyses: dict[str, dict[str, Any]], path: Path) -
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return False
     runs = [r for r in raw["runs"] if "costs" in analyses[r["name"]]]
@@ -299,6 +322,7 @@ def plot(raw: dict[str, Any], analyses: dict[str, dict[str, Any]], path: Path) -
                 ax.plot(*zip(*pts), marker="o", label=label)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel(xlabel)
         ax.set_ylabel("us (CPU, engine thread)")
         ax.grid(True, which="both", alpha=0.3)

@@ -25,3 +25,25 @@ def dp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
     if size == 1 and not getattr(parallel, "enable_elastic_ep", False):
         size = int(getattr(parallel, "elastic_ep_max_dp_size", 1) or 1)
     return rank, max(size, rank + 1)
+
+
+def free_base_port(ranks: int) -> int:
+    """A loopback port p with p .. p + ranks - 1 all free: the sidecar ports of a DP group
+    whose KVHINT_GRPC_ADDRESS is p (rank r listens on p + r)."""
+    import socket
+
+    from .served import free_port
+
+    for _ in range(100):
+        port = free_port()
+        free = True
+        for offset in range(1, ranks):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + offset))
+                except OSError:
+                    free = False
+                    break
+        if free:
+            return port
+    raise RuntimeError(f"no {ranks} consecutive free loopback ports")

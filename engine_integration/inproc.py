@@ -27,13 +27,15 @@ Stable API:
   a fake ModelRunnerOutput (one sampled token per scheduled request), update_from_output().
   Async (the scheduler is an AsyncScheduler): like EngineCore.step_with_batch_queue with 2
   batches in flight: schedule() while the previous batch's output is still pending (requests
-  carry output placeholders), then deliver the oldest batch's output.
+  carry output placeholders), then deliver the oldest batch's output. `StepResult.prefix_hits`:
+  request id -> tokens found cached when the request was first scheduled in this step.
 - `on_engine_thread(scheduler_or_schedulers, fn, timeout=10)`: run `fn()` (typically gRPC calls to the sidecar)
   on a helper thread while this thread plays the idle engine (KvHintCore.run_pending() every
   millisecond), and return its result. RPCs that need the engine thread (ApplyHints, ListSessions,
   QueryResidency, ...) would otherwise wait for a step() that never comes.
-- `drain(scheduler)`: deliver every in-flight output. `run_until_idle(scheduler, max_steps)`:
-  step until no request is waiting, running or in flight; returns the finished request ids.
+- `drain(scheduler)`: deliver every in-flight output. `busy(scheduler)`: requests or outputs
+  left. `run_until_idle(scheduler, max_steps)`: step until not busy; returns the finished
+  request ids.
 - `sample` maps (request, number of tokens already delivered) to the token id to sample; the
   default is deterministic, so sync and async runs of the same requests see the same tokens.
 

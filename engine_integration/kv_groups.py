@@ -27,6 +27,8 @@ needs, and hints act on them as well (see VllmAdapter).
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,3 +87,35 @@ def layout_of(kv_cache_config: Any) -> GroupLayout:
         KvCacheGroupInfo(i.group_id, i.kind, i.block_size, i.sliding_window_tokens, i.group_id in residency) for i in infos
     ]
     return GroupLayout(tuple(infos), residency, tuple(cacheable))
+
+
+def residency_view(vllm_events: Iterable[Any], residency: Container[int]) -> list[tuple[str, Any, str]]:
+    """vLLM's own KV events as KvHint's device events report them.
+
+    vLLM publishes BlockStored / BlockRemoved per group (`group_idx`) and per
+    copy: a hybrid model often holds two copies of a block in one group (a
+    request that cannot hit a shared prefix, because the window group did not
+    cache it, recomputes and caches it again). KvHint reports blocks, not
+    copies, of the residency groups. So the agreement is: take vLLM's events
+    of the residency groups, keep every store, and keep a removal only when it
+    removes the hash's last copy there. Returns ("stored" | "removed", hash,
+    medium) in vLLM's order; KvHint's BlocksStored (not prefix hits) and
+    BlocksRemoved give the same list. (Exact with one residency group, the
+    layout of the models tested here; with several, KvHint stores a block once
+    the last of them holds a copy.)"""
+    copies: Counter[Any] = Counter()
+    out: list[tuple[str, Any, str]] = []
+    for event in vllm_events:
+        kind = type(event).__name__
+        if kind not in ("BlockStored", "BlockRemoved") or event.group_idx not in residency:
+            continue
+        for h in event.block_hashes:
+            if kind == "BlockStored":
+                copies[h] += 1
+                out.append(("stored", h, event.medium))
+            else:
+                copies[h] -= 1
+                if copies[h] <= 0:
+                    del copies[h]
+                    out.append(("removed", h, event.medium))
+    return out

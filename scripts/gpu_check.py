@@ -10,8 +10,8 @@ For each generated model (engine_integration.served.default_model: `tiny`, a den
   2. run the conformance suite against it (`kvhint-conformance`, with the vLLM integration's
      known-failing list);
   3. run the identity test (tests/engine/test_engine_identity.py: KvHint with no hints = stock
-     vLLM, tokens, prefix hits and vLLM's own KV events), on this model when the test honours
-     KVHINT_TEST_MODEL, otherwise once with the models it picks itself;
+     vLLM, tokens, prefix hits and vLLM's own KV events), its case for this model (the test is
+     parametrized `dense` / `hybrid`; selected with `-k`);
   4. run the paired step-overhead benchmark (bench/step_overhead.py, KvHint against stock).
 
 Every step has a time limit and a failure does not stop the others; the exit status is 0 only
@@ -41,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = (("dense", "tiny"), ("hybrid", "hybrid"))
 IDENTITY_TEST = "tests/engine/test_engine_identity.py"
-MODEL_ENV = "KVHINT_TEST_MODEL"
+NO_TESTS_COLLECTED = 5  # pytest's exit status when `-k` selects nothing
 
 
 @dataclass
@@ -154,19 +154,16 @@ def serve_and_conform(opts: Options, name: str, model: str, serve: Step, conform
         engine.stop()
 
 
-def identity_honours_model_env() -> bool:
-    """Whether the engine tests pick their model from KVHINT_TEST_MODEL."""
-    return any(MODEL_ENV in p.read_text() for p in (ROOT / "tests" / "engine").glob("*.py"))
-
-
-def identity(opts: Options, name: str, model: str | None, step: Step) -> None:
+def identity(opts: Options, name: str, step: Step) -> None:
     log = opts.out / f"identity_{name}.log"
-    env = {MODEL_ENV: model} if model else {}
-    rc, text = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", IDENTITY_TEST], log, opts.step_timeout, env)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "-k", name, IDENTITY_TEST]
+    rc, text = _run(cmd, log, opts.step_timeout)
     step.log = log.name
-    line = re.findall(r"^=* ?(\d+ (?:passed|failed|error).*?) ?=*$", text, re.M)
+    line = re.findall(r"^=* ?(\d+ (?:passed|failed|error|deselected).*?) ?=*$", text, re.M)
     step.summary = line[-1] if line else f"exit {rc}"
-    step.details = {"rc": rc, "tests": re.findall(r"^(?:PASSED|FAILED|ERROR) (\S+)", text, re.M), "model_env": bool(model)}
+    if rc == NO_TESTS_COLLECTED:
+        step.summary = f"the identity test has no case for {name!r}"
+    step.details = {"rc": rc, "tests": re.findall(r"^(?:PASSED|FAILED|ERROR) (\S+)", text, re.M)}
     step.status = "pass" if rc == 0 else "fail"
 
 
@@ -231,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a conformance subset and a short benchmark (CI smoke run)")
     parser.add_argument("--out", default=None, help="results folder (default gpu_check_out/ in the repository)")
     parser.add_argument("--models", default="dense,hybrid", help="comma-separated subset of: dense, hybrid")
-    parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds per step (default 300)")
+    parser.add_argument("--step-timeout", type=float, default=600.0, help="seconds per step (default 600)")
     args = parser.parse_args(argv)
     wanted = set(args.models.split(","))
     if not wanted or not wanted <= {name for name, _ in MODELS}:
@@ -245,7 +242,6 @@ def main(argv: list[str] | None = None) -> int:
     if not opts.cpu and not info["cuda_available"]:
         print("gpu_check: no CUDA device visible; use --cpu on a machine without a GPU", file=sys.stderr)
         return 2
-    per_env = identity_honours_model_env()
     steps: dict[str, list[Step]] = {}
     for name, preset in MODELS:
         if name not in wanted:
@@ -259,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         serve, conform = Step("serve (scheduling mode)"), Step("conformance suite")
         _timed(serve, lambda s: serve_and_conform(opts, name, model, s, conform))
         group += [serve, conform]
-        if per_env or name == MODELS[0][0]:
-            group.append(_timed(Step("identity test" + ("" if per_env else " (the test's own models)")),
-                                lambda s: identity(opts, name, model if per_env else None, s)))
+        group.append(_timed(Step("identity test"), lambda s: identity(opts, name, s)))
         group.append(_timed(Step("step overhead (KvHint / stock)"), lambda s: step_overhead(opts, name, model, s)))
     return 0 if write_results(opts, info, steps, time.monotonic() - t0) else 1
 

@@ -11,7 +11,7 @@
 #   scripts/gpu_check.sh --cpu [--quick]
 #
 # Options: --cpu, --quick (conformance subset, short benchmark), --out DIR (default gpu_check_out/),
-# --models dense,hybrid, --step-timeout S. Models are generated locally (no model hub).
+# --models dense,hybrid, --step-timeout S (default 600). Models are generated locally (no model hub).
 # The script takes no lock: on a shared machine run it under `flock /tmp/kvhint-engine.lock`.
 # Exit status: 0 when every check passed, 1 when one failed, 2 on a usage error.
 set -euo pipefail

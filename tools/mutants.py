@@ -170,6 +170,21 @@ def check_loaded_from(root: Path, mutant: Mutant) -> None:
         raise RuntimeError(f"{module} imports from {out}, not from {root}")
 
 
+def report(rows: list[tuple[Mutant, str, float, str]], paths: list[str]) -> str:
+    """The result as markdown: the command, then mutant -> result and the first failing test."""
+    lines = [
+        f"Written by `python3 tools/mutants.py --paths {' '.join(paths)}` on {time.strftime('%Y-%m-%d', time.gmtime())}.",
+        "Each row: the mutant, and the first test that failed under it (`pytest -m \"not engine\" -x`).",
+        "",
+        "| mutant | file | what it breaks | result | first failing test |",
+        "|---|---|---|---|---|",
+    ]
+    for m, result, _, detail in rows:
+        test = detail.split(" ", 1)[1] if detail.startswith(("FAILED ", "ERROR ")) else ""
+        lines.append(f"| {m.name} | {m.path} | {m.what} | {result} | {test.split(' - ')[0]} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--paths", nargs="+", default=list(FAST_PATHS), help="test paths (default: the fast suite)")
@@ -177,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-place", action="store_true", help="mutate this checkout (restored afterwards)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per suite run")
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--out", type=Path, help="also write the result table (markdown) to this file")
     args = parser.parse_args(argv)
     mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
     if args.list:
@@ -217,11 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    print()
-    print("| mutant | file | what it breaks | result |")
-    print("|---|---|---|---|")
-    for m, result, _, _ in rows:
-        print(f"| {m.name} | {m.path} | {m.what} | {result} |")
+    table = report(rows, args.paths)
+    print("\n" + table)
+    if args.out:
+        args.out.write_text(table)
     survived = [m.name for m, result, _, _ in rows if result == "survived"]
     if survived:
         print(f"\nsurvived: {', '.join(survived)}", file=sys.stderr)

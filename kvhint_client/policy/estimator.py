@@ -41,6 +41,10 @@ class LogNormalPrior:
     median_s: float = 5.0
     sigma: float = 1.2
 
+    def __post_init__(self) -> None:
+        if not (self.median_s > 0 and self.sigma > 0 and math.isfinite(self.median_s) and math.isfinite(self.sigma)):
+            raise ValueError(f"a log-normal prior needs median_s > 0 and sigma > 0, got {self.median_s}, {self.sigma}")
+
     def quantile(self, q: float) -> float:
         q = min(max(q, 1e-9), 1 - 1e-9)
         return self.median_s * math.exp(self.sigma * _STD.inv_cdf(q))
@@ -48,7 +52,7 @@ class LogNormalPrior:
     def cdf(self, x: float) -> float:
         if x <= 0:
             return 0.0
-        return _STD.cdf(math.log(x / self.median_s) / self.sigma)
+        return _STD.cdf((math.log(x) - math.log(self.median_s)) / self.sigma)
 
 
 class _Sample:

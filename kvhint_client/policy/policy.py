@@ -337,6 +337,7 @@ class SessionPolicy:
                 self._outbox.pop(("keep", s.sid), None)
                 self._queue("demote", s.sid, session(s.sid).demote(), now)
             return
+        s.demoted = False  # (re-)protect what is left on the device; a scheduled Prefetch still goes out
         self._keep(s, now, residual)
 
     def _keep(self, s: _Session, now: float, residual: float) -> None:
@@ -389,15 +390,12 @@ class SessionPolicy:
         for s in self.sessions.values():
             if s.cold or s.state not in ("paused", "waiting") or s.unstarted:
                 continue
-            if s.demoted:
-                if s.prefetch_at is not None and now >= s.prefetch_at:
-                    s.prefetch_at = None
-                    self._queue("prefetch", s.sid, session(s.sid).prefetch(), s.reuse_at or now)
-                elif s.reuse_at is not None and now >= s.reuse_at:
-                    self._predict_and_keep(s, now)  # still paused: re-predict the prefetch time
-                continue
-            if (s.reuse_at is not None and now >= s.reuse_at - lead) or now >= s.ttl_until - lead:
-                self._predict_and_keep(s, now)
+            if s.prefetch_at is not None and now >= s.prefetch_at:
+                s.prefetch_at = None
+                self._queue("prefetch", s.sid, session(s.sid).prefetch(), s.reuse_at or now)
+            overdue = s.reuse_at is not None and now >= s.reuse_at - lead
+            if overdue or (not s.demoted and now >= s.ttl_until - lead):
+                self._predict_and_keep(s, now)  # still paused: re-predict from the time waited
         for tid, (target, refresh_at) in list(self.templates.items()):
             if now >= refresh_at:
                 self.templates[tid] = (target, now + self.config.template_ttl_s / 2)

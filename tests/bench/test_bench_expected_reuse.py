@@ -4,6 +4,7 @@ drives the simulator through real kvhint.v1 hints, and the trace generator's nam
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from bench_strategies import tiny_traces
 from hypothesis import HealthCheck, given, settings
 
 from bench.generate import PRESETS, generate_trace
+from bench.policy_report import markdown
 from bench.policy import LibraryPolicy, Release, Retain, Target, library_config
 from bench.simulate import (
     HintedPool,
@@ -129,3 +131,43 @@ def test_tool_presets_name_tools_with_their_own_durations(preset: str) -> None:
         if len(durations) >= 8:  # each tool's durations centre on its own median
             durations.sort()
             assert tools[name] / 3 < durations[len(durations) // 2] < tools[name] * 3, (name, durations)
+
+
+def test_committed_policy_table_comes_from_its_raw_results() -> None:
+    """bench/results/policy/results.md is generated from results.json by `python -m bench.policy_report`."""
+    raw = json.loads((RESULTS / "policy" / "results.json").read_text())
+    assert markdown(raw["rows"], raw["command"]) == (RESULTS / "policy" / "results.md").read_text()
+    committed = {(r["preset"], r["seed"]) for r in raw["rows"] if r["committed"]}
+    assert committed == {("default", 0), ("heldout", 1001)}
+
+
+def test_engine_driver_sends_the_library_policys_hints_with_expected_reuse() -> None:
+    """The engine replay's wiring (run "policy"): requests and signals reach the library policy, and
+    its Retains go out with expected_reuse_in scaled like the TTLs (no engine: a recording client)."""
+    from types import SimpleNamespace
+
+    from bench.agentic_engine import HintDriver
+    from bench.trace import SessionEnded, ToolCallStarted
+
+    sent: list = []
+
+    def apply(*hints, timeout=None):  # type: ignore[no-untyped-def]
+        sent.extend(hints)
+        return SimpleNamespace(outcomes=["ACCEPTED"] * len(hints), results=[])
+
+    tr = generate_trace(PRESETS["fast"], 0, preset="fast")
+    now = [0.0]
+    driver = HintDriver("127.0.0.1:1", tr, None, lambda s: "ns-" + s, 2.0, lambda: now[0], None)
+    driver.client.close()
+    driver.client = SimpleNamespace(apply=apply, close=lambda: None)  # type: ignore[assignment]
+    driver.start()
+    driver.on_request("s00")
+    now[0] = 1.0
+    driver.on_signals([ToolCallStarted(1.0, "s00", "short", "s00/1")], None)
+    now[0] = 2.0
+    driver.on_signals([SessionEnded(2.0, "s00")], None)
+    driver.close()
+    retains = [h for h in sent if h.HasField("retain")]
+    assert retains and retains[0].selector.session.session_id == "ns-s00"
+    assert retains[0].retain.HasField("expected_reuse_in")
+    assert sent[-1].HasField("release") and sent[-1].selector.session.session_id == "ns-s00"

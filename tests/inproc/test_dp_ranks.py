@@ -9,13 +9,12 @@ route a session's hints to that rank only.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
 
 from engine_integration import inproc
-from engine_integration.served import free_port
+from engine_integration.dp import free_base_port
 from kvhint_client import KvHintClient, session
 from kvhint_client.fleet import FleetClient, data_parallel_endpoints
 from kvhint_client.follower import EventFollower
@@ -24,22 +23,10 @@ BLOCK = 16
 PROMPTS = {"a": list(range(100, 100 + 4 * BLOCK)), "b": list(range(500, 500 + 3 * BLOCK))}
 
 
-def _free_pair() -> int:
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 @pytest.fixture
 def ranks() -> Iterator[tuple[list, str]]:
     """Ranks 0 and 1 of a 2-rank group; rank 0 served session a, rank 1 session b."""
-    base = f"127.0.0.1:{_free_pair()}"
+    base = f"127.0.0.1:{free_base_port(2)}"
     made = []
     try:
         for rank, sid in enumerate(("a", "b")):
@@ -108,3 +95,21 @@ def test_follower_of_all_ranks_routes_without_asking(ranks: tuple[list, str]) ->
             assert fleet.engines_for(session("b").evict()) == (["dp1"], {})
             out = inproc.on_engine_thread(schedulers, lambda: fleet.apply(session("b").evict(hint_id="eb")))
         assert out.routes == {"eb": ["dp1"]} and out.all_accepted
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"data_parallel_size": 1, "data_parallel_rank": 0, "data_parallel_index": 0, "elastic_ep_max_dp_size": 1}, (0, 1)),
+        # MoE ranks keep vLLM's DP fields.
+        ({"data_parallel_size": 4, "data_parallel_rank": 3, "data_parallel_index": 3, "elastic_ep_max_dp_size": 4}, (3, 4)),
+        # Dense rank after reconfigure_for_independent_dp_rank: rank and size survive elsewhere.
+        ({"data_parallel_size": 1, "data_parallel_rank": 0, "data_parallel_index": 2, "elastic_ep_max_dp_size": 4}, (2, 4)),
+    ],
+)
+def test_rank_and_size_from_vllms_parallel_config(fields: dict, expected: tuple[int, int]) -> None:
+    from types import SimpleNamespace
+
+    from engine_integration.dp import dp_rank_and_size
+
+    assert dp_rank_and_size(SimpleNamespace(parallel_config=SimpleNamespace(enable_elastic_ep=False, **fields))) == expected

