@@ -173,8 +173,8 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         "",
         "## Memory of the KvHint structures (deep sys.getsizeof, after the steady phase)",
         "",
-        "| run | cached blocks | index nodes | sessions | memberships | index bytes | hash map bytes | retention bytes | (index + map) / cached block | index / session | event ring |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | cached blocks | index nodes | sessions | memberships | index bytes | hash map bytes | retention bytes (retained blocks) | (index + map) / cached block | index / session | retention / retained block | event ring |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         m = r.get("memory")
@@ -183,7 +183,9 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         per_block = (m["index_bytes"] + m["hash_map_bytes"]) / max(1, m["cached_blocks"])
         lines.append(
             f"| {r['label']} | {m['cached_blocks']} | {m['index_nodes']} | {m['sessions']} | {m['memberships']} | {m['index_bytes']} | "
-            f"{m['hash_map_bytes']} | {m['retention_bytes']} | {per_block:.0f} | {m['index_bytes'] / max(1, m['sessions']):.0f} | {m['bus_bytes']} |"
+            f"{m['hash_map_bytes']} | {m['retention_bytes']} ({m['retained_blocks']}) | {per_block:.0f} | "
+            f"{m['index_bytes'] / max(1, m['sessions']):.0f} | "
+            f"{_f(m['retention_bytes'] / m['retained_blocks'] if m['retained_blocks'] else float('nan'), 0)} | {m['bus_bytes']} |"
         )
     fit = _memory_fit(runs)
     if fit:

@@ -22,7 +22,9 @@ every residency group holds a copy: the full-attention groups, or every
 cacheable group when the model has no full-attention group. That is the
 condition under which the block can be part of a prefix hit; the copies in
 other groups are the window tails that a hit ending at that block also
-needs, and hints act on them as well (see VllmAdapter).
+needs, and hints act on them as well (see VllmAdapter). `residency_view`
+states how KvHint's device events relate to vLLM's per-group, per-copy
+KV events.
 """
 
 from __future__ import annotations

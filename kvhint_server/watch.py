@@ -140,7 +140,7 @@ class WatchHub:
         """SnapshotBegin, then pieces with the events before each, then
         SnapshotEnd; finally the sequence the stream continues after (an int).
         Ends without it after a Resync (the events between pieces were
-        dropped from the replay window)."""
+        dropped from the replay window, or the server is shutting down)."""
         core, bus = self._core, self._bus
         snap = SnapshotCursor(self._queries, self.snapshot_max_items)
         start = await asyncio.wrap_future(core.submit(snap.begin))
@@ -149,6 +149,9 @@ class WatchHub:
         block_size = core.info.block_size
         done = snap.done
         while not done:
+            if self._closing:
+                yield self._resync(pb.Resync.CAUSE_SHUTTING_DOWN, "server is shutting down")
+                return
             piece = await asyncio.wrap_future(core.submit_slice(snap.step))
             done = piece.done
             while sent < piece.sequence:

@@ -146,10 +146,11 @@ def test_evict_skips_blocks_of_a_running_request(clean: Engine) -> None:
     nothing, and leaves the request's output unchanged.
 
     Deterministic: once the request's first blocks are stored (it is running),
-    the engine is paused with vLLM's dev-mode `POST /pause?mode=keep`, which
-    freezes running requests with their blocks. While paused, QueryResidency
-    confirms the blocks are in use and the Evict is applied (KvHint applies
-    hints on the idle engine); then `POST /resume` lets the request finish."""
+    the engine is paused with vLLM's dev-mode `POST /pause?mode=keep` (and
+    clear_cache=false), which freezes running requests with their blocks.
+    While paused, QueryResidency confirms the blocks are in use and the Evict
+    is applied (KvHint applies hints on the idle engine); then `POST /resume`
+    lets the request finish."""
     import urllib.request
 
     from events_support import Collector
@@ -181,7 +182,7 @@ def test_evict_skips_blocks_of_a_running_request(clean: Engine) -> None:
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 running = pool.submit(clean.complete, prompt, session, max_tokens=max_tokens, extra_body={"ignore_eos": True})
                 watch.wait_for(lambda ms: any(m.WhichOneof("payload") == "blocks_stored" for m in ms), timeout=120)
-                post("/pause?mode=keep")
+                post("/pause?mode=keep&clear_cache=false")
                 try:
                     in_use = running_blocks(session)  # frozen until /resume: this is the state Evict sees
                     if in_use:

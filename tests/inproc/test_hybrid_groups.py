@@ -216,4 +216,4 @@ def test_reported_residency_is_full_attention_residency(workload: list[tuple[int
             if isinstance(e.payload, BlocksRemoved) or (isinstance(e.payload, BlocksStored) and not e.payload.prefix_hit)
             for h in e.payload.block_hashes
         ]
-        assert ours == theirs
+        assert theirs and ours == theirs
