@@ -2,7 +2,8 @@
 and the pressure plan derived from it.
 
 Everything here is black-box: GetCapabilities, ApplyHints, QueryResidency, WatchEvents and
-/v1/completions (token-id prompts, `X-Session-ID` header, `vllm_xargs.continuation_id`).
+/v1/completions (token-id prompts, `X-Session-ID` header, `vllm_xargs.continuation_id`; for one
+rank of a data-parallel engine, `X-data-parallel-rank` with the rank GetCapabilities names).
 
 Capability vocabulary (`Case.requires`), derived from GetCapabilitiesResponse:
 
@@ -298,12 +299,20 @@ class Target:
             return complete(
                 self.options.openai_url, prompt, model=self.model(), session_id=session_id,
                 continuation_id=continuation_id, parent_session_id=parent_session_id, max_tokens=max_tokens,
-                timeout=self.options.http_timeout, extra_body=extra_body,
+                timeout=self.options.http_timeout, extra_body=extra_body, extra_headers=self._rank_header(),
             )
         except CompletionError as exc:
             raise CaseFailed(f"/v1/completions failed: HTTP {exc.status}: {exc.body[:200]}") from exc
         except OSError as exc:
             raise CaseFailed(f"/v1/completions failed: {exc}") from exc
+
+    def _rank_header(self) -> dict[str, str] | None:
+        """A data-parallel target is one rank of its engine: send its traffic to that rank
+        (vLLM's X-data-parallel-rank header), so the sessions land where the target sees them."""
+        caps = self.caps
+        if caps.data_parallel_size > 1:
+            return {"X-data-parallel-rank": str(caps.data_parallel_rank)}
+        return None
 
     def close(self) -> None:
         self.channel.close()

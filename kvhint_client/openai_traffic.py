@@ -44,12 +44,14 @@ def complete(
     max_tokens: int = 1,
     timeout: float = 120.0,
     extra_body: dict[str, object] | None = None,
+    extra_headers: dict[str, str] | None = None,
 ) -> Completion:
     """One greedy completion, streamed so TTFT is measured at the client.
 
     `extra_body` adds vLLM sampling fields to the request body (for example
     `{"ignore_eos": True}`, which trace replays need so every request produces
-    exactly `max_tokens` tokens)."""
+    exactly `max_tokens` tokens). `extra_headers` adds HTTP headers (for example
+    vLLM's `X-data-parallel-rank`, which sends the request to one DP rank)."""
     body: dict[str, object] = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -68,6 +70,7 @@ def complete(
     headers = {"Content-Type": "application/json"}
     if session_id:
         headers["X-Session-ID"] = session_id
+    headers.update(extra_headers or {})
     req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(), headers)
     start = time.perf_counter()
     ttft = None

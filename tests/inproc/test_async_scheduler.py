@@ -172,10 +172,20 @@ def test_async_mro_puts_kvhint_before_async_scheduler() -> None:
 # ---------------------------------------------------------------- sync == async
 
 
+def _by_kind(events: list[tuple[Any, ...]]) -> dict[Any, list[tuple[Any, ...]]]:
+    out: dict[Any, list[tuple[Any, ...]]] = {}
+    for event in events:
+        out.setdefault(event[0], []).append(event)
+    return out
+
+
 def _same(sync: Trace, asynchronous: Trace) -> None:
     assert asynchronous.prefix_hits == sync.prefix_hits
     assert asynchronous.outcomes == sync.outcomes
-    assert asynchronous.events == sync.events
+    # The same events, in the same order within each kind. Across kinds one interleaving is
+    # vLLM's async timing: a block completed by a decoded token is stored when that output
+    # arrives, after the next step's allocation (and any eviction it causes), not before.
+    assert _by_kind(asynchronous.events) == _by_kind(sync.events)
     assert asynchronous.free_blocks == sync.free_blocks
     assert asynchronous.cached == sync.cached
 
