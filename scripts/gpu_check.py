@@ -64,14 +64,15 @@ class Options:
     step_timeout: float
 
 
-def _run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run `cmd` in the repository root, output to `log`; (exit status, output). 124 on timeout."""
+def _run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None, cwd: Path = ROOT) -> tuple[int, str]:
+    """Run `cmd` in `cwd` (the repository root by default), output to `log`; (exit status,
+    output). 124 on timeout."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -171,7 +172,11 @@ def step_overhead(opts: Options, name: str, model: str, step: Step) -> None:
     out_md = opts.out / f"step_overhead_{name}.md"
     log = opts.out / f"step_overhead_{name}.log"
     size = ["--rounds", "1", "--requests", "12"] if opts.quick else ["--rounds", "4", "--requests", "48"]
-    rc, _ = _run([sys.executable, "-m", "bench.step_overhead", "--model", model, *size, "--out", str(out_md)], log, opts.step_timeout)
+    # bench.step_overhead writes its raw per-step timings under ./bench/results/step_overhead/:
+    # run it in OUT so they stay with these results instead of the repository's committed ones.
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    rc, _ = _run([sys.executable, "-m", "bench.step_overhead", "--model", model, *size, "--out", str(out_md)], log,
+                 opts.step_timeout, env={"PYTHONPATH": pythonpath}, cwd=opts.out)
     step.log = log.name
     step.details = {"rc": rc, "result_file": out_md.name}
     if rc != 0 or not out_md.exists():

@@ -76,7 +76,12 @@ def test_release_makes_a_session_the_first_eviction_candidate(any_clean: Engine)
     assert any_clean.complete(released, "released").cached_tokens == FULL_HIT
 
     any_clean.apply(release("released"))
-    any_clean.fill("release-post", n=1)  # one prompt's worth of pressure
+    # Pressure as large as what the released session holds. Dense: one 720-token
+    # prompt (23 blocks). Hybrid: the session holds 22 full-attention and 4 window
+    # blocks, a prefill needs two copies of every block (the window group frees
+    # its early blocks only after the step), so a 400-token prompt (2 x 13).
+    hybrid = any_clean.served.spec.model.rstrip("/").endswith("hybrid")
+    any_clean.complete(tokens("release-post", 400 if hybrid else PROMPT))
     assert any_clean.complete(released, "released").cached_tokens == 0  # went first
     assert any_clean.complete(older, "older").cached_tokens == FULL_HIT  # LRU would have taken this
 
