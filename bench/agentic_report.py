@@ -27,6 +27,7 @@ from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
+from bench.runs import OFFLINE_LABELS, RUNS, RequestRecord, RunRecord, RunSpec, linear_fit
 from bench.simulate import (
     BlockPoolModel,
     BlockRequest,
@@ -396,8 +397,6 @@ class Report:
         recs = [r for run in self.runs["lru"] for r in run.records if r.error is None]
         xs = [r.prompt_tokens - r.cached_tokens for r in recs]
         ys = [r.ttft_s * 1000 for r in recs]
-        from bench.agentic_engine import linear_fit
-
         a, b = linear_fit(xs, ys)
         mean_ttft = statistics.fmean(ys)
         return {
@@ -436,8 +435,6 @@ class Report:
         }
 
     def table_rows(self) -> list[dict[str, Any]]:
-        from bench.agentic_engine import OFFLINE_LABELS, RUNS
-
         rows = []
         for name in self.runs:
             m = self.run_metrics(name)
@@ -800,8 +797,6 @@ def combined_table(dirs: Sequence[str | Path]) -> str:
 def load_report(d: str | Path) -> Report:
     """Rebuild a Report from a results directory (results.json, trace.jsonl,
     requests.jsonl with outputs, usage.jsonl) and recompute the offline parts."""
-    from bench.agentic_engine import RUNS, RequestRecord, RunRecord, RunSpec
-
     d = Path(d)
     js = json.loads((d / "results.json").read_text())
     trace = Trace.load(d / "trace.jsonl")

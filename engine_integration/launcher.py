@@ -44,7 +44,11 @@ event lists itself (vLLM's `--kv-events-config` stays as you set it).
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata as _metadata
+import os
+import shutil
+import tempfile
 import json
 import sys
 from typing import Any
@@ -176,9 +180,28 @@ def check_kvhint_environment(args: list[str]) -> None:
         raise SystemExit(f"kvhint-vllm: configuration error: {exc}") from None
 
 
+def prometheus_multiprocess_dir() -> str:
+    """Put this process tree in prometheus_client's multiprocess mode, so the
+    sidecar's metrics (written in EngineCore) show on vLLM's /metrics.
+
+    Must run before anything imports prometheus_client (it picks its value
+    store at import). An existing PROMETHEUS_MULTIPROC_DIR is kept; otherwise
+    a fresh directory is made and removed at exit, as vLLM itself does with
+    several API servers."""
+    existing = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if existing:
+        return existing
+    path = tempfile.mkdtemp(prefix="kvhint-prometheus-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     install_version_shim()
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["serve"]:
+        prometheus_multiprocess_dir()  # first: the checks below import prometheus_client
     check_kvhint_environment(args)
     args = expand_tiers_flag(args)
     from vllm.entrypoints.cli.main import main as vllm_main

@@ -26,6 +26,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvhint_server.config import ServerConfig, check_environment
 from kvhint_server.core import KvHintCore
+from kvhint_server.metrics import process_metrics
 from kvhint_server.server import KvHintServer
 
 from .adapter import VllmAdapter
@@ -67,10 +68,14 @@ def _config_for(vllm_config: Any) -> ServerConfig:
     """The sidecar's config: KVHINT_* settings; DP rank r listens on port + r (port 0 stays 0)."""
     config = ServerConfig.from_env()
     rank, _ = dp_rank_and_size(vllm_config)
-    host, port = config.address.rsplit(":", 1)
-    if rank and int(port):
-        config = ServerConfig.from_env(address=f"{host}:{int(port) + rank}")
-    return config
+    if not rank:
+        return config
+    shifted = {}
+    for name in ("address", "metrics_address"):
+        host, _, port = getattr(config, name).rpartition(":")
+        if host and port.isdigit() and int(port):
+            shifted[name] = f"{host}:{int(port) + rank}"
+    return ServerConfig.from_env(**shifted) if shifted else config
 
 
 class KvHintScheduler(Scheduler):
@@ -98,7 +103,7 @@ class KvHintScheduler(Scheduler):
         self.kvhint_adapter.attach_pool(install(self, self.kvhint_adapter))
         self._kvhint_tiers_init()
         self.kvhint_core.attach(self.kvhint_adapter)
-        self.kvhint_server = KvHintServer(self.kvhint_core, config)
+        self.kvhint_server = KvHintServer(self.kvhint_core, config, metrics=process_metrics())
         self.kvhint_server.start()
 
     def _kvhint_tiers_init(self) -> None:

@@ -38,7 +38,6 @@ OTHER_VARIABLES = frozenset({
     "KVHINT_ADDRESS", "KVHINT_TOKEN",  # the client and CLI
     "KVHINT_SHARE_PEERS", "KVHINT_TIER_OP_TIMEOUT_S",  # engine_integration.tiers.settings
     "KVHINT_MODEL_CACHE", "KVHINT_GPU_MEMORY_UTILIZATION", "KVHINT_ENGINE_FORBIDDEN",  # tests, benchmarks, demo
-    "KVHINT_METRICS_ADDRESS",  # kvhint_server.metrics
 })
 
 
@@ -100,6 +99,10 @@ class ServerConfig:
     # Serve a non-loopback address with neither TLS nor a token (refused
     # otherwise; a warning is logged at start when this is used).
     allow_insecure_remote: bool = False
+    # Serve Prometheus /metrics on this HOST:PORT from the sidecar itself
+    # (empty: only through vLLM's /metrics in multiprocess mode; see
+    # kvhint_server/metrics.py). Data-parallel rank r uses port + r.
+    metrics_address: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> ServerConfig:
@@ -197,14 +200,13 @@ def _check_field(name: str, value: object) -> None:
         if value < low or (value == low and not inclusive) or value > high:
             raise ConfigError(f"{env}={shown} must be {'>=' if inclusive else '>'} {low:g} and <= {high:g}")
     elif isinstance(value, str):
-        if name == "address":
-            _check_address(value)
+        if name == "address" or (name == "metrics_address" and value):
+            _check_address(value, env)
         elif name in _SECRET and value and not (value.isascii() and value.isprintable() and " " not in value):
             raise ConfigError(f"{env} must be printable ASCII without spaces (it travels in an HTTP/2 header)")
 
 
-def _check_address(address: str) -> None:
-    env = env_name("address")
+def _check_address(address: str, env: str) -> None:
     if address.startswith(("unix:", "unix-abstract:")):
         return
     host, colon, port = address.rpartition(":")

@@ -25,6 +25,7 @@ from kvhint.v1 import kvhint_pb2
 
 from .config import ServerConfig
 from .core import KvHintCore
+from .metrics import KvHintMetrics, MetricsExporter, serve_metrics
 from .servicer import SERVICE, KvHintServicer, generic_handler
 
 log = logging.getLogger("kvhint.server")
@@ -61,10 +62,18 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
 
 
 class KvHintServer:
-    def __init__(self, core: KvHintCore, config: ServerConfig | None = None) -> None:
+    """The sidecar: gRPC (kvhint.v1, health, reflection) on its own thread and
+    asyncio loop. With `metrics`, it also exports Prometheus metrics
+    (kvhint_server.metrics) while it serves, and serves them on
+    `config.metrics_address` when that is set."""
+
+    def __init__(self, core: KvHintCore, config: ServerConfig | None = None, metrics: KvHintMetrics | None = None) -> None:
         self.core = core
         self.config = config or core.config
         self.servicer = KvHintServicer(core, self.config)
+        self.servicer.metrics = metrics
+        self._metrics = metrics
+        self._exporter: MetricsExporter | None = None
         self.port: int | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -87,11 +96,24 @@ class KvHintServer:
             raise RuntimeError(f"kvhint sidecar failed to start on {self.config.address}: {self._startup_error}")
         assert self.port is not None
         log.info("kvhint sidecar serving %s on %s", SERVICE, self.address)
+        if self._metrics is not None:
+            self._start_metrics(self._metrics)
         return self.port
+
+    def _start_metrics(self, metrics: KvHintMetrics) -> None:
+        hub = self.servicer.hub
+        self._exporter = MetricsExporter(self.core, metrics, subscribers=hub.lag if hub is not None else None)
+        self._exporter.start()
+        if self.config.metrics_address:
+            serve_metrics(self.config.metrics_address)
+            log.info("kvhint sidecar serving /metrics on %s", self.config.metrics_address)
 
     def stop(self, grace: float | None = None) -> None:
         """Graceful shutdown; idempotent; safe from any thread but the server's."""
         self.core.stop()
+        exporter, self._exporter = self._exporter, None
+        if exporter is not None:
+            exporter.stop()
         loop, stop, thread = self._loop, self._stop_requested, self._thread
         if loop is None or stop is None or thread is None or not thread.is_alive():
             return

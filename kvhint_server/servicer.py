@@ -13,7 +13,7 @@ import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf import message as pb_message
@@ -29,6 +29,9 @@ from .page_tokens import PageTokens
 from .queries import Queries
 from .validation import check_request_id, parse_apply_request, parse_query_selector, parse_query_tiers, validate_watch_request
 from .watch import WatchHub
+
+if TYPE_CHECKING:
+    from .metrics import KvHintMetrics
 
 log = logging.getLogger("kvhint.servicer")
 SERVICE = "kvhint.v1.KvHintService"
@@ -51,9 +54,13 @@ class KvHintServicer:
         self.queries = Queries(core, self.executor)
         self.hub: WatchHub | None = None
         self._page_tokens = PageTokens(core.bus.epoch)
+        # Metrics (kvhint_server.metrics), set by the server when exported.
+        self.metrics: KvHintMetrics | None = None
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self.hub = WatchHub(self.core, self.queries, self.config, loop)
+        if self.metrics is not None:
+            self.hub.on_snapshot = self.metrics.snapshot_seconds.observe
 
     # ------------------------------------------------------------ plumbing
 
@@ -77,6 +84,12 @@ class KvHintServicer:
         return wire.capabilities(self.core.info, self.config, self.core.bus.epoch, self.core.ledger.pin_budget_blocks)
 
     async def ApplyHints(self, request: pb.ApplyHintsRequest, context: grpc.aio.ServicerContext) -> pb.ApplyHintsResponse:
+        if self.metrics is not None:
+            with self.metrics.apply_seconds.time():
+                return await self._apply_hints(request, context)
+        return await self._apply_hints(request, context)
+
+    async def _apply_hints(self, request: pb.ApplyHintsRequest, context: grpc.aio.ServicerContext) -> pb.ApplyHintsResponse:
         items = parse_apply_request(request, self.config, self.core.info)
         hints = list(request.hints)
         results, sequence = await self._on_engine(lambda: self.executor.apply_batch(items, hints), context)

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from kvhint.v1 import kvhint_pb2 as pb
@@ -95,11 +96,21 @@ class WatchHub:
         # At most this many blocks or sessions per snapshot piece (None: the
         # engine-step time budget alone bounds a piece); tests set it.
         self.snapshot_max_items: int | None = None
+        # Called with each completed snapshot's duration, SnapshotBegin to
+        # SnapshotEnd in seconds (metrics).
+        self.on_snapshot: Callable[[float], None] | None = None
         self._bus.add_wake_hook(self._poke)
 
     @property
     def subscribers(self) -> int:
         return len(self._subs)
+
+    def lag(self) -> tuple[int, int]:
+        """(open subscriptions, events the furthest-behind one has yet to
+        receive). Any thread: reads a copy of the subscriber set."""
+        subs = list(self._subs)
+        last = self._bus.last_sequence
+        return len(subs), max((last - s.cursor for s in subs), default=0)
 
     def close(self) -> None:
         """Stop accepting wake-ups; streams end with a SHUTTING_DOWN resync."""
@@ -143,6 +154,7 @@ class WatchHub:
         dropped from the replay window, or the server is shutting down)."""
         core, bus = self._core, self._bus
         snap = SnapshotCursor(self._queries, self.snapshot_max_items)
+        began = time.perf_counter()
         start = await asyncio.wrap_future(core.submit(snap.begin))
         sent = start.sequence
         yield self._control(sent, snapshot_begin=pb.SnapshotBegin(num_sessions=start.num_sessions, num_blocks=start.num_blocks))
@@ -167,6 +179,8 @@ class WatchHub:
                 for message in self._chunks(piece.sequence, session_id, views, block_size):
                     yield message
         yield self._control(sent, snapshot_end=pb.SnapshotEnd())
+        if self.on_snapshot is not None:
+            self.on_snapshot(time.perf_counter() - began)
         yield sent
 
     def _chunks(self, sequence: int, session_id: str, views: list[BlockView], block_size: int) -> list[pb.WatchEventsResponse]:

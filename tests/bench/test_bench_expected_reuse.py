@@ -146,7 +146,7 @@ def test_engine_driver_sends_the_library_policys_hints_with_expected_reuse() -> 
     its Retains go out with expected_reuse_in scaled like the TTLs (no engine: a recording client)."""
     from types import SimpleNamespace
 
-    from bench.agentic_engine import HintDriver
+    from bench.agentic_driver import HintDriver
     from bench.trace import SessionEnded, ToolCallStarted
 
     sent: list = []

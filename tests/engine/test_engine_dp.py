@@ -40,7 +40,9 @@ def test_each_rank_serves_its_sidecar_and_holds_its_sessions(dp_engine: ServedEn
     assert held == {"dp0": [], "dp1": ["dp-test"]}
     with FleetClient(endpoints) as fleet:
         out = fleet.apply(session("dp-test").pin(ttl=30, hint_id="dp-pin"))
+        released = fleet.apply(session("dp-test").release(hint_id="dp-release"))  # the pin budget is shared
     assert out.routes == {"dp-pin": ["dp1"]} and out.all_accepted
+    assert released.routes == {"dp-release": ["dp1"]} and released.all_accepted
 
 
 def test_conformance_suite_passes_against_rank_1(dp_engine: ServedEngine) -> None:
