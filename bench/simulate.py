@@ -47,7 +47,7 @@ Policies differ only in which free blocks a request's new blocks evict:
   chosen once per request, and it never bypasses caching).
 * `simulate_infinite` -- no eviction: the hit is the longest prefix computed
   by any earlier request.
-* `simulate_hinted` -- free-pool classes of DESIGN.md section 4 driven by
+* `simulate_hinted` -- free-pool classes of docs/design.md §4 driven by
   `bench.policy`: unhashed first, then blocks whose every owning session was
   Released, then ordinary blocks, then Retained blocks by ascending priority,
   then Pinned blocks (within a pin budget; evicting one is a "pin broken"),
@@ -475,7 +475,7 @@ class _HintState:
 
 
 class HintedPool:
-    """Free-pool classes (DESIGN section 4) on top of `BlockPoolModel`."""
+    """Free-pool classes (docs/design.md §4) on top of `BlockPoolModel`."""
 
     T_UNHASHED, T_RELEASED, T_ORDINARY, T_RETAINED, T_PINNED = range(5)
 

@@ -89,6 +89,19 @@ class Plan:
     long_prompt_tokens: int
     pressure_ok: bool
     pressure_reason: str
+    # n logical blocks -> (device blocks a cached n-block prompt keeps, device blocks its
+    # prefill takes): see group_footprint. (n, n) on an engine with one KV-cache group.
+    footprint: Callable[[int], tuple[int, int]] = field(default=lambda n: (n, n), compare=False, repr=False)
+
+    def overflow_filler(self, sessions: int) -> int:
+        """Blocks of one filler prompt whose prefill, with `sessions` session prompts cached,
+        needs every other free block plus about half of one session's blocks."""
+        cached = self.footprint(self.session_blocks)[0]
+        need = self.device_blocks - 1 - sessions * cached + math.ceil(cached / 2)
+        blocks = 1
+        while self.footprint(blocks)[1] < need and blocks < 1 << 20:
+            blocks += 1
+        return blocks
 
     def summary(self) -> str:
         return (
@@ -96,6 +109,33 @@ class Plan:
             f"pin_budget={self.pin_budget} session_prompt={self.session_tokens} tokens ({self.session_blocks} blocks) "
             f"pressure={self.filler_count}x{self.filler_tokens} tokens"
         )
+
+
+def group_footprint(caps: pb.GetCapabilitiesResponse) -> Callable[[int], tuple[int, int]]:
+    """n logical blocks -> (device blocks a cached prompt of n blocks keeps, device blocks its
+    prefill takes), over the KV-cache groups GetCapabilities lists (one group when it lists
+    none). Every group allocates the whole prompt during prefill; afterwards a sliding-window
+    group keeps only the window tail, ceil((W - 1) / B) blocks of its own size B."""
+    bs = max(1, caps.block_size)
+    groups = list(caps.kv_cache_groups)
+
+    def blocks(n: int, group_bs: int) -> int:
+        return math.ceil(n * bs / max(1, group_bs or bs))
+
+    def footprint(n: int) -> tuple[int, int]:
+        if not groups:
+            return n, n
+        cached = prefill = 0
+        for g in groups:
+            own = blocks(n, g.block_size)
+            prefill += own
+            if g.kind == pb.KvCacheGroup.KIND_SLIDING_WINDOW and g.sliding_window_tokens:
+                cached += min(own, math.ceil((g.sliding_window_tokens - 1) / max(1, g.block_size or bs)))
+            else:
+                cached += own
+        return cached, prefill
+
+    return footprint
 
 
 def make_plan(caps: pb.GetCapabilitiesResponse, options: Options) -> Plan:
@@ -112,9 +152,17 @@ def make_plan(caps: pb.GetCapabilitiesResponse, options: Options) -> Plan:
     capacity = device + sum(int(t.capacity_blocks) for t in lower)
     half = max(1, bs // 2)
     max_full = (options.max_model_len - 1 - half) // bs  # full blocks in a prompt that leaves room for 1 token
-    # Three session prompts (plus a partial block each) must fit the device pool together, and
-    # one session must fit the pin budget.
-    session_blocks = min(max_full, (device - 4) // 3, budget if budget else max_full)
+    # Three cached session prompts must fit the device pool together, also while the third is
+    # being prefilled (on a hybrid model a prefill takes blocks in every KV-cache group), and one
+    # session must fit the pin budget.
+    footprint = group_footprint(caps)
+    session_blocks = 1
+    for n in range(min(max_full, budget if budget else max_full), 1, -1):
+        cached = footprint(n)[0]
+        prefill = footprint(n + 1)[1]  # a session or filler prompt: n blocks plus a partial one
+        if 3 * cached + 4 <= device and 2 * cached + prefill + 2 <= device:
+            session_blocks = n
+            break
     if session_blocks < 2:
         problems.append(
             f"a session prompt would have {session_blocks} blocks (max_model_len={options.max_model_len}, "
@@ -141,6 +189,7 @@ def make_plan(caps: pb.GetCapabilitiesResponse, options: Options) -> Plan:
         long_prompt_tokens=long_prompt,
         pressure_ok=not problems,
         pressure_reason="; ".join(problems),
+        footprint=footprint,
     )
 
 

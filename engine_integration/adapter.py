@@ -27,7 +27,6 @@ from typing import Any
 import vllm
 from vllm import envs
 from vllm.v1.core.kv_cache_utils import get_block_hash, resolve_block_hashes
-from vllm.v1.engine import EngineCoreRequestType
 
 from kvhint_server.adapter import EvictReport, TierRefusal, TierTask
 from kvhint_server.core import KvHintCore
@@ -44,6 +43,7 @@ from kvhint_server.model import (
     TierInfo,
 )
 
+from . import vllm_private
 from .coords import request_coords
 from .dp import dp_rank_and_size
 from .kv_groups import GroupLayout, layout_of
@@ -109,17 +109,27 @@ class VllmAdapter:
         digest = self._digest_of(ext)
         if digest is None:
             return []
-        cache = self.pool.cached_block_hash_to_block._cache
+        cache = vllm_private.cached_block_map(self.pool)
         out: list[Any] = []
         for key in self.groups.keys(digest):
-            entry = cache.get(key)
-            if entry is not None:
-                out.extend(entry.values() if isinstance(entry, dict) else (entry,))
+            out.extend(vllm_private.copies_in(cache.get(key)))
         return out
 
     def _held_by_all(self, digest: bytes, groups: tuple[int, ...]) -> bool:
-        cache = self.pool.cached_block_hash_to_block._cache
+        cache = vllm_private.cached_block_map(self.pool)
         return all(key in cache for key in self.groups.keys(digest, groups))
+
+    # For the tier runtime (engine thread).
+
+    def device_digest(self, ext: bytes) -> bytes | None:
+        """vLLM's block hash (digest) of a logical block the device pool holds a
+        copy of, in any group; None when it holds none."""
+        digest = self._digest_of(ext)
+        return digest if digest is not None and self._copies(ext) else None
+
+    def device_copies(self, ext: bytes) -> list[Any]:
+        """Every device copy of a logical block, in every KV-cache group."""
+        return self._copies(ext)
 
     # ------------------------------------------------------------ EngineAdapter: static
 
@@ -152,19 +162,16 @@ class VllmAdapter:
 
         Busy engines run it at the next `schedule()`. Idle ones sit in
         `input_queue.get()`; a WAKEUP message returns them to the idle loop,
-        which runs `_idle_state_callbacks` on the engine thread.
+        which runs idle callbacks on the engine thread (vllm_private.add_idle_callback).
         """
         engine = self._engine_core
-        queue = getattr(engine, "input_queue", None)
-        callbacks = getattr(engine, "_idle_state_callbacks", None)
-        if queue is None or callbacks is None:
+        if not vllm_private.has_idle_loop(engine):
             return  # in-process engine without a busy loop: next step() applies
         with self._wake_lock:
             if self._wake_pending:
                 return
             self._wake_pending = True
-        callbacks.append(self._on_idle)
-        queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        vllm_private.add_idle_callback(engine, self._on_idle)
 
     def _on_idle(self, _engine: Any) -> None:
         with self._wake_lock:
@@ -312,12 +319,14 @@ class VllmAdapter:
         """Hash keys (digest + 4-byte group id) were popped from the pool's map;
         report the logical blocks that stopped being resident: a residency
         group lost its last copy."""
-        cache = self.pool.cached_block_hash_to_block._cache
+        cache = vllm_private.cached_block_map(self.pool)
         ext_of = self.external
         resident, residency = self._resident, self._residency_suffixes
         single = self.groups.single
         gone = []
-        for key in keys:
+        # A key popped twice in one batch (two copies in a group) left with its
+        # last copy: report it there, in vLLM's order.
+        for key in reversed(dict.fromkeys(reversed(keys))):
             if key in cache:
                 continue  # another copy in the same group
             digest = key[:-4]

@@ -48,6 +48,12 @@ def wake_engine(engine: Any) -> bool:
     return True
 
 
+def has_idle_loop(engine: Any) -> bool:
+    """Whether `engine` runs EngineCore's busy loop (`input_queue` and
+    `_idle_state_callbacks`); in-process engines stepped by hand do not."""
+    return getattr(engine, "input_queue", None) is not None and getattr(engine, "_idle_state_callbacks", None) is not None
+
+
 def add_idle_callback(engine: Any, callback: Callable[[Any], None]) -> bool:
     """Run `callback(engine)` once on the engine thread from the idle loop
     (`EngineCore._idle_state_callbacks`), and wake the engine (any thread).

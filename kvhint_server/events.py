@@ -3,7 +3,7 @@
 Payloads are NamedTuples: they are built on the engine thread for every block
 admission and eviction, and tuples are the cheapest immutable records.
 
-Contract (DESIGN §6):
+Contract (docs/design.md §6):
   * `epoch` is a nonce minted when the bus is created (engine start).
   * Every published event gets the next `sequence` (1, 2, ...), strictly
     increasing within the epoch.

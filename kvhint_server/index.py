@@ -1,6 +1,6 @@
 """SessionPrefixIndex: session and continuation coordinates over block hashes.
 
-Logical topology kept synchronously with cache activity (DESIGN §3):
+Logical topology kept synchronously with cache activity (docs/design.md §3):
   * node[h]: parent link, chain position, resident tiers (bitmask), member
     sessions, child count, and the admitting session/continuation.
   * blocks_of[session] / node.sessions: many-to-many membership.

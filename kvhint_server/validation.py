@@ -14,7 +14,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 
 from .config import ServerConfig
 from .errors import excerpt, invalid_argument
-from .model import Action, EngineInfo, HintResult, HintSpec, Reason, Selector, SelectorKind, Tier
+from .model import Action, EngineInfo, HintResult, HintSpec, Reason, Selector, SelectorKind, Tier, parse_enum
 
 MAX_BLOCK_HASH_BYTES = 64
 _ACTION_OF_FIELD = {
@@ -195,7 +195,7 @@ def _bounds(hint: pb.Hint, action: Action, selector: Selector, config: ServerCon
         if destination not in info.share_destinations:
             raise HintInvalid(Reason.UNKNOWN_DESTINATION, f"destination {excerpt(destination)} is not a configured peer")
     elif action is Action.DEMOTE and hint.demote.target_tier:
-        target_tier = Tier(hint.demote.target_tier) if hint.demote.target_tier in Tier._value2member_map_ else None
+        target_tier = parse_enum(Tier, hint.demote.target_tier)
         lower = {t.tier for t in info.tiers if t.tier is not Tier.DEVICE}
         if target_tier is None or target_tier not in lower:
             raise HintInvalid(Reason.UNSUPPORTED, f"no configured lower tier {hint.demote.target_tier}")
@@ -249,9 +249,10 @@ def parse_query_tiers(values: list[int] | object) -> list[Tier]:
     """QueryResidencyRequest.tiers -> Tiers; an unknown value is INVALID_ARGUMENT."""
     tiers = []
     for i, t in enumerate(values):  # type: ignore[call-overload]
-        if t not in Tier._value2member_map_:
+        tier = parse_enum(Tier, t)
+        if tier is None:
             raise invalid_argument(f"unknown tier {t}", f"tiers[{i}]")
-        tiers.append(Tier(t))
+        tiers.append(tier)
     return tiers
 
 
@@ -273,7 +274,7 @@ def validate_watch_request(request: pb.WatchEventsRequest, config: ServerConfig)
     for i, session_id in enumerate(flt.session_ids):
         check_request_id(session_id, f"filter.session_ids[{i}]", config.max_id_length)
     for i, t in enumerate(flt.tiers):
-        if t not in Tier._value2member_map_:
+        if parse_enum(Tier, t) is None:
             raise invalid_argument(f"unknown tier {t}", f"filter.tiers[{i}]")
     kinds = pb.EventKind.values()
     for i, k in enumerate(flt.kinds):

@@ -36,7 +36,7 @@ from .config import ServerConfig
 from .core import KvHintCore
 from .errors import excerpt
 from .events import Event, EventBus
-from .model import Tier
+from .model import Tier, parse_enum
 from .queries import BlockView, Queries
 from .snapshot import SnapshotCursor
 
@@ -55,7 +55,7 @@ class EventFilter:
     def from_wire(cls, f: pb.EventFilter) -> EventFilter:
         return cls(
             sessions=frozenset(f.session_ids),
-            tiers=frozenset(Tier(t) for t in f.tiers if t in Tier._value2member_map_),
+            tiers=frozenset(t for t in (parse_enum(Tier, v) for v in f.tiers) if t is not None),
             kinds=frozenset(int(k) for k in f.kinds),
         )
 

@@ -35,7 +35,7 @@ def _half_session_pressure(ctx: CaseContext, sessions: int) -> None:
     """Fill the ordinary blocks plus about half of one session's blocks; skip when no prompt fits."""
     plan = ctx.plan
     bs, per = plan.block_size, plan.session_blocks
-    filler_blocks = plan.device_blocks - 1 - sessions * per + math.ceil(per / 2)
+    filler_blocks = plan.overflow_filler(sessions)
     max_blocks = (ctx.target.options.max_model_len - 1) // bs
     if filler_blocks < 2 or filler_blocks > max_blocks:
         raise CaseSkipped(f"a filler of {filler_blocks} blocks is needed (at most {max_blocks} fit max_model_len)")

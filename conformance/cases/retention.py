@@ -35,7 +35,7 @@ def half_session_overflow(ctx: CaseContext) -> tuple[int, int]:
     other free block plus about half a session: exactly one session must lose blocks."""
     plan = ctx.plan
     bs, per = plan.block_size, plan.session_blocks
-    filler_blocks = plan.device_blocks - 1 - 3 * per + math.ceil(per / 2)
+    filler_blocks = plan.overflow_filler(3)
     max_blocks = (ctx.target.options.max_model_len - 1) // bs
     if filler_blocks < 2 or filler_blocks > max_blocks:
         raise CaseSkipped(f"a filler of {filler_blocks} blocks is needed (at most {max_blocks} fit max_model_len)")

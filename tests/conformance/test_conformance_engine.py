@@ -60,15 +60,10 @@ CAUGHT_BY: dict[str, tuple[list[str], bool]] = {
     "strip-stored-coordinates": ([S + "events/stored-carries-session-coordinates", S + "events/snapshot-consistency"], False),
     "drop-events": ([S + "events/unfiltered-stream-gap-free", S + "events/resume-inside-window"], False),
 }
-# Models the whole suite runs on (engine_integration.served.default_model presets). On the hybrid
-# model (two KV-cache groups sharing the 80-block pool) every pressure case fails today: the plan
-# sizes sessions from num_device_blocks=80, but each session takes blocks in both groups, so even an
-# immediate repeat of the third session prompt misses. Strict: the run fails once that is fixed.
-MODELS = (
-    "tiny",
-    pytest.param("hybrid", marks=pytest.mark.xfail(
-        strict=True, reason="hybrid pool: pressure cases fail (session sizing from num_device_blocks; see above)")),
-)
+# Models the whole suite runs on (engine_integration.served.default_model presets): the dense
+# tiny model and the Gemma2-style hybrid (a full-attention and a sliding-window KV-cache group
+# sharing the pool; the plan sizes sessions from GetCapabilities.kv_cache_groups).
+MODELS = ("tiny", "hybrid")
 
 
 def expected_failures(fault: str) -> list[str]:

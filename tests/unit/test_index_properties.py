@@ -474,7 +474,7 @@ def _frontiers(index: SessionPrefixIndex, s: str) -> set[bytes]:
 
 
 def test_g1_removal_keeps_extent_while_a_host_copy_remains():
-    """DESIGN §3: a G1 removal keeps the extent while a G2 copy remains."""
+    """docs/design.md §3: a G1 removal keeps the extent while a G2 copy remains."""
     index = SessionPrefixIndex()
     index.record_chain([A, B], 0, None, Tier.DEVICE, _sess("s"), 1.0)
     assert index.mark_resident(B, Tier.HOST)

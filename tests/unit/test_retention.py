@@ -1,6 +1,6 @@
 """RetentionLedger and TimerWheel.
 
-The ledger decides the free-pool class of every block (DESIGN §4): PINNED >
+The ledger decides the free-pool class of every block (docs/design.md §4): PINNED >
 RETAINED (highest priority wins) > ORDINARY, and a grant whose deadline passed
 counts as absent even if no timer tick reclaimed it. The wheel only does
 proactive cleanup, but it must hand back every due key exactly once however
