@@ -22,6 +22,7 @@ fn main() {
                     seconds: 300,
                     nanos: 0,
                 }),
+                expected_reuse_in: None,
             })),
         }],
     };

@@ -48,6 +48,7 @@ mod tests {
                     seconds: 600,
                     nanos: 0,
                 }),
+                expected_reuse_in: None,
             })),
         }
     }

@@ -1,0 +1,58 @@
+"""The conformance plan's pool arithmetic (no engine): sessions and pressure sized from
+GetCapabilities, including hybrid models whose prefills take blocks in every KV-cache group."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conformance.target import Options, group_footprint, make_plan
+from kvhint.v1 import kvhint_pb2 as pb
+
+OPTIONS = Options(target="127.0.0.1:1", openai_url="http://127.0.0.1:1")
+G = pb.KvCacheGroup
+
+
+def caps(blocks: int, bs: int = 32, budget: int = 39, window: int | None = None) -> pb.GetCapabilitiesResponse:
+    c = pb.GetCapabilitiesResponse(block_size=bs, num_device_blocks=blocks)
+    c.limits.pin_budget_blocks = budget
+    if window is not None:
+        c.kv_cache_groups.add(group_id=0, kind=G.KIND_FULL_ATTENTION, block_size=bs, defines_residency=True)
+        c.kv_cache_groups.add(group_id=1, kind=G.KIND_SLIDING_WINDOW, block_size=bs, sliding_window_tokens=window)
+    return c
+
+
+def test_reference_setups() -> None:
+    dense, hybrid = make_plan(caps(80), OPTIONS), make_plan(caps(80, window=128), OPTIONS)
+    assert (dense.session_blocks, dense.overflow_filler(3)) == (25, 17)
+    # 17 full blocks + 4 window-tail blocks cached per session; a 18-block prefill takes 36.
+    assert group_footprint(caps(80, window=128))(17) == (21, 34)
+    assert (hybrid.session_blocks, hybrid.overflow_filler(3)) == (17, 14)
+
+
+def test_a_single_group_listed_is_the_dense_arithmetic() -> None:
+    one = caps(80)
+    one.kv_cache_groups.add(group_id=0, kind=G.KIND_FULL_ATTENTION, block_size=32, defines_residency=True)
+    assert make_plan(one, OPTIONS).session_blocks == make_plan(caps(80), OPTIONS).session_blocks
+
+
+@given(blocks=st.integers(16, 4000), window=st.sampled_from([None, 64, 128, 512]), budget=st.integers(2, 2000))
+def test_three_sessions_fit_while_the_third_is_prefilled(blocks: int, window: int | None, budget: int) -> None:
+    c = caps(blocks, budget=min(budget, blocks), window=window)
+    plan = make_plan(c, Options(target="x", openai_url="y", max_model_len=1 << 20))
+    if not plan.pressure_ok and plan.session_blocks == 2:
+        return  # too small a pool: the plan says so instead of sizing
+    n = plan.session_blocks
+    cached, _ = plan.footprint(n)
+    prefill = plan.footprint(n + 1)[1]
+    assert 2 * cached + prefill <= blocks and 3 * cached < blocks and n <= c.limits.pin_budget_blocks
+    # One larger session would break one of those bounds (or the budget).
+    bigger = plan.footprint(n + 1)[0]
+    assert n + 1 > c.limits.pin_budget_blocks or 3 * bigger + 4 > blocks or 2 * bigger + plan.footprint(n + 2)[1] + 2 > blocks
+    # The filler overflows the free blocks by about half a session, no more.
+    filler = plan.overflow_filler(3)
+    free = blocks - 1 - 3 * cached
+    assert plan.footprint(filler)[1] >= free + math.ceil(cached / 2)
+    assert filler == 1 or plan.footprint(filler - 1)[1] < free + math.ceil(cached / 2)
