@@ -7,7 +7,7 @@ import datetime as _dt
 import random
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Optional, Union
 
 import grpc
@@ -97,6 +97,37 @@ def prepare_hints(hints: Iterable[kvhint_pb2.Hint]) -> list[kvhint_pb2.Hint]:
     if not prepared:
         raise ValueError("apply() needs at least one hint")
     return prepared
+
+
+def check_limits(hints: Sequence[kvhint_pb2.Hint], limits: Optional[kvhint_pb2.Limits]) -> None:
+    """Check a batch against the server's GetCapabilities limits before sending it
+    (ValueError naming the field); nothing to check before the limits are known."""
+    if limits is None:
+        return
+    if limits.max_hints_per_batch and len(hints) > limits.max_hints_per_batch:
+        raise ValueError(f"{len(hints)} hints; the server takes at most {limits.max_hints_per_batch} per batch "
+                         "(GetCapabilities limits.max_hints_per_batch)")
+    for i, hint in enumerate(hints):
+        if not isinstance(hint, kvhint_pb2.Hint):
+            return  # prepare_hints says what is wrong
+        ids = [("hint_id", hint.hint_id, limits.max_hint_id_length)]
+        target = hint.selector.WhichOneof("target")
+        if target == "session":
+            ids.append(("selector.session.session_id", hint.selector.session.session_id, limits.max_id_length))
+        elif target == "continuation":
+            ids.append(("selector.continuation.continuation_id", hint.selector.continuation.continuation_id, limits.max_id_length))
+        elif target == "block_hashes":
+            n = len(hint.selector.block_hashes.block_hashes)
+            if limits.max_block_hashes_per_selector and n > limits.max_block_hashes_per_selector:
+                raise ValueError(f"hints[{i}].selector.block_hashes has {n} hashes; the server takes at most "
+                                 f"{limits.max_block_hashes_per_selector} (GetCapabilities limits.max_block_hashes_per_selector)")
+        if hint.WhichOneof("action") == "share":
+            ids.append(("share.destination", hint.share.destination, limits.max_id_length))
+        for path, value, most in ids:
+            size = len(value.encode("utf-8"))
+            if most and size > most:
+                raise ValueError(f"hints[{i}].{path} is {size} bytes; the server accepts at most {most} "
+                                 "(GetCapabilities limits)")
 
 
 def apply_result(hints: list[kvhint_pb2.Hint], response: kvhint_pb2.ApplyHintsResponse, address: str) -> ApplyResult:

@@ -35,21 +35,19 @@ from .names import TierLike, parse_event_kind, parse_tier
 
 BlockHashLike = Union[bytes, bytearray, memoryview, str, int]
 
-MAX_ID_BYTES = 256
-MAX_HINT_ID_BYTES = 128
+# Id lengths are the server's (GetCapabilities limits.max_id_length and
+# max_hint_id_length): the clients check them before sending once they know
+# them (_rpc.check_limits); builders check only that an id is non-empty text.
 MAX_HASH_BYTES = 64
 _UINT32_MAX = 2**32 - 1
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
-def _check_id(value: str, what: str, max_bytes: int = MAX_ID_BYTES) -> str:
+def _check_id(value: str, what: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{what} must be a string, got {type(value).__name__}")
-    size = len(value.encode("utf-8"))
-    if size == 0:
+    if not value:
         raise ValueError(f"{what} must not be empty")
-    if size > max_bytes:
-        raise ValueError(f"{what} is {size} bytes; at most {max_bytes} bytes of UTF-8 are allowed")
     return value
 
 
@@ -175,7 +173,7 @@ class Target:
     def _hint(self, hint_id: Optional[str], max_blocks: int) -> kvhint_pb2.Hint:
         hint = kvhint_pb2.Hint(selector=self.selector, max_blocks=_check_uint32(max_blocks, "max_blocks"))
         if hint_id is not None:
-            hint.hint_id = _check_id(hint_id, "hint_id", MAX_HINT_ID_BYTES)
+            hint.hint_id = _check_id(hint_id, "hint_id")
         return hint
 
     def retain(

@@ -110,6 +110,18 @@ class _ClientBase:
         self._stub = kvhint_pb2_grpc.KvHintServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = self._config.call_metadata()
+        # The server's limits, from the last GetCapabilities answer (None before one).
+        self._limits: Optional[kvhint_pb2.Limits] = None
+
+    @property
+    def limits(self) -> Optional[kvhint_pb2.Limits]:
+        """The server's Limits from the last `capabilities()` call; `apply` checks
+        batches against them before sending (None until capabilities were read)."""
+        return self._limits
+
+    def _remember(self, caps: kvhint_pb2.GetCapabilitiesResponse) -> kvhint_pb2.GetCapabilitiesResponse:
+        self._limits = caps.limits
+        return caps
 
     @property
     def config(self) -> ConnectionConfig:
@@ -150,10 +162,12 @@ class KvHintClient(_ClientBase):
         response: kvhint_pb2.GetCapabilitiesResponse = self._unary(
             "GetCapabilities", self._stub.GetCapabilities, kvhint_pb2.GetCapabilitiesRequest(), timeout
         )
-        return response
+        return self._remember(response)
 
     def apply(self, *hints: kvhint_pb2.Hint, timeout: Optional[float] = None) -> ApplyResult:
-        """ApplyHints: one batch, one result per hint, in order."""
+        """ApplyHints: one batch, one result per hint, in order. Once `capabilities()`
+        was read, a batch over the server's limits raises ValueError before sending."""
+        _rpc.check_limits(hints, self._limits)
         prepared = _rpc.prepare_hints(hints)
         request = kvhint_pb2.ApplyHintsRequest(hints=prepared)
         response = self._unary("ApplyHints", self._stub.ApplyHints, request, timeout)
@@ -344,9 +358,12 @@ class AsyncKvHintClient(_ClientBase):
                 await asyncio.sleep(delay)
 
     async def capabilities(self, *, timeout: Optional[float] = None) -> kvhint_pb2.GetCapabilitiesResponse:
-        return await self._unary("GetCapabilities", self._stub.GetCapabilities, kvhint_pb2.GetCapabilitiesRequest(), timeout)
+        return self._remember(
+            await self._unary("GetCapabilities", self._stub.GetCapabilities, kvhint_pb2.GetCapabilitiesRequest(), timeout)
+        )
 
     async def apply(self, *hints: kvhint_pb2.Hint, timeout: Optional[float] = None) -> ApplyResult:
+        _rpc.check_limits(hints, self._limits)
         prepared = _rpc.prepare_hints(hints)
         request = kvhint_pb2.ApplyHintsRequest(hints=prepared)
         response = await self._unary("ApplyHints", self._stub.ApplyHints, request, timeout)

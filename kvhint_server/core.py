@@ -39,7 +39,7 @@ from .events import (
     TierTransferCompleted,
 )
 from .index import LeaveCause, Removal, SessionPrefixIndex
-from .model import EngineInfo, RemovalCause, RequestCoords, RetentionView, Tier
+from .model import EngineInfo, RemovalCause, RequestCoords, RetentionView, Tier, session_of_owner
 from .operations import OperationRegistry
 from .retention import RetentionLedger
 
@@ -48,10 +48,6 @@ T = TypeVar("T")
 # Engine time per step for `submit_slice` work (all slices together, at least
 # one slice per step).
 SLICE_BUDGET_S = 0.004
-
-
-def session_of_owner(owner: str) -> str | None:
-    return owner[2:] if owner.startswith("s:") else None
 
 
 class EngineStopped(RuntimeError):

@@ -68,5 +68,7 @@ def not_found(message: str, field: str) -> RpcError:
     return RpcError(grpc.StatusCode.NOT_FOUND, Reason.NOT_FOUND, message, field)
 
 
-def unavailable(message: str) -> RpcError:
-    return RpcError(grpc.StatusCode.UNAVAILABLE, Reason.SHUTTING_DOWN, message)
+def unavailable(reason: Reason, message: str) -> RpcError:
+    """UNAVAILABLE (retryable) with the real cause: SHUTTING_DOWN when the engine
+    stopped, DEADLINE_EXCEEDED when it did not reach a step boundary in time."""
+    return RpcError(grpc.StatusCode.UNAVAILABLE, reason, message)

@@ -34,6 +34,7 @@ from .model import (
     Selector,
     SelectorKind,
     Tier,
+    session_owner,
     tiers_of,
 )
 from .validation import hint_fingerprint, hint_id_bindable
@@ -209,9 +210,9 @@ class HintExecutor:
         index, ledger = core.index, core.ledger
         clips: list[Clip] = []
         sessions = index.session_tree(sel.session_id, sel.include_children) if sel.kind is SelectorKind.SESSION else []
-        owners = ["s:" + s for s in sessions] if sel.kind is SelectorKind.SESSION else [sel.owner]
-        if sel.kind is SelectorKind.SESSION and "s:" + sel.session_id not in owners:
-            owners.append("s:" + sel.session_id)  # grants may outlive index membership
+        owners = [session_owner(s) for s in sessions] if sel.kind is SelectorKind.SESSION else [sel.owner]
+        if sel.kind is SelectorKind.SESSION and sel.owner not in owners:
+            owners.append(sel.owner)  # grants may outlive index membership
         hashes = self.resolve(sel)
         if sel.kind is SelectorKind.BLOCK_HASHES:
             # Explicit hashes select only blocks that are resident somewhere or retained.

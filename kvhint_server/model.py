@@ -98,6 +98,23 @@ class RemovalCause(enum.IntEnum):
     REPLACED = 5
 
 
+# Retention owner keys (RetentionLedger grants are held per owner): a session's
+# grants, a continuation's, and block-hash selectors' (one shared owner).
+SESSION_OWNER = "s:"
+CONTINUATION_OWNER = "c:"
+BLOCKS_OWNER = "b:"
+
+
+def session_owner(session_id: str) -> str:
+    """The retention owner key of a session's grants."""
+    return SESSION_OWNER + session_id
+
+
+def session_of_owner(owner: str) -> str | None:
+    """The session of a session owner key; None for other owners."""
+    return owner[len(SESSION_OWNER):] if owner.startswith(SESSION_OWNER) else None
+
+
 @dataclass(frozen=True, slots=True)
 class Selector:
     """A validated selector. Exactly the fields of `kind` are meaningful."""
@@ -114,10 +131,10 @@ class Selector:
     def owner(self) -> str:
         """Retention owner key: who a Retain/Pin is held for, and what Release drops."""
         if self.kind is SelectorKind.SESSION:
-            return "s:" + self.session_id
+            return session_owner(self.session_id)
         if self.kind is SelectorKind.CONTINUATION:
-            return "c:" + self.continuation_id
-        return "b:"
+            return CONTINUATION_OWNER + self.continuation_id
+        return BLOCKS_OWNER
 
     @property
     def has_range(self) -> bool:

@@ -15,10 +15,7 @@ from dataclasses import dataclass
 from .core import KvHintCore
 from .executor import HintExecutor
 from .index import MAX_MEMBERS_REPORTED
-from .model import RetentionView, Selector, Tier, tiers_of
-
-# Continuations listed per session in ListSessions.
-MAX_CONTINUATIONS_REPORTED = 16
+from .model import RetentionView, Selector, Tier, session_owner, tiers_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +128,8 @@ class Queries:
                     parent=state.parent,
                     frontiers=tuple(sorted(index.frontiers(s))),
                     counts=index.tier_counts(state.blocks),
-                    retention=core.ledger.owner_view("s:" + s, now),
-                    continuations=tuple(sorted(state.continuations))[:MAX_CONTINUATIONS_REPORTED],
+                    retention=core.ledger.owner_view(session_owner(s), now),
+                    continuations=tuple(sorted(state.continuations))[:MAX_MEMBERS_REPORTED],
                     last_active=state.last_active,
                 )
             )

@@ -25,6 +25,7 @@ from .config import ServerConfig
 from .core import EngineStopped, KvHintCore
 from .errors import RpcError, excerpt, invalid_argument, not_found, unavailable
 from .executor import HintExecutor
+from .model import Reason
 from .page_tokens import PageTokens
 from .queries import Queries
 from .validation import check_request_id, parse_apply_request, parse_query_selector, parse_query_tiers, validate_watch_request
@@ -73,10 +74,10 @@ class KvHintServicer:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout=timeout)
         except asyncio.TimeoutError:
             if future.cancel():
-                raise unavailable(f"the engine did not reach a step boundary within {timeout:.1f}s") from None
+                raise unavailable(Reason.DEADLINE_EXCEEDED, f"the engine did not reach a step boundary within {timeout:.1f}s") from None
             return await asyncio.wrap_future(future)
         except EngineStopped as exc:
-            raise unavailable(str(exc)) from exc
+            raise unavailable(Reason.SHUTTING_DOWN, str(exc)) from exc
 
     # ------------------------------------------------------------ RPCs
 

@@ -1598,7 +1598,9 @@ class SessionInfo(_message.Message):
 
     @_builtins.property
     def continuation_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Continuations seen for this session (may be truncated to 16)."""
+        """Continuations seen for this session, at most 16 of them (the same cap as
+        BlockResidency.session_ids), in sorted order.
+        """
 
     @_builtins.property
     def last_active(self) -> _timestamp_pb2.Timestamp:
