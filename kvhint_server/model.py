@@ -109,6 +109,9 @@ class Selector:
     block_hashes: tuple[bytes, ...] = ()
     range_start: int = 0
     range_end: int | None = None
+    # Block-hash selectors of a tenant (tenant_guard.py): the tenant's name, so
+    # its grants are its own ("b:<name>"), not shared with every caller's.
+    owner_scope: str = ""
 
     @property
     def owner(self) -> str:
@@ -117,7 +120,7 @@ class Selector:
             return "s:" + self.session_id
         if self.kind is SelectorKind.CONTINUATION:
             return "c:" + self.continuation_id
-        return "b:"
+        return "b:" + self.owner_scope
 
     @property
     def has_range(self) -> bool:
