@@ -18,7 +18,6 @@ from prometheus_client import CollectorRegistry
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.config import ConfigError, ServerConfig
 from kvhint_server.metrics import KvHintMetrics, MetricsExporter
-from kvhint_server.model import Tier
 
 from kvhint_unit_support import Harness, error_info, h, local_engine_info, pin, retain, session_sel
 
@@ -390,4 +389,42 @@ def test_the_auth_token_is_an_admin_token_next_to_tenants(tmp_path: Path) -> Non
         assert sessions(hx, (("authorization", "Bearer tok-root"),)) == ["a/x", "b/y"]
     finally:
         hx.close()
-    _ = Tier
+
+
+# ---------------------------------------------------------------- mTLS client identity
+
+
+def _openssl(tmp: Path, *args: str) -> None:
+    import subprocess
+
+    subprocess.run(["openssl", *args], cwd=tmp, check=True, capture_output=True, timeout=60)
+
+
+@pytest.mark.skipif(__import__("shutil").which("openssl") is None, reason="needs the openssl CLI to make certificates")
+def test_an_mtls_client_certificate_identifies_its_tenant(tmp_path: Path) -> None:
+    _openssl(tmp_path, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+             "-days", "1", "-subj", "/CN=kvhint-test-ca")
+    for name, subj, ext in (("server", "/CN=localhost", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+                            ("client", "/CN=client-a", "extendedKeyUsage=clientAuth")):
+        _openssl(tmp_path, "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subj)
+        (tmp_path / f"{name}.ext").write_text(ext + "\n")
+        _openssl(tmp_path, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext")
+    doc = {"tenants": [{**TENANTS["tenants"][0], "client_identities": ["client-a"]}, *TENANTS["tenants"][1:]]}
+    hx = Harness(local_engine_info(), tenants_file=write(tmp_path, doc), tls_cert_file=str(tmp_path / "server.pem"),
+                 tls_key_file=str(tmp_path / "server.key"), tls_client_ca_file=str(tmp_path / "ca.pem"))
+    try:
+        hx.engine.store([h(1)], session="a/x")
+        hx.engine.store([h(2)], session="b/y")
+        read = lambda name: (tmp_path / name).read_bytes()  # noqa: E731
+        creds = grpc.ssl_channel_credentials(read("ca.pem"), read("client.key"), read("client.pem"))
+        with grpc.secure_channel(f"127.0.0.1:{hx.port}", creds) as channel:
+            from kvhint.v1 import kvhint_pb2_grpc
+
+            stub = kvhint_pb2_grpc.KvHintServiceStub(channel)
+            listed = stub.ListSessions(pb.ListSessionsRequest(), timeout=10)  # no token: the certificate says team-a
+            assert [s.session_id for s in listed.sessions] == ["a/x"]
+            listed = stub.ListSessions(pb.ListSessionsRequest(), metadata=ADMIN, timeout=10)  # a token wins
+            assert [s.session_id for s in listed.sessions] == ["a/x", "b/y"]
+    finally:
+        hx.close()
