@@ -61,6 +61,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="print the selected case ids and exit")
     p.add_argument("--describe", action="store_true", help="print the selected cases (id, requires, statement) and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="print every case's result as it finishes")
+    p.add_argument("--token", help="bearer token sent on every RPC (with tenants: an admin's)")
+    for t in ("a", "b"):
+        p.add_argument(f"--tenant-{t}-token", help=f"tenancy cases: tenant {t.upper()}'s bearer token")
+        p.add_argument(f"--tenant-{t}-prefix", help=f"tenancy cases: tenant {t.upper()}'s session-id prefix")
     p.add_argument("--nonce", help="run nonce used in session ids and prompts (default: random)")
     args = p.parse_args(argv)
     if not (args.list or args.describe) and not args.target:
@@ -205,7 +209,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     options = Options(
         target=args.target, openai_url=args.openai_url, model=args.model, max_model_len=args.max_model_len,
         token_low=args.token_low, token_high=args.token_high, max_pressure_prompts=args.max_pressure_prompts,
-        max_window_rpcs=args.max_window_rpcs, rpc_timeout=args.rpc_timeout, profile=args.profile, **kw,
+        max_window_rpcs=args.max_window_rpcs, rpc_timeout=args.rpc_timeout, profile=args.profile,
+        token=args.token, tenant_a_token=args.tenant_a_token, tenant_a_prefix=args.tenant_a_prefix,
+        tenant_b_token=args.tenant_b_token, tenant_b_prefix=args.tenant_b_prefix, **kw,
     )
     results, info = run_suite(options, cases, known, out=out, verbose=args.verbose)
     print(summary(results, info), file=out, flush=True)

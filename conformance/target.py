@@ -67,6 +67,14 @@ class Options:
     # The conformance profile claimed (conformance.profiles): capabilities it requires fail
     # their cases when not advertised instead of skipping them.
     profile: str = profiles.DEFAULT
+    # Bearer token for every RPC of the run (with tenants: an admin's token).
+    token: str | None = None
+    # Tenancy cases (conformance/cases/tenancy.py): two tenants' tokens and
+    # session-id namespaces (prefixes). Those cases skip without them.
+    tenant_a_token: str | None = None
+    tenant_a_prefix: str | None = None
+    tenant_b_token: str | None = None
+    tenant_b_prefix: str | None = None
     nonce: str = field(default_factory=lambda: secrets.token_hex(4))
 
 
@@ -213,12 +221,38 @@ def advertised(caps: pb.GetCapabilitiesResponse) -> set[str]:
     return out
 
 
+class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call."""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self._header]
+        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, base: Any, metadata: list[tuple[str, str]]) -> None:
+        self.method, self.timeout, self.credentials = base.method, base.timeout, base.credentials
+        self.wait_for_ready, self.compression = base.wait_for_ready, base.compression
+        self.metadata = metadata
+
+
 class Target:
     """One engine under test. Shared by all cases of a run."""
 
     def __init__(self, options: Options) -> None:
         self.options = options
         self.channel = grpc.insecure_channel(options.target)
+        if options.token:
+            self.channel = grpc.intercept_channel(self.channel, BearerToken(options.token))
         self.stub = pbg.KvHintServiceStub(self.channel)
         self._caps: pb.GetCapabilitiesResponse | None = None
         self._caps_error: str | None = None

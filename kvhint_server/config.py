@@ -103,6 +103,12 @@ class ServerConfig:
     # (empty: only through vLLM's /metrics in multiprocess mode; see
     # kvhint_server/metrics.py). Data-parallel rank r uses port + r.
     metrics_address: str = ""
+    # Tenants file (JSON; kvhint_server/tenancy.py): tenants with tokens or mTLS
+    # client identities, session namespaces and budgets. Empty: no tenancy.
+    tenants_file: str = ""
+    # PEM bundle of CAs whose client certificates are accepted (mTLS); with
+    # it, clients must present a certificate. Needs TLS.
+    tls_client_ca_file: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> ServerConfig:
@@ -126,6 +132,7 @@ class ServerConfig:
         if self.subscriber_buffer > self.event_replay_window:
             object.__setattr__(self, "subscriber_buffer", self.event_replay_window)
         _check_tls(self.tls_cert_file, self.tls_key_file)
+        _check_tenancy(self)
         if self.insecure_remote and not self.allow_insecure_remote:
             raise ConfigError(
                 f"{env_name('address')}={self.address!r} is not a loopback address and neither TLS "
@@ -141,7 +148,12 @@ class ServerConfig:
     @property
     def insecure_remote(self) -> bool:
         """Served beyond this host with neither TLS nor a token."""
-        return not is_loopback(self.address) and not self.tls and not self.auth_token
+        return not is_loopback(self.address) and not self.tls and not self.auth_token and not self.tenants_file
+
+    @property
+    def tenants(self):  # -> tenancy.Tenants | None
+        """The validated tenants file (None without KVHINT_TENANTS_FILE)."""
+        return self.__dict__.get("_tenants")
 
 
 def is_loopback(address: str) -> bool:
@@ -214,8 +226,8 @@ def _check_address(address: str, env: str) -> None:
         raise ConfigError(f"{env}={address!r}: expected HOST:PORT with a port in 0..65535")
 
 
-def _check_tls(cert: str, key: str) -> None:
-    cert_env, key_env = env_name("tls_cert_file"), env_name("tls_key_file")
+def _check_tls(cert: str, key: str, env: str = "") -> None:
+    cert_env, key_env = (env, env) if env else (env_name("tls_cert_file"), env_name("tls_key_file"))
     if bool(cert) != bool(key):
         given, missing = (cert_env, key_env) if cert else (key_env, cert_env)
         raise ConfigError(f"{given} is set but {missing} is not: TLS needs both (refusing to serve plaintext)")
@@ -229,6 +241,25 @@ def _check_tls(cert: str, key: str) -> None:
             raise ConfigError(f"{env}={path!r}: cannot read: {exc.strerror or exc}") from None
         if b"-----BEGIN" not in head:
             raise ConfigError(f"{env}={path!r}: not a PEM file")
+
+
+def _check_tenancy(config: ServerConfig) -> None:
+    """Client CA needs TLS; the tenants file is loaded and validated now."""
+    if config.tls_client_ca_file:
+        if not config.tls:
+            raise ConfigError(f"{env_name('tls_client_ca_file')} is set but TLS is not ({env_name('tls_cert_file')})")
+        _check_tls(config.tls_client_ca_file, config.tls_client_ca_file, env=env_name("tls_client_ca_file"))
+    tenants = None
+    if config.tenants_file:
+        from .tenancy import load_tenants
+
+        tenants = load_tenants(config.tenants_file, extra_admin_token=config.auth_token)
+        if tenants.uses_client_identities and not config.tls_client_ca_file:
+            raise ConfigError(
+                f"{env_name('tenants_file')}={config.tenants_file!r}: client_identities need "
+                f"{env_name('tls_client_ca_file')} (mTLS)"
+            )
+    object.__setattr__(config, "_tenants", tenants)
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .adapter import TierTask
 from .core import KvHintCore
@@ -39,6 +39,9 @@ from .model import (
 )
 from .validation import hint_fingerprint, hint_id_bindable
 
+if TYPE_CHECKING:
+    from .tenant_guard import TenantGuard
+
 _FROM_END = (Action.RELEASE, Action.EVICT, Action.DEMOTE)
 
 
@@ -46,12 +49,24 @@ class HintExecutor:
     def __init__(self, core: KvHintCore) -> None:
         self.core = core
         self._seen: OrderedDict[str, tuple[bytes, HintResult]] = OrderedDict()
+        # The calling tenant's guard during a batch (tenant_guard.py); None: no tenancy or an admin.
+        self._guard: TenantGuard | None = None
 
     # ------------------------------------------------------------ batch
 
-    def apply_batch(self, items: Sequence[HintSpec | HintResult], wire_hints: Sequence[Any]) -> tuple[list[HintResult], int]:
+    def apply_batch(
+        self, items: Sequence[HintSpec | HintResult], wire_hints: Sequence[Any], guard: TenantGuard | None = None
+    ) -> tuple[list[HintResult], int]:
         """Engine thread. Returns the results (request order) and the sequence
-        of the last event the batch caused."""
+        of the last event the batch caused. `guard`: the calling tenant's
+        limits (tenant_guard.py)."""
+        self._guard = guard
+        try:
+            return self._apply_batch(items, wire_hints)
+        finally:
+            self._guard = None
+
+    def _apply_batch(self, items: Sequence[HintSpec | HintResult], wire_hints: Sequence[Any]) -> tuple[list[HintResult], int]:
         results: list[HintResult] = []
         for item, wire in zip(items, wire_hints):
             # The id binds to the hint's content whether the hint is valid or
@@ -59,22 +74,22 @@ class HintExecutor:
             spec = item if isinstance(item, HintSpec) else None
             hint_id = item.hint_id if hint_id_bindable(item.hint_id, self.core.config) else ""
             fingerprint = spec.fingerprint if spec is not None else (hint_fingerprint(wire) if hint_id else b"")
-            result = self._replay(hint_id, fingerprint)
+            result = self._replay(hint_id, fingerprint, self._guard.id_key(hint_id) if self._guard and hint_id else hint_id)
             if result is not None and result.replayed:
                 results.append(result)  # seen before: not again, no new event
                 continue
             if result is None:
                 result = self._apply(spec) if spec is not None else item  # type: ignore[assignment]
                 if hint_id:
-                    self._remember(hint_id, fingerprint, result)
+                    self._remember(self._guard.id_key(hint_id) if self._guard else hint_id, fingerprint, result)
             self.core.bus.publish(HintApplied(wire, result), sessions=_sessions_of(item))
             results.append(result)
         return results, self.core.bus.last_sequence
 
-    def _replay(self, hint_id: str, fingerprint: bytes) -> HintResult | None:
+    def _replay(self, hint_id: str, fingerprint: bytes, key: str) -> HintResult | None:
         if not hint_id:
             return None
-        seen = self._seen.get(hint_id)
+        seen = self._seen.get(key)
         if seen is None:
             return None
         first_fingerprint, first = seen
@@ -82,7 +97,7 @@ class HintExecutor:
             return HintResult.rejected(
                 hint_id, Reason.HINT_ID_CONFLICT, f"hint_id {excerpt(hint_id)} was already used for a different hint"
             )
-        self._seen.move_to_end(hint_id)
+        self._seen.move_to_end(key)
         return dataclasses.replace(first, replayed=True)
 
     def _remember(self, hint_id: str, fingerprint: bytes, result: HintResult) -> None:
@@ -132,6 +147,11 @@ class HintExecutor:
     # ------------------------------------------------------------ actions
 
     def _apply(self, spec: HintSpec) -> HintResult:
+        if self._guard is not None:
+            admitted = self._guard.admit(spec)
+            if isinstance(admitted, HintResult):
+                return admitted
+            spec = admitted
         if spec.action in (Action.RETAIN, Action.PIN):
             return self._retain_or_pin(spec)
         if spec.action is Action.RELEASE:
@@ -163,6 +183,8 @@ class HintExecutor:
         hashes = self._selected_on_device(spec, clips)
         if not hashes:
             return HintResult.missing(spec.hint_id)
+        if self._guard is not None:
+            hashes = self._guard.clip_budget(spec, hashes, clips)
         assert spec.ttl_s is not None and spec.requested_ttl_s is not None
         if spec.requested_ttl_s > spec.ttl_s:
             clips.append(
@@ -246,6 +268,8 @@ class HintExecutor:
         hashes = self._selected_on_device(spec, clips)
         if not hashes:
             return HintResult.missing(spec.hint_id)
+        if self._guard is not None:
+            hashes = self._guard.clip_shared(spec, hashes, clips)
         owner = spec.selector.owner
         now = core.monotonic()
         protected = [h for h in hashes if core.ledger.pinned_by_other(h, owner, now)]
@@ -282,6 +306,10 @@ class HintExecutor:
             return HintResult.missing(spec.hint_id)
         clips: list[Clip] = []
         hashes = self._cap(spec, hashes, clips)
+        if self._guard is not None and spec.action is Action.DEMOTE:
+            hashes = self._guard.clip_shared(spec, hashes, clips)
+            if not hashes:
+                return _result(spec, clips, {})
         if spec.action is Action.PREFETCH and all(tiers[h] & Tier.DEVICE.bit for h in hashes):
             return _result(spec, clips, {Tier.DEVICE: len(hashes)}, message="already resident on the device tier")
         op = core.operations.create(spec.hint_id, spec.action, _sessions_of(spec), spec.destination)

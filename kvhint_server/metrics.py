@@ -18,6 +18,10 @@ enums of kvhint.v1):
   tier_bytes_moved_total{from_tier,to_tier} bytes the tier actions copied
   metrics_events_skipped_total              events the exporter could not read
                                             (it fell out of the replay window)
+  tenant_budget_blocks{tenant,budget}       a tenant's pin / retention budget
+                                            (budget="pin"|"retention"; unlimited: absent)
+  tenant_budget_used_blocks{tenant,budget}  blocks the tenant pins / protects now
+                                            (tenant names come from the tenants file)
 
 Where they are visible:
   * vLLM's own `/metrics`, when the vLLM process tree runs in prometheus_client's
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -100,6 +104,11 @@ class KvHintMetrics:
         self.in_flight = Gauge("kvhint_operations_in_flight", "Tier operations pending or running.", **live, **kw)
         self.tier_bytes = Counter("kvhint_tier_bytes_moved", "Bytes copied between tiers by tier actions.",
                                   ["from_tier", "to_tier"], **kw)
+        self.tenant_budget = Gauge("kvhint_tenant_budget_blocks", "A tenant's pin or retention budget in blocks.",
+                                   ["tenant", "budget"], **live, **kw)
+        self.tenant_used = Gauge("kvhint_tenant_budget_used_blocks",
+                                 "Blocks a tenant pins (budget=pin) or protects (budget=retention) now.",
+                                 ["tenant", "budget"], **live, **kw)
         self.skipped = Counter("kvhint_metrics_events_skipped",
                                "Events the exporter could not count (outside the replay window).", **kw)
 
@@ -122,11 +131,16 @@ class KvHintMetrics:
             self.tier_bytes.labels(_name(payload.from_tier), _name(payload.to_tier)).inc(payload.bytes_moved)
 
 
+# (tenant name, budget "pin"|"retention", blocks used, budget or None: unlimited)
+TenantUsage = tuple[str, str, int, "int | None"]
+
+
 class MetricsExporter:
     """Follows one KvHintCore's event bus and gauges from a daemon thread.
 
     `subscribers` returns (open streams, max lag in events); the gRPC server
-    passes its WatchHub's. Start with `start()`, stop with `stop()`.
+    passes its WatchHub's. `tenant_usage` returns TenantUsage rows (the
+    server computes them on the engine thread). Start with `start()`, stop with `stop()`.
     """
 
     def __init__(
@@ -135,8 +149,10 @@ class MetricsExporter:
         metrics: KvHintMetrics,
         *,
         subscribers: Callable[[], tuple[int, int]] | None = None,
+        tenant_usage: Callable[[], Iterable[TenantUsage]] | None = None,
         interval_s: float = 0.5,
     ) -> None:
+        self._tenant_usage = tenant_usage
         self._core = core
         self._m = metrics
         self._subscribers = subscribers
@@ -188,6 +204,11 @@ class MetricsExporter:
             count, lag = self._subscribers()
             self._m.subscribers.set(count)
             self._m.max_lag.set(lag)
+        if self._tenant_usage is not None:
+            for tenant, budget, used, limit in self._tenant_usage():
+                self._m.tenant_used.labels(tenant, budget).set(used)
+                if limit is not None:
+                    self._m.tenant_budget.labels(tenant, budget).set(limit)
 
 
 _metrics: KvHintMetrics | None = None

@@ -126,6 +126,9 @@ class Selector:
     block_hashes: tuple[bytes, ...] = ()
     range_start: int = 0
     range_end: int | None = None
+    # Block-hash selectors of a tenant (tenant_guard.py): the tenant's name, so
+    # its grants are its own ("b:<name>"), not shared with every caller's.
+    owner_scope: str = ""
 
     @property
     def owner(self) -> str:
@@ -134,7 +137,7 @@ class Selector:
             return session_owner(self.session_id)
         if self.kind is SelectorKind.CONTINUATION:
             return CONTINUATION_OWNER + self.continuation_id
-        return BLOCKS_OWNER
+        return BLOCKS_OWNER + self.owner_scope
 
     @property
     def has_range(self) -> bool:

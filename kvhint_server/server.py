@@ -27,6 +27,7 @@ from .config import ServerConfig
 from .core import KvHintCore
 from .metrics import KvHintMetrics, MetricsExporter, serve_metrics
 from .servicer import SERVICE, KvHintServicer, generic_handler
+from .tenancy import TenantAuth
 
 log = logging.getLogger("kvhint.server")
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -102,11 +103,22 @@ class KvHintServer:
 
     def _start_metrics(self, metrics: KvHintMetrics) -> None:
         hub = self.servicer.hub
-        self._exporter = MetricsExporter(self.core, metrics, subscribers=hub.lag if hub is not None else None)
+        self._exporter = MetricsExporter(self.core, metrics, subscribers=hub.lag if hub is not None else None,
+                                         tenant_usage=self._tenant_usage if self.config.tenants is not None else None)
         self._exporter.start()
         if self.config.metrics_address:
             serve_metrics(self.config.metrics_address)
             log.info("kvhint sidecar serving /metrics on %s", self.config.metrics_address)
+
+    def _tenant_usage(self) -> list[tuple[str, str, int, int | None]]:
+        """Tenants' budget use, computed on the engine thread (metrics)."""
+        from .tenant_guard import usage_rows
+
+        tenants = self.config.tenants
+        try:
+            return self.core.submit(lambda: usage_rows(self.core, tenants)).result(timeout=2.0)
+        except Exception:  # noqa: BLE001 - stopped or busy engine: skip this sample
+            return []
 
     def stop(self, grace: float | None = None) -> None:
         """Graceful shutdown; idempotent; safe from any thread but the server's."""
@@ -143,7 +155,11 @@ class KvHintServer:
 
     async def _serve(self) -> None:
         self._stop_requested = asyncio.Event()
-        interceptors = [_BearerAuth(self.config.auth_token)] if self.config.auth_token else []
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.config.tenants is not None:  # tokens and client identities -> tenants
+            interceptors.append(TenantAuth(self.config.tenants))
+        elif self.config.auth_token:
+            interceptors.append(_BearerAuth(self.config.auth_token))
         server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         self.servicer.bind_loop(asyncio.get_running_loop())
         server.add_generic_rpc_handlers((generic_handler(self.servicer),))
@@ -161,7 +177,12 @@ class KvHintServer:
             )
         if self.config.tls:
             with open(self.config.tls_key_file, "rb") as key, open(self.config.tls_cert_file, "rb") as cert:
-                creds = grpc.ssl_server_credentials([(key.read(), cert.read())])
+                pair = (key.read(), cert.read())
+            if self.config.tls_client_ca_file:  # mTLS: a verified client certificate is required
+                with open(self.config.tls_client_ca_file, "rb") as ca:
+                    creds = grpc.ssl_server_credentials([pair], root_certificates=ca.read(), require_client_auth=True)
+            else:
+                creds = grpc.ssl_server_credentials([pair])
             port = server.add_secure_port(self.config.address, creds)
         else:
             port = server.add_insecure_port(self.config.address)

@@ -27,6 +27,8 @@ from .errors import RpcError, excerpt, invalid_argument, not_found, unavailable
 from .executor import HintExecutor
 from .model import Reason
 from .page_tokens import PageTokens
+from . import tenant_guard
+from .tenancy import Tenant, current_principal
 from .queries import Queries
 from .validation import check_request_id, parse_apply_request, parse_query_selector, parse_query_tiers, validate_watch_request
 from .watch import WatchHub
@@ -57,6 +59,15 @@ class KvHintServicer:
         self._page_tokens = PageTokens(core.bus.epoch)
         # Metrics (kvhint_server.metrics), set by the server when exported.
         self.metrics: KvHintMetrics | None = None
+        # Tenancy (tenancy.py, tenant_guard.py): None without KVHINT_TENANTS_FILE.
+        self.tenants = config.tenants
+
+    def _scoped(self) -> Tenant | None:
+        """The calling tenant when its view is limited (None: no tenancy, or an admin)."""
+        if self.tenants is None:
+            return None
+        principal = current_principal()
+        return principal if principal is not None and not principal.admin else None
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self.hub = WatchHub(self.core, self.queries, self.config, loop)
@@ -93,7 +104,9 @@ class KvHintServicer:
     async def _apply_hints(self, request: pb.ApplyHintsRequest, context: grpc.aio.ServicerContext) -> pb.ApplyHintsResponse:
         items = parse_apply_request(request, self.config, self.core.info)
         hints = list(request.hints)
-        results, sequence = await self._on_engine(lambda: self.executor.apply_batch(items, hints), context)
+        tenant = self._scoped()
+        guard = tenant_guard.TenantGuard(self.core, self.tenants, tenant) if tenant is not None else None
+        results, sequence = await self._on_engine(lambda: self.executor.apply_batch(items, hints, guard), context)
         return pb.ApplyHintsResponse(
             results=[wire.hint_result(r) for r in results], epoch=self.core.bus.epoch, applied_at_sequence=sequence
         )
@@ -111,11 +124,19 @@ class KvHintServicer:
     async def QueryResidency(self, request: pb.QueryResidencyRequest, context: grpc.aio.ServicerContext) -> pb.QueryResidencyResponse:
         selector = parse_query_selector(request.selector, request.HasField("selector"), self.config)
         tiers = parse_query_tiers(request.tiers)
+        tenant = self._scoped()
+        tenant_guard.check_query_selector(tenant, selector)
         tokens = self.page_tokens()
-        scope = hashlib.sha256(request.selector.SerializeToString(deterministic=True) + bytes(sorted(tiers))).hexdigest()[:16]
+        scope = hashlib.sha256(request.selector.SerializeToString(deterministic=True) + bytes(sorted(tiers))
+                               + (tenant.name.encode() if tenant else b"")).hexdigest()[:16]
         offset = tokens.verify(request.page_token, scope, "o", int, 0) if request.page_token else 0
         size = self._page_size(request.page_size)
-        residency = await self._on_engine(lambda: self.queries.residency(selector, tiers), context)
+        if tenant is not None:
+            tenants = self.tenants
+            residency = await self._on_engine(lambda: tenant_guard.scope_residency(
+                self.core, tenants, tenant, self.queries.residency(selector, tiers)), context)
+        else:
+            residency = await self._on_engine(lambda: self.queries.residency(selector, tiers), context)
         page = residency.blocks[offset : offset + size]
         block_size = self.core.info.block_size
         response = pb.QueryResidencyResponse(
@@ -134,7 +155,10 @@ class KvHintServicer:
         scope = hashlib.sha256(prefix.encode()).hexdigest()[:16]
         after = tokens.verify(request.page_token, scope, "a", str, self.config.max_id_length) if request.page_token else None
         size = self._page_size(request.page_size)
-        page = await self._on_engine(lambda: self.queries.sessions(prefix, after, size), context)
+        listed = tenant_guard.narrow_prefix(self._scoped(), prefix)
+        if listed is None:  # no session of the caller's namespace can match
+            return pb.ListSessionsResponse(as_of_epoch=tokens.epoch, as_of_sequence=self.core.bus.last_sequence)
+        page = await self._on_engine(lambda: self.queries.sessions(listed, after, size), context)
         response = pb.ListSessionsResponse(
             sessions=[wire.session_info(s) for s in page.sessions], as_of_epoch=tokens.epoch, as_of_sequence=page.sequence
         )
@@ -145,14 +169,19 @@ class KvHintServicer:
     async def GetOperation(self, request: pb.GetOperationRequest, context: grpc.aio.ServicerContext) -> pb.GetOperationResponse:
         operation_id = check_request_id(request.operation_id, "operation_id", self.config.max_id_length)
         op = self.core.operations.get(operation_id)
-        if op is None:
+        tenant = self._scoped()
+        if op is None or (tenant is not None and not all(tenant.owns(s) for s in op.sessions)):
             raise not_found(f"no operation {excerpt(operation_id)}", "operation_id")
         return pb.GetOperationResponse(operation=wire.operation(op))
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchEventsResponse | bytes]:
         validate_watch_request(request, self.config)
         assert self.hub is not None
-        async for message in self.hub.stream(request):
+        tenant = self._scoped()
+        scope = tenant_guard.WatchScope(tenant) if tenant is not None else None
+        if scope is not None:
+            scope.check_filter(request.filter.session_ids)
+        async for message in self.hub.stream(request, scope):
             yield message
 
 

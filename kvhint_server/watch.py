@@ -28,6 +28,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvhint.v1 import kvhint_pb2 as pb
 
@@ -39,6 +40,9 @@ from .events import Event, EventBus
 from .model import Tier, parse_enum
 from .queries import BlockView, Queries
 from .snapshot import SnapshotCursor
+
+if TYPE_CHECKING:
+    from .tenant_guard import WatchScope
 
 READ_BATCH = 256
 SNAPSHOT_CHUNK_BLOCKS = 512
@@ -147,7 +151,7 @@ class WatchHub:
     def _control(self, sequence: int, **payload: object) -> pb.WatchEventsResponse:
         return pb.WatchEventsResponse(epoch=self._bus.epoch, sequence=sequence, **payload)  # type: ignore[arg-type]
 
-    async def _snapshot(self, flt: EventFilter) -> AsyncIterator[pb.WatchEventsResponse | bytes | int]:
+    async def _snapshot(self, flt: EventFilter, scope: WatchScope | None = None) -> AsyncIterator[pb.WatchEventsResponse | bytes | int]:
         """SnapshotBegin, then pieces with the events before each, then
         SnapshotEnd; finally the sequence the stream continues after (an int).
         Ends without it after a Resync (the events between pieces were
@@ -173,10 +177,17 @@ class WatchHub:
                     return
                 for ev in events:
                     sent = ev.sequence
-                    if flt.matches(ev):
-                        yield wire.event_bytes(ev, bus.epoch)
+                    if scope is None:
+                        if flt.matches(ev):
+                            yield wire.event_bytes(ev, bus.epoch)
+                    elif flt.matches(ev) and scope.matches(ev):
+                        yield scope.event_bytes(ev, bus.epoch)
             for session_id, views in piece.chunks:
+                if scope is not None and not scope.chunk(session_id):
+                    continue
                 for message in self._chunks(piece.sequence, session_id, views, block_size):
+                    if scope is not None:
+                        scope.block_infos(message.snapshot_chunk.blocks)
                     yield message
         yield self._control(sent, snapshot_end=pb.SnapshotEnd())
         if self.on_snapshot is not None:
@@ -195,9 +206,12 @@ class WatchHub:
             for i in range(0, max(1, len(views)), SNAPSHOT_CHUNK_BLOCKS)
         ]
 
-    async def stream(self, request: pb.WatchEventsRequest) -> AsyncIterator[pb.WatchEventsResponse | bytes]:
+    async def stream(
+        self, request: pb.WatchEventsRequest, scope: WatchScope | None = None
+    ) -> AsyncIterator[pb.WatchEventsResponse | bytes]:
         """Messages for one subscription: control messages, and events already
-        serialized (shared by all subscribers)."""
+        serialized (shared by all subscribers). `scope`: a tenant's view
+        (tenant_guard.WatchScope): only its events, foreign session ids cut."""
         bus = self._bus
         flt = EventFilter.from_wire(request.filter)
         heartbeat = self._config.heartbeat_interval_s
@@ -219,7 +233,7 @@ class WatchHub:
                 return
         elif start == pb.WatchEventsRequest.START_SNAPSHOT:
             cursor = None
-            async for message in self._snapshot(flt):
+            async for message in self._snapshot(flt, scope):
                 if isinstance(message, int):
                     cursor = message
                 else:
@@ -250,9 +264,9 @@ class WatchHub:
                 if events:
                     for ev in events:
                         sub.cursor = ev.sequence
-                        if flt.matches(ev):
+                        if flt.matches(ev) and (scope is None or scope.matches(ev)):
                             sub.sending_since = loop.time()
-                            yield wire.event_bytes(ev, bus.epoch)
+                            yield wire.event_bytes(ev, bus.epoch) if scope is None else scope.event_bytes(ev, bus.epoch)
                             sub.sending_since = None
                             last_sent = loop.time()
                             if sub.overflowed:

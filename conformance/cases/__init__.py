@@ -39,6 +39,9 @@ MODULES = (
 from . import consistency  # noqa: E402  (events and queries agree; owned by its own helper)
 
 MODULES = (*MODULES, consistency)
+from . import tenancy  # noqa: E402  (two tenants' isolation; skips without --tenant-* options)
+
+MODULES = (*MODULES, tenancy)
 
 
 def build_registry() -> Registry:

@@ -1,0 +1,319 @@
+"""Tenant enforcement: what a (non-admin) tenant's hints, queries and event
+subscriptions may see and do. The principal comes from tenancy.py; the trust
+model is docs/tenancy.md.
+
+Rules (a tenant T; "own" = in T's session namespace, tenancy.Tenant.owns):
+  * Hints. A session or continuation selector outside T's namespace is
+    REJECTED / PERMISSION_DENIED with zero effect (the namespace is a property
+    of the id alone, so the answer reveals nothing about other tenants'
+    state); so is a session selector with include_children whose tree
+    reaches another tenant's session. A block-hash selector keeps only T's
+    blocks (a member session of T's, or a retention grant of T's); the
+    others are dropped as if not resident (MISSING when none is left), and
+    its Retain/Pin grants are held under T's own owner key ("b:<T>").
+  * Blocks shared by content. Evict and Demote skip every selected block that
+    another tenant's session is a member of, or that a grant of anyone but T
+    protects: CLIPPED / PERMISSION_DENIED. Release only drops T's own grants
+    and only demotes blocks no other session or grant holds (executor), so
+    it never affects another tenant.
+  * Budgets. A Pin may cover at most `pin_budget_blocks` distinct blocks
+    pinned by T at once; a Retain or Pin at most `retention_budget_blocks`
+    distinct blocks protected by T (pins included). Past a budget the hint
+    is CLIPPED: PIN_BUDGET for pins, RESOURCE_EXHAUSTED for retention; the
+    blocks granted are the selection's first (prefix-first) new blocks.
+  * Hint ids are scoped per tenant: T re-sending another tenant's hint_id is
+    a new hint, never a replay or a conflict.
+  * Queries. QueryResidency with a foreign session/continuation selector and
+    WatchEvents with a foreign session filter are PERMISSION_DENIED
+    (ErrorInfo REASON_PERMISSION_DENIED, the field path); QueryResidency
+    lists only T's blocks; ListSessions only sessions in T's namespace.
+    Session id lists in answers and events (BlockInfo.session_ids, member
+    ids, PinBroken.session_ids, coordinates) are cut to T's sessions.
+  * Events. T's subscription receives an event only when one of the
+    sessions it names is T's; the session-less residency chunk of a snapshot
+    (session "") is left out (T's blocks are in T's session chunks).
+
+Costs: checks that ask "whose block is this" walk the block's member set
+and grant owners until the answer is known (worst case O(members) for a
+prefix shared by many sessions); budget use is computed once per batch that
+has a Retain/Pin, O(retention grants). Everything here except WatchScope
+runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import grpc
+
+from kvhint.v1 import kvhint_pb2 as pb
+
+from . import wire
+from .core import KvHintCore
+from .errors import RpcError, excerpt
+from .events import Event
+from .model import Action, Clip, HintResult, HintSpec, Reason, Selector, SelectorKind, tiers_of
+from .queries import Residency
+from .tenancy import Tenant, Tenants
+
+
+def permission_denied(message: str, field: str) -> RpcError:
+    return RpcError(grpc.StatusCode.PERMISSION_DENIED, Reason.PERMISSION_DENIED, message, field)
+
+
+def selector_field(selector: Selector) -> tuple[str, str]:
+    """(the id a session/continuation selector names, its field path)."""
+    if selector.kind is SelectorKind.SESSION:
+        return selector.session_id, "selector.session.session_id"
+    return selector.continuation_id, "selector.continuation.continuation_id"
+
+
+# ---------------------------------------------------------------- block ownership (engine thread)
+
+
+def _owner_is(tenants: Tenants, owner: str, tenant: Tenant) -> bool:
+    return tenants.tenant_of_owner(owner) is tenant
+
+
+def own_block(core: KvHintCore, tenants: Tenants, tenant: Tenant, h: bytes) -> bool:
+    """A member session of `tenant`'s, or a grant of `tenant`'s, is on `h`."""
+    node = core.index.node(h)
+    if node is not None and any(tenant.owns(s) for s in node.sessions):
+        return True
+    return any(_owner_is(tenants, o, tenant) for o in core.ledger.owners(h))
+
+
+def foreign_block(core: KvHintCore, tenants: Tenants, tenant: Tenant, h: bytes) -> bool:
+    """A session not `tenant`'s is a member of `h`, or a grant not `tenant`'s protects it."""
+    node = core.index.node(h)
+    if node is not None and not all(tenant.owns(s) for s in node.sessions):
+        return True
+    per_block = core.ledger.grants.get(h)
+    if not per_block:
+        return False
+    now = core.monotonic()
+    return any(g.deadline > now and not _owner_is(tenants, o, tenant) for o, g in per_block.items())
+
+
+def budget_use(core: KvHintCore, tenants: Tenants) -> dict[str, tuple[set[bytes], set[bytes]]]:
+    """Tenant name -> (blocks it pins, blocks it protects), unexpired grants only."""
+    now = core.monotonic()
+    out: dict[str, tuple[set[bytes], set[bytes]]] = {
+        t.name: (set(), set()) for t in tenants.tenants if not t.admin
+    }
+    for h, per_block in core.ledger.grants.items():
+        for owner, g in per_block.items():
+            if g.deadline <= now:
+                continue
+            t = tenants.tenant_of_owner(owner)
+            if t is None:
+                continue
+            pinned, protected = out[t.name]
+            protected.add(h)
+            if g.pinned:
+                pinned.add(h)
+    return out
+
+
+def usage_rows(core: KvHintCore, tenants: Tenants) -> list[tuple[str, str, int, int | None]]:
+    """Engine thread: metrics rows (tenant, "pin"|"retention", used, budget)."""
+    use = budget_use(core, tenants)
+    rows: list[tuple[str, str, int, int | None]] = []
+    for t in tenants.tenants:
+        if t.admin:
+            continue
+        pinned, protected = use[t.name]
+        rows.append((t.name, "pin", len(pinned), t.pin_budget_blocks))
+        rows.append((t.name, "retention", len(protected), t.retention_budget_blocks))
+    return rows
+
+
+# ---------------------------------------------------------------- hints
+
+
+class TenantGuard:
+    """The executor's view of one non-admin tenant for one ApplyHints batch
+    (HintExecutor.apply_batch(..., guard=...)). Engine thread."""
+
+    def __init__(self, core: KvHintCore, tenants: Tenants, tenant: Tenant) -> None:
+        self.core = core
+        self.tenants = tenants
+        self.tenant = tenant
+        self._use: tuple[set[bytes], set[bytes]] | None = None
+
+    def id_key(self, hint_id: str) -> str:
+        """The idempotency key of a hint id (scoped to the tenant)."""
+        return f"{self.tenant.name}\x00{hint_id}"
+
+    def admit(self, spec: HintSpec) -> HintSpec | HintResult:
+        """The spec to apply (block hashes narrowed to the tenant's), or a
+        REJECTED/PERMISSION_DENIED result with zero effect."""
+        sel = spec.selector
+        tenant = self.tenant
+        if sel.kind is SelectorKind.BLOCK_HASHES:
+            mine = tuple(h for h in sel.block_hashes if own_block(self.core, self.tenants, tenant, h))
+            return dataclasses.replace(spec, selector=dataclasses.replace(sel, block_hashes=mine, owner_scope=tenant.name))
+        ident, field = selector_field(sel)
+        if not tenant.owns(ident):
+            return HintResult.rejected(
+                spec.hint_id, Reason.PERMISSION_DENIED,
+                f"{field} {excerpt(ident)} is outside tenant {tenant.name!r}'s namespace {tenant.session_prefix!r}",
+            )
+        if sel.kind is SelectorKind.SESSION and sel.include_children:
+            foreign = [s for s in self.core.index.session_tree(sel.session_id, True) if not tenant.owns(s)]
+            if foreign:
+                return HintResult.rejected(
+                    spec.hint_id, Reason.PERMISSION_DENIED,
+                    f"include_children reaches {len(foreign)} sessions outside tenant {tenant.name!r}'s namespace",
+                )
+        return spec
+
+    def clip_shared(self, spec: HintSpec, hashes: list[bytes], clips: list[Clip]) -> list[bytes]:
+        """Evict/Demote: drop blocks another tenant shares or protects (CLIPPED)."""
+        keep = [h for h in hashes if not foreign_block(self.core, self.tenants, self.tenant, h)]
+        if len(keep) < len(hashes):
+            clips.append(
+                Clip(
+                    Reason.PERMISSION_DENIED,
+                    f"{len(hashes) - len(keep)} blocks are shared with or protected by another tenant",
+                    requested_blocks=len(hashes),
+                    granted_blocks=len(keep),
+                )
+            )
+        return keep
+
+    def clip_budget(self, spec: HintSpec, hashes: list[bytes], clips: list[Clip]) -> list[bytes]:
+        """Retain/Pin: hold the tenant to its pin and retention budgets."""
+        tenant = self.tenant
+        if tenant.pin_budget_blocks is None and tenant.retention_budget_blocks is None:
+            return hashes
+        if self._use is None:
+            self.core.expire_retention()
+            self._use = budget_use(self.core, self.tenants)[tenant.name]
+        pinned, protected = self._use
+        requested = len(hashes)
+        if spec.action is Action.PIN and tenant.pin_budget_blocks is not None:
+            hashes = self._within(hashes, pinned, tenant.pin_budget_blocks)
+            if len(hashes) < requested:
+                clips.append(Clip(Reason.PIN_BUDGET,
+                                  f"tenant {tenant.name!r} pin budget of {tenant.pin_budget_blocks} blocks: "
+                                  f"pinned {len(hashes)} of {requested}",
+                                  requested_blocks=requested, granted_blocks=len(hashes)))
+        if tenant.retention_budget_blocks is not None:
+            before = len(hashes)
+            hashes = self._within(hashes, protected, tenant.retention_budget_blocks)
+            if len(hashes) < before:
+                clips.append(Clip(Reason.RESOURCE_EXHAUSTED,
+                                  f"tenant {tenant.name!r} retention budget of {tenant.retention_budget_blocks} blocks: "
+                                  f"protected {len(hashes)} of {requested}",
+                                  requested_blocks=requested, granted_blocks=len(hashes)))
+        protected.update(hashes)
+        if spec.action is Action.PIN:
+            pinned.update(hashes)
+        return hashes
+
+    @staticmethod
+    def _within(hashes: list[bytes], held: set[bytes], budget: int) -> list[bytes]:
+        headroom = max(0, budget - len(held))
+        new = [h for h in hashes if h not in held]
+        if len(new) <= headroom:
+            return hashes
+        allowed = set(new[:headroom])
+        return [h for h in hashes if h in held or h in allowed]
+
+
+# ---------------------------------------------------------------- queries
+
+
+def check_query_selector(tenant: Tenant | None, selector: Selector) -> None:
+    """PERMISSION_DENIED for a foreign session/continuation selector (any thread)."""
+    if tenant is None or tenant.admin or selector.kind is SelectorKind.BLOCK_HASHES:
+        return
+    ident, field = selector_field(selector)
+    if not tenant.owns(ident):
+        raise permission_denied(
+            f"{excerpt(ident)} is outside tenant {tenant.name!r}'s namespace {tenant.session_prefix!r}", field
+        )
+
+
+def scope_residency(core: KvHintCore, tenants: Tenants, tenant: Tenant, residency: Residency) -> Residency:
+    """Engine thread: only the tenant's blocks, with only its session ids."""
+    views = []
+    totals: dict = {}
+    for v in residency.blocks:
+        if not own_block(core, tenants, tenant, v.block_hash):
+            continue
+        views.append(dataclasses.replace(v, sessions=tuple(s for s in v.sessions if tenant.owns(s))))
+    wanted = 0
+    for t in residency.totals:
+        wanted |= t.bit
+    for v in views:
+        for t in tiers_of(v.tiers):
+            if t.bit & wanted:
+                totals[t] = totals.get(t, 0) + 1
+    return Residency(views, totals, residency.sequence)
+
+
+def narrow_prefix(tenant: Tenant | None, prefix: str) -> str | None:
+    """ListSessions: the prefix to list under (None: nothing of the tenant's matches)."""
+    if tenant is None or tenant.admin or prefix.startswith(tenant.session_prefix):
+        return prefix
+    if tenant.session_prefix.startswith(prefix):
+        return tenant.session_prefix
+    return None
+
+
+# ---------------------------------------------------------------- events (the server's loop)
+
+
+class WatchScope:
+    """One tenant's view of the event stream."""
+
+    def __init__(self, tenant: Tenant) -> None:
+        self.tenant = tenant
+
+    def check_filter(self, session_ids: Iterable[str]) -> None:
+        for i, s in enumerate(session_ids):
+            if not self.tenant.owns(s):
+                raise permission_denied(
+                    f"{excerpt(s)} is outside tenant {self.tenant.name!r}'s namespace", f"filter.session_ids[{i}]"
+                )
+
+    def matches(self, ev: Event) -> bool:
+        return any(self.tenant.owns(s) for s in ev.sessions)
+
+    def chunk(self, session_id: str) -> bool:
+        return bool(session_id) and self.tenant.owns(session_id)
+
+    def event_bytes(self, ev: Event, epoch: str) -> bytes:
+        """The event as this tenant may see it: foreign session ids cut out."""
+        shared = wire.event_bytes(ev, epoch)
+        owns = self.tenant.owns
+        coords = getattr(ev.payload, "coordinates", None)
+        if all(owns(s) for s in ev.sessions) and (coords is None or not coords.continuation_id or owns(coords.continuation_id)):
+            return shared
+        msg = pb.WatchEventsResponse.FromString(shared)
+        which = msg.WhichOneof("payload")
+        body = getattr(msg, which) if which else None
+        if body is not None and body.DESCRIPTOR.fields_by_name.get("coordinates") is not None:
+            c = body.coordinates
+            if c.session_id and not owns(c.session_id):
+                c.session_id = ""
+            if c.continuation_id and not owns(c.continuation_id):
+                c.continuation_id = ""
+            _cut(c.member_session_ids, owns)
+        if which == "pin_broken":
+            _cut(msg.pin_broken.session_ids, owns)
+        return msg.SerializeToString()
+
+    def block_infos(self, blocks: Sequence[pb.BlockInfo]) -> None:
+        for b in blocks:
+            _cut(b.session_ids, self.tenant.owns)
+
+
+def _cut(ids, owns) -> None:  # type: ignore[no-untyped-def]
+    keep = [s for s in ids if owns(s)]
+    if len(keep) != len(ids):
+        del ids[:]
+        ids.extend(keep)

@@ -1,0 +1,430 @@
+"""Tenancy over real gRPC on loopback with the fake engine: two tenants and an
+admin (kvhint_server/tenancy.py, kvhint_server/tenant_guard.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_server.config import ConfigError, ServerConfig
+from kvhint_server.metrics import KvHintMetrics, MetricsExporter
+
+from kvhint_unit_support import Harness, error_info, h, local_engine_info, pin, retain, session_sel
+
+TENANTS = {
+    "tenants": [
+        {"name": "team-a", "session_prefix": "a/", "tokens": ["tok-a"], "pin_budget_blocks": 6, "retention_budget_blocks": 8},
+        {"name": "team-b", "session_prefix": "b/", "tokens": ["tok-b", "tok-b2"], "pin_budget_blocks": 2,
+         "retention_budget_blocks": 3},
+        {"name": "ops", "role": "admin", "tokens": ["tok-admin"]},
+    ]
+}
+A, B, ADMIN = (("authorization", "Bearer tok-a"),), (("authorization", "Bearer tok-b2"),), (("authorization", "Bearer tok-admin"),)
+
+
+def write(tmp: Path, doc: object) -> str:
+    path = tmp / "tenants.json"
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(path)
+
+
+@pytest.fixture
+def hx(tmp_path: Path) -> Iterator[Harness]:
+    harness = Harness(local_engine_info(num_device_blocks=64), tenants_file=write(tmp_path, TENANTS))
+    try:
+        yield harness
+    finally:
+        harness.close()
+
+
+def apply(hx: Harness, who, *hints: pb.Hint) -> list[pb.HintResult]:
+    return list(hx.stub.ApplyHints(pb.ApplyHintsRequest(hints=list(hints)), metadata=who, timeout=10).results)
+
+
+def evict(sel: pb.Selector, hint_id: str = "") -> pb.Hint:
+    return pb.Hint(hint_id=hint_id, selector=sel, evict=pb.EvictAction())
+
+
+def release(sel: pb.Selector) -> pb.Hint:
+    return pb.Hint(selector=sel, release=pb.ReleaseAction())
+
+
+def hashes_sel(*hs: bytes) -> pb.Selector:
+    return pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=list(hs)))
+
+
+def device_of(hx: Harness, who, sel: pb.Selector) -> list[pb.BlockInfo]:
+    r = hx.stub.QueryResidency(pb.QueryResidencyRequest(selector=sel), metadata=who, timeout=10)
+    return [b for b in r.blocks if pb.TIER_DEVICE in b.tiers]
+
+
+def sessions(hx: Harness, who, prefix: str = "") -> list[str]:
+    r = hx.stub.ListSessions(pb.ListSessionsRequest(session_id_prefix=prefix), metadata=who, timeout=10)
+    return [s.session_id for s in r.sessions]
+
+
+def grants_of(hx: Harness, prefix: str) -> dict[bytes, dict[str, object]]:
+    """Every retention grant held for sessions/continuations in `prefix` (engine thread)."""
+    def read() -> dict[bytes, dict[str, object]]:
+        return {
+            blk: {o: g for o, g in per.items() if o[2:].startswith(prefix)}
+            for blk, per in hx.core.ledger.grants.items()
+            if any(o[2:].startswith(prefix) for o in per)
+        }
+    return hx.engine.run(read)
+
+
+def outcome(r: pb.HintResult) -> tuple[str, str]:
+    return pb.Outcome.Name(r.outcome), pb.Reason.Name(r.reason)
+
+
+# ---------------------------------------------------------------- authentication
+
+
+def test_unknown_or_missing_token_is_unauthenticated_and_health_stays_open(hx: Harness) -> None:
+    for md in ((("authorization", "Bearer nope"),), ()):
+        with pytest.raises(grpc.RpcError) as err:
+            hx.stub.ListSessions(pb.ListSessionsRequest(), metadata=md, timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    reply = health_pb2_grpc.HealthStub(hx.channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert sessions(hx, B) == []  # the second token of team-b works
+
+
+# ---------------------------------------------------------------- cross-tenant hints
+
+
+def test_team_b_cannot_evict_or_release_team_a_pinned_session(hx: Harness) -> None:
+    blocks = [h(i) for i in range(1, 5)]
+    hx.engine.store(blocks, session="a/s1")
+    assert outcome(apply(hx, A, pin("a/s1", 60))[0]) == ("OUTCOME_ACCEPTED", "REASON_UNSPECIFIED")
+    before = grants_of(hx, "a/")
+    for hint in (evict(session_sel("a/s1")), release(session_sel("a/s1")), retain("a/s1", 5), pin("a/s1", 5),
+                 evict(pb.Selector(continuation=pb.ContinuationSelector(continuation_id="a/c")))):
+        result = apply(hx, B, hint)[0]
+        assert outcome(result) == ("OUTCOME_REJECTED", "REASON_PERMISSION_DENIED"), result
+        assert "team-b" in result.message
+    # Explicit hashes of A's blocks select nothing for B.
+    for hint in (evict(hashes_sel(*blocks)), release(hashes_sel(*blocks))):
+        assert outcome(apply(hx, B, hint)[0]) == ("OUTCOME_MISSING", "REASON_NOT_RESIDENT")
+    assert all(x in hx.engine.device for x in blocks)
+    assert grants_of(hx, "a/") == before
+    assert sessions(hx, A) == ["a/s1"]
+    assert len(device_of(hx, A, session_sel("a/s1"))) == 4
+
+
+def test_shared_content_is_clipped_not_evicted(hx: Harness) -> None:
+    shared = [h(1), h(2), h(3)]
+    hx.engine.store(shared, session="a/x")
+    hx.engine.store(shared, session="b/y", prefix_hit=True)
+    hx.engine.store([h(10)], session="b/y", first_position=3, parent=h(3))
+    result = apply(hx, B, evict(session_sel("b/y")))[0]
+    assert outcome(result) == ("OUTCOME_CLIPPED", "REASON_PERMISSION_DENIED"), result
+    assert [(c.requested_blocks, c.granted_blocks) for c in result.clips if c.reason == pb.REASON_PERMISSION_DENIED] == [(4, 1)]
+    assert h(10) not in hx.engine.device and all(x in hx.engine.device for x in shared)
+    # Demote-like effects of Release: B's release of its session leaves A's shared blocks where they are.
+    assert outcome(apply(hx, B, release(session_sel("b/y")))[0])[0] in ("OUTCOME_ACCEPTED", "OUTCOME_MISSING")
+    assert all(x in hx.engine.device for x in shared) and not set(shared) & set(hx.engine.demoted_first)
+    # A, owning every member, may evict them.
+    assert outcome(apply(hx, A, evict(session_sel("a/x")))[0]) == ("OUTCOME_ACCEPTED", "REASON_UNSPECIFIED")
+
+
+def test_a_block_another_tenant_retains_is_not_evicted(hx: Harness) -> None:
+    hx.engine.store([h(1), h(2)], session="a/x")
+    assert outcome(apply(hx, A, retain("a/x", 60))[0])[0] == "OUTCOME_ACCEPTED"
+    hx.engine.run(lambda: hx.core.index.forget_session("a/x"))  # no membership left, only A's grant
+    hx.engine.store([h(1), h(2)], session="b/y", prefix_hit=True)
+    result = apply(hx, B, evict(session_sel("b/y")))[0]
+    assert outcome(result) == ("OUTCOME_CLIPPED", "REASON_PERMISSION_DENIED")
+    assert h(1) in hx.engine.device and h(2) in hx.engine.device
+
+
+def test_hint_ids_are_scoped_per_tenant(hx: Harness) -> None:
+    hx.engine.store([h(1)], session="a/x")
+    hx.engine.store([h(2)], session="b/y")
+    first = apply(hx, A, retain("a/x", 30, hint_id="same"))[0]
+    other = apply(hx, B, retain("b/y", 60, hint_id="same"))[0]
+    assert not other.replayed and outcome(other) == ("OUTCOME_ACCEPTED", "REASON_UNSPECIFIED")
+    again = apply(hx, A, retain("a/x", 30, hint_id="same"))[0]
+    assert again.replayed and outcome(again) == outcome(first)
+
+
+# ---------------------------------------------------------------- queries and events
+
+
+def test_lists_and_queries_see_only_own_sessions(hx: Harness) -> None:
+    hx.engine.store([h(1), h(2)], session="a/x")
+    hx.engine.store([h(1), h(2)], session="b/y", prefix_hit=True)
+    hx.engine.store([h(3)], session="b/z")
+    assert sessions(hx, B) == ["b/y", "b/z"]
+    assert sessions(hx, B, "a/") == [] and sessions(hx, B, "b/z") == ["b/z"]
+    assert sessions(hx, A) == ["a/x"]
+    assert sessions(hx, ADMIN) == ["a/x", "b/y", "b/z"]
+    with pytest.raises(grpc.RpcError) as err:
+        device_of(hx, B, session_sel("a/x"))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    info = error_info(err.value)
+    assert info is not None and info.reason == "REASON_PERMISSION_DENIED"
+    assert info.metadata["field"] == "selector.session.session_id"
+    shared = device_of(hx, B, hashes_sel(h(1), h(2), h(3)))
+    assert [b.block_hash for b in shared] == [h(1), h(2), h(3)]
+    assert all(set(b.session_ids) <= {"b/y", "b/z"} and b.session_ids for b in shared)
+    assert {s for b in device_of(hx, ADMIN, hashes_sel(h(1))) for s in b.session_ids} == {"a/x", "b/y"}
+    # A's exclusive block is invisible to B even by hash.
+    hx.engine.store([h(9)], session="a/only")
+    assert device_of(hx, B, hashes_sel(h(9))) == []
+
+
+def _watch(hx: Harness, who, into: list[pb.WatchEventsResponse], stop: threading.Event, **req) -> threading.Thread:
+    call = hx.stub.WatchEvents(pb.WatchEventsRequest(**req), metadata=who, timeout=20)
+
+    def run() -> None:
+        try:
+            for msg in call:
+                into.append(msg)
+                if stop.is_set():
+                    break
+        except grpc.RpcError:
+            pass
+        finally:
+            call.cancel()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_watch_events_carry_only_own_sessions(hx: Harness) -> None:
+    hx.engine.store([h(1)], session="a/old")
+    got_b: list[pb.WatchEventsResponse] = []
+    got_admin: list[pb.WatchEventsResponse] = []
+    stop = threading.Event()
+    tb = _watch(hx, B, got_b, stop, start=pb.WatchEventsRequest.START_SNAPSHOT)
+    ta = _watch(hx, ADMIN, got_admin, stop, start=pb.WatchEventsRequest.START_NOW)
+    hx.wait_subscribers(2)
+    hx.engine.store([h(2), h(3)], session="a/x")
+    hx.engine.store([h(2), h(3)], session="b/y", prefix_hit=True)
+    hx.engine.store([h(4)], session="a/z")
+    apply(hx, A, evict(session_sel("a/z")))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and sum(m.HasField("blocks_removed") for m in got_admin) < 1:
+        time.sleep(0.02)
+    time.sleep(0.2)
+    stop.set()
+    hx.engine.store([h(5)], session="b/end")  # wakes both streams so they see `stop`
+    tb.join(5)
+    ta.join(5)
+    text_b = b"".join(m.SerializeToString() for m in got_b)
+    assert b"a/" not in text_b, [m for m in got_b if b"a/" in m.SerializeToString()]
+    stored_b = [m.blocks_stored for m in got_b if m.HasField("blocks_stored")]
+    assert any(s.coordinates.session_id == "b/y" for s in stored_b)
+    assert not any(m.HasField("blocks_removed") for m in got_b)  # only A's block went
+    assert b"a/x" in b"".join(m.SerializeToString() for m in got_admin)
+    assert any(m.HasField("snapshot_end") for m in got_b)
+    with pytest.raises(grpc.RpcError) as err:
+        next(iter(hx.stub.WatchEvents(pb.WatchEventsRequest(filter=pb.EventFilter(session_ids=["b/y", "a/x"])),
+                                      metadata=B, timeout=5)))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert error_info(err.value).metadata["field"] == "filter.session_ids[1]"
+
+
+# ---------------------------------------------------------------- budgets and metrics
+
+
+def test_pin_and_retention_budgets_clip(hx: Harness) -> None:
+    hx.engine.store([h(i) for i in range(1, 6)], session="b/big")
+    result = apply(hx, B, pin("b/big", 60))[0]
+    assert outcome(result) == ("OUTCOME_CLIPPED", "REASON_PIN_BUDGET")
+    assert [(c.requested_blocks, c.granted_blocks) for c in result.clips] == [(5, 2)]
+    result = apply(hx, B, retain("b/big", 60))[0]  # 2 pinned + 1 more fits the retention budget of 3
+    assert outcome(result) == ("OUTCOME_CLIPPED", "REASON_RESOURCE_EXHAUSTED")
+    assert [(c.requested_blocks, c.granted_blocks) for c in result.clips] == [(5, 3)]
+    assert len(grants_of(hx, "b/")) == 3
+    # Budgets are per tenant: A is not affected by B's use.
+    hx.engine.store([h(i) for i in range(20, 26)], session="a/big")
+    assert outcome(apply(hx, A, pin("a/big", 60))[0]) == ("OUTCOME_ACCEPTED", "REASON_UNSPECIFIED")
+    # Metrics: per-tenant use, labelled by tenant name (never a session id).
+    registry = CollectorRegistry()
+    metrics = KvHintMetrics(registry)
+    MetricsExporter(hx.core, metrics, tenant_usage=hx.server._tenant_usage).poll()
+    value = registry.get_sample_value
+    # The Retain replaced the session's own two pins (one grant per owner and block).
+    assert value("kvhint_tenant_budget_used_blocks", {"tenant": "team-b", "budget": "pin"}) == 0
+    assert value("kvhint_tenant_budget_used_blocks", {"tenant": "team-b", "budget": "retention"}) == 3
+    assert value("kvhint_tenant_budget_used_blocks", {"tenant": "team-a", "budget": "pin"}) == 6
+    assert value("kvhint_tenant_budget_blocks", {"tenant": "team-b", "budget": "retention"}) == 3
+    assert "b/big" not in str([s for m in registry.collect() for s in m.samples])
+
+
+def test_admin_sees_and_may_do_everything(hx: Harness) -> None:
+    hx.engine.store([h(1), h(2)], session="a/x")
+    hx.engine.store([h(1), h(2)], session="b/y", prefix_hit=True)
+    assert len(device_of(hx, ADMIN, session_sel("a/x"))) == 2
+    result = apply(hx, ADMIN, evict(session_sel("b/y")))[0]
+    assert outcome(result) == ("OUTCOME_ACCEPTED", "REASON_UNSPECIFIED")
+    assert h(1) not in hx.engine.device
+
+
+# ---------------------------------------------------------------- randomized isolation
+
+
+_ACTIONS = st.sampled_from(["retain", "pin", "release", "evict"])
+_B_SELECTORS = st.one_of(
+    st.sampled_from(["b/y", "b/z", "b/none", "a/x", "a/only", "other"]).map(session_sel),
+    st.lists(st.integers(1, 12), min_size=1, max_size=6).map(lambda xs: hashes_sel(*[h(i) for i in xs])),
+    st.sampled_from(["a/c", "b/c"]).map(lambda c: pb.Selector(continuation=pb.ContinuationSelector(continuation_id=c))),
+)
+
+
+def _hint(action: str, sel: pb.Selector) -> pb.Hint:
+    from google.protobuf import duration_pb2
+
+    ttl = duration_pb2.Duration(seconds=60)
+    body = {"retain": {"retain": pb.RetainAction(ttl=ttl)}, "pin": {"pin": pb.PinAction(ttl=ttl)},
+            "release": {"release": pb.ReleaseAction()}, "evict": {"evict": pb.EvictAction()}}[action]
+    return pb.Hint(selector=sel, **body)
+
+
+def test_random_batches_of_team_b_never_change_team_a(tmp_path: Path) -> None:
+    hx = Harness(local_engine_info(num_device_blocks=64), tenants_file=write(tmp_path, TENANTS))
+    try:
+        hx.engine.store([h(1), h(2), h(3), h(4)], session="a/x", continuation="a/c")
+        hx.engine.store([h(11), h(12)], session="a/only")
+        apply(hx, A, pin("a/x", 600), retain("a/only", 600))
+
+        def a_state() -> tuple[object, ...]:
+            def read() -> tuple[object, ...]:
+                index = hx.core.index
+                return (
+                    {s: sorted(index.sessions[s].blocks) for s in index.sessions if s.startswith("a/")},
+                    sorted(x for x in (h(i) for i in (1, 2, 3, 4, 11, 12)) if x in hx.engine.device),
+                )
+            return (hx.engine.run(read), grants_of(hx, "a/"))
+
+        before = a_state()
+
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(st.lists(st.tuples(_ACTIONS, _B_SELECTORS), min_size=1, max_size=6), st.booleans())
+        def check(batch: list[tuple[str, pb.Selector]], restock: bool) -> None:
+            if restock:  # B keeps sessions that share A's prefix and its own blocks
+                hx.engine.store([h(1), h(2)], session="b/y", prefix_hit=True)
+                hx.engine.store([h(5), h(6)], session="b/z", continuation="b/c")
+            results = apply(hx, B, *[_hint(a, s) for a, s in batch])
+            for (action, sel), r in zip(batch, results):
+                if sel.WhichOneof("target") != "block_hashes":
+                    ident = sel.session.session_id or sel.continuation.continuation_id
+                    if not ident.startswith("b/"):
+                        assert outcome(r) == ("OUTCOME_REJECTED", "REASON_PERMISSION_DENIED")
+            assert a_state() == before
+
+        check()
+    finally:
+        hx.close()
+
+
+# ---------------------------------------------------------------- the tenants file
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ("{not json", "line 1"),
+        ({"tenants": []}, "tenants:"),
+        ({"tenant": []}, "top level"),
+        ({"tenants": [{"name": "x", "tokens": ["t"]}]}, "tenants[0].session_prefix"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/"}]}, "tenants[0].tokens"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["has space"]}]}, "tenants[0].tokens[0]"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["t"], "role": "root"}]}, "tenants[0].role"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["t"], "pin_budget_blocks": -1}]},
+         "tenants[0].pin_budget_blocks"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["t"], "retention_budget": 5}]},
+         "tenants[0].retention_budget"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["t"]},
+                      {"name": "y", "session_prefix": "x/y", "tokens": ["u"]}]}, "tenants[1].session_prefix"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["t"]},
+                      {"name": "y", "session_prefix": "y/", "tokens": ["t"]}]}, "tenants[1].tokens[0]"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["t"]},
+                      {"name": "x", "session_prefix": "y/", "tokens": ["u"]}]}, "tenants[1].name"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/", "client_identities": ["cn"]}]}, "KVHINT_TLS_CLIENT_CA_FILE"),
+    ],
+)
+def test_a_bad_tenants_file_fails_fast_naming_the_field(tmp_path: Path, doc: object, field: str) -> None:
+    path = write(tmp_path, doc)
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        ServerConfig.from_env({"KVHINT_TENANTS_FILE": path})
+    assert "KVHINT_TENANTS_FILE" in str(err.value) and field in str(err.value), str(err.value)
+    assert "has space" not in str(err.value)  # a token is never echoed
+    assert time.monotonic() - started < 1
+
+
+def test_a_missing_tenants_file_fails_naming_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="KVHINT_TENANTS_FILE=.*cannot read"):
+        ServerConfig.from_env({"KVHINT_TENANTS_FILE": str(tmp_path / "absent.json")})
+
+
+def test_a_tenants_file_counts_as_authentication_for_remote_addresses(tmp_path: Path) -> None:
+    config = ServerConfig.from_env({"KVHINT_TENANTS_FILE": write(tmp_path, TENANTS), "KVHINT_GRPC_ADDRESS": "0.0.0.0:0"})
+    assert config.tenants is not None and [t.name for t in config.tenants.tenants] == ["team-a", "team-b", "ops"]
+    assert "tok-a" not in repr(config.tenants.tenants)
+
+
+def test_the_auth_token_is_an_admin_token_next_to_tenants(tmp_path: Path) -> None:
+    hx = Harness(local_engine_info(), tenants_file=write(tmp_path, TENANTS), auth_token="tok-root")
+    try:
+        hx.engine.store([h(1)], session="a/x")
+        hx.engine.store([h(2)], session="b/y")
+        assert sessions(hx, (("authorization", "Bearer tok-root"),)) == ["a/x", "b/y"]
+    finally:
+        hx.close()
+
+
+# ---------------------------------------------------------------- mTLS client identity
+
+
+def _openssl(tmp: Path, *args: str) -> None:
+    import subprocess
+
+    subprocess.run(["openssl", *args], cwd=tmp, check=True, capture_output=True, timeout=60)
+
+
+@pytest.mark.skipif(__import__("shutil").which("openssl") is None, reason="needs the openssl CLI to make certificates")
+def test_an_mtls_client_certificate_identifies_its_tenant(tmp_path: Path) -> None:
+    _openssl(tmp_path, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+             "-days", "1", "-subj", "/CN=kvhint-test-ca")
+    for name, subj, ext in (("server", "/CN=localhost", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+                            ("client", "/CN=client-a", "extendedKeyUsage=clientAuth")):
+        _openssl(tmp_path, "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subj)
+        (tmp_path / f"{name}.ext").write_text(ext + "\n")
+        _openssl(tmp_path, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext")
+    doc = {"tenants": [{**TENANTS["tenants"][0], "client_identities": ["client-a"]}, *TENANTS["tenants"][1:]]}
+    hx = Harness(local_engine_info(), tenants_file=write(tmp_path, doc), tls_cert_file=str(tmp_path / "server.pem"),
+                 tls_key_file=str(tmp_path / "server.key"), tls_client_ca_file=str(tmp_path / "ca.pem"))
+    try:
+        hx.engine.store([h(1)], session="a/x")
+        hx.engine.store([h(2)], session="b/y")
+        read = lambda name: (tmp_path / name).read_bytes()  # noqa: E731
+        creds = grpc.ssl_channel_credentials(read("ca.pem"), read("client.key"), read("client.pem"))
+        with grpc.secure_channel(f"127.0.0.1:{hx.port}", creds) as channel:
+            from kvhint.v1 import kvhint_pb2_grpc
+
+            stub = kvhint_pb2_grpc.KvHintServiceStub(channel)
+            listed = stub.ListSessions(pb.ListSessionsRequest(), timeout=10)  # no token: the certificate says team-a
+            assert [s.session_id for s in listed.sessions] == ["a/x"]
+            listed = stub.ListSessions(pb.ListSessionsRequest(), metadata=ADMIN, timeout=10)  # a token wins
+            assert [s.session_id for s in listed.sessions] == ["a/x", "b/y"]
+    finally:
+        hx.close()
