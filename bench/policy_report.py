@@ -144,12 +144,12 @@ def sweep(traces: dict[tuple[str, int], tuple[Trace, BlockTrace]], command: str)
     presets = ("default", "heldout", "coding", "research")
     out = [f"# Library policy choices in the simulator\n\nCommand: `{command}`.\n",
            "## Ranking: mean share of Belady's savings over LRU (device only)\n",
-           "`index`: `PauseModel.reuse_index` (the default); `quantile q`: the conditional q-quantile of "
+           "`index`: `PauseModel.reuse_index`; `quantile q`: the conditional q-quantile of "
            "the remaining pause; `min_samples` is the observations a key needs before it is used.\n",
            "| ranking | " + " | ".join(presets) + " | all |", "|---|" + "---|" * (len(presets) + 1)]
-    variants = [("index (default), min_samples 1", {})] + [
-        (f"index, min_samples {m}", {"min_samples": m}) for m in (3,)] + [
-        (f"quantile {q}, min_samples {m}", {"ranking": "quantile", "quantile": q, "min_samples": m})
+    variants = [(f"index, min_samples {m}", {"ranking": "index", "min_samples": m}) for m in (1, 3)] + [
+        (f"quantile {q}, min_samples {m}" + (" (default)" if (q, m) == (0.7, 1) else ""),
+         {"ranking": "quantile", "quantile": q, "min_samples": m})
         for q in (0.5, 0.6, 0.7, 0.8) for m in (1, 3)]
     for label, kw in variants:
         shares: dict[str, list[float]] = {}

@@ -173,8 +173,9 @@ def test_reuse_index_is_bounded_by_the_remaining_durations(sample: list[float], 
         assert index <= max(remaining) + model.prior.quantile(1 - 0.5 / model.prior_points)
 
 
-def test_sessions_on_faster_tools_are_expected_back_sooner() -> None:
-    policy, sink = make()
+@pytest.mark.parametrize("ranking", ["quantile", "index"])
+def test_sessions_on_faster_tools_are_expected_back_sooner(ranking: str) -> None:
+    policy, sink = make(PolicyConfig(ranking=ranking))
     t = train(policy, sink, "grep", [0.4, 0.5, 0.6, 0.5, 0.45], "a", 0.0)
     t = train(policy, sink, "run_tests", [20, 25, 30, 22, 28], "b", t)
     policy.observe(ToolCallStarted("b", tools=("run_tests",), t=t))
@@ -191,8 +192,8 @@ def test_sessions_on_faster_tools_are_expected_back_sooner() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["t1", "t2", "t3"]), st.floats(0.1, 60)), min_size=3, max_size=40))
-def test_ranking_follows_the_learned_estimates(history: list[tuple[str, float]]) -> None:
-    policy, sink = make(PolicyConfig(min_samples=1))
+def test_index_ranking_follows_the_learned_estimates(history: list[tuple[str, float]]) -> None:
+    policy, sink = make(PolicyConfig(ranking="index"))
     t = 0.0
     for tool, d in history:
         t = train(policy, sink, tool, [d], "trainer", t)
@@ -226,8 +227,9 @@ def test_unknown_ranking_is_refused() -> None:
         SessionPolicy(PolicyConfig(ranking="median"))
 
 
-def test_passed_expectation_is_refreshed_with_a_later_one() -> None:
-    policy, sink = make()
+@pytest.mark.parametrize("ranking", ["quantile", "index"])
+def test_passed_expectation_is_refreshed_with_a_later_one(ranking: str) -> None:
+    policy, sink = make(PolicyConfig(ranking=ranking))
     t = train(policy, sink, "flaky", [1.0] * 9 + [30.0] * 1, "a", 0.0)
     policy.observe(ToolCallStarted("a", tools=("flaky",), t=t))
     policy.flush(sink, t)
