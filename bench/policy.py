@@ -70,10 +70,11 @@ class ClairvoyantSessionPolicy(SessionPolicy):
         super().__init__(config, **kw)
         self._starts = starts
 
-    def residual(self, s: Any, now: float) -> float:
+    def forecast(self, s: Any, now: float) -> tuple[float, float]:
         times = self._starts.get(s.sid, ())
         j = bisect.bisect_right(times, now)
-        return times[j] - now if j < len(times) else 10 * self.max_ttl_s  # never again
+        r = times[j] - now if j < len(times) else 10 * self.max_ttl_s  # never again
+        return r, r
 
 
 class LibraryPolicy:

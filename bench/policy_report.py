@@ -9,7 +9,8 @@ with `kvhint_client.policy` (and the reference policy's tier variant for compari
 ``results.json`` (every simulator result) and ``results.md`` (the tables and the issue's goals,
 checked on the committed default and heldout traces and on every preset and seed).
 
-``--sweep`` also writes ``sweep.md``: the library policy's choices tried (prediction quantile;
+``--sweep`` also writes ``sweep.md``: the library policy's choices tried (ranking: reuse index or
+prediction quantile, and min_samples;
 Demote threshold on the tier runs) over the same traces, and where the committed default trace's
 recomputed tokens come from (by the cause of each resumed request).
 """
@@ -142,15 +143,23 @@ def sweep(traces: dict[tuple[str, int], tuple[Trace, BlockTrace]], command: str)
     refs = {k: (simulate_lru(bt).recomputed_tokens, simulate_belady(bt).recomputed_tokens) for k, (_, bt) in traces.items()}
     presets = ("default", "heldout", "coding", "research")
     out = [f"# Library policy choices in the simulator\n\nCommand: `{command}`.\n",
-           "## Prediction quantile: mean share of Belady's savings over LRU (device only)\n",
-           "| quantile | " + " | ".join(presets) + " |", "|---|" + "---|" * len(presets)]
-    for q in (0.5, 0.6, 0.7, 0.8):
+           "## Ranking: mean share of Belady's savings over LRU (device only)\n",
+           "`index`: `PauseModel.reuse_index`; `quantile q`: the conditional q-quantile of "
+           "the remaining pause; `min_samples` is the observations a key needs before it is used.\n",
+           "| ranking | " + " | ".join(presets) + " | all |", "|---|" + "---|" * (len(presets) + 1)]
+    variants = [(f"index, min_samples {m}", {"ranking": "index", "min_samples": m}) for m in (1, 3)] + [
+        (f"quantile {q}, min_samples {m}" + (" (default)" if (q, m) == (0.7, 1) else ""),
+         {"ranking": "quantile", "quantile": q, "min_samples": m})
+        for q in (0.5, 0.6, 0.7, 0.8) for m in (1, 3)]
+    for label, kw in variants:
         shares: dict[str, list[float]] = {}
         for key, (_, bt) in traces.items():
             lru, bel = refs[key]
-            r = simulate_library(bt, replace(bt.library_config, quantile=q)).recomputed_tokens
+            r = simulate_library(bt, replace(bt.library_config, **kw)).recomputed_tokens
             shares.setdefault(key[0], []).append((lru - r) / (lru - bel))
-        out.append(f"| {q} | " + " | ".join(f"{sum(v) / len(v):.2f}" for v in (shares[p] for p in presets)) + " |")
+        every = [x for v in shares.values() for x in v]
+        out.append(f"| {label} | " + " | ".join(f"{sum(v) / len(v):.2f}" for v in (shares[p] for p in presets))
+                   + f" | {sum(every) / len(every):.3f} |")
     out += ["", "## Demote threshold with a host tier as large as the device pool: recomputed / infinite cache\n",
             "| Demote pauses predicted at least | " + " | ".join(f"{p} (committed seed)" for p in ("default", "heldout")) + " |",
             "|---|---|---|"]

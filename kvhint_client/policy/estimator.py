@@ -14,10 +14,24 @@ class -> everything) and blend the best key's sample with a log-normal prior
 worth `prior_weight` observations: with no data the prior decides, with
 many observations the data does.
 
-The residual is the conditional median: given the pause has lasted `e`, the
-time until the median of the durations that exceed `e`. A session that has
-outlived most of its class's pauses is therefore predicted to stay paused
-for longer, which is what ranks a mispredicted long call correctly.
+Two predictions of a pause that has lasted `e` seconds:
+
+* `residual`: the conditional q-quantile, the time until the q-quantile of
+  the durations that exceed `e`. A session that has outlived most of its
+  class's pauses is predicted to stay paused for longer.
+* `reuse_index` (what `SessionPolicy` ranks by): a point quantile of a
+  mixture (a tool that is usually quick and sometimes slow) ranks the
+  session as if it were surely one or the other. The index instead prices
+  the cache space a session's blocks hold per hit: for every horizon `h`,
+  keeping the blocks until `h` (and giving up then) costs E[min(R, h)]
+  seconds of space and hits with probability P(R <= h), R the remaining
+  pause; the index is the smallest cost per hit over `h`,
+  ``min_h E[min(R, h)] / P(R <= h)``, and the horizon is that `h`. For a
+  known remaining time `r` the index is `r`; for "90% back in 1 s, else
+  in a minute" it is about 1 s with horizon 1 s: keep it for a second,
+  then, if it has not come back, re-predict (the short mode is gone, the
+  index becomes about a minute). This is the Gittins index of the remaining
+  pause; caches call its inverse hit density.
 
 Not thread-safe; owned by one `SessionPolicy`.
 """
@@ -98,6 +112,22 @@ def _blend_cdf(sample: Sequence[float], prior: LogNormalPrior, weight: float, x:
     return (bisect.bisect_right(sample, x) + weight * prior.cdf(x)) / (n + weight)
 
 
+def _gittins(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """min over h of E[min(R, h)] / P(R <= h) for R distributed as the weighted `points`
+    (sorted by value), and the minimizing h. The ratio only needs checking at the points:
+    between two of them E[min(R, h)] grows while P(R <= h) stays the same."""
+    total = sum(w for _, w in points)
+    best, horizon = math.inf, 0.0
+    below = mass = 0.0  # sum of x*w and of w over the points <= h
+    for x, w in points:
+        below += x * w
+        mass += w
+        ratio = (below + x * (total - mass)) / mass
+        if ratio < best:
+            best, horizon = ratio, x
+    return best, horizon
+
+
 class PauseModel:
     """Per-key pause distributions learned online (see module doc).
 
@@ -105,7 +135,8 @@ class PauseModel:
     them, e.g. ``(("tool", "run_tests", "coder"), ("tool", "run_tests"),
     ("class", "coder"), ("declared", "long"), ("all",))``. `min_samples` is how
     many observations a key needs before it is preferred over a more general
-    one.
+    one. `prior_points`: the prior enters `reuse_index` as that many equally
+    weighted quantile points.
     """
 
     def __init__(
@@ -115,9 +146,11 @@ class PauseModel:
         window: int = 256,
         prior_weight: float = 2.0,
         min_samples: int = 3,
+        prior_points: int = 64,
     ) -> None:
-        if window < 1 or prior_weight <= 0 or min_samples < 1:
-            raise ValueError("window and min_samples must be >= 1 and prior_weight > 0")
+        if window < 1 or prior_weight <= 0 or min_samples < 1 or prior_points < 1:
+            raise ValueError("window, min_samples and prior_points must be >= 1 and prior_weight > 0")
+        self.prior_points = prior_points
         self.prior = prior or LogNormalPrior()
         self.window = window
         self.prior_weight = prior_weight
@@ -150,6 +183,22 @@ class PauseModel:
         """The q-quantile of a pause's total duration."""
         sample, p = self._basis(keys, prior)
         return _blend_quantile(sample, p, self.prior_weight, q)
+
+    def reuse_index(
+        self, keys: Sequence[tuple[str, ...]], elapsed: float, prior: LogNormalPrior | None = None
+    ) -> tuple[float, float]:
+        """(index, horizon) of a pause that has lasted `elapsed` seconds (module doc): the
+        smallest expected space-time per hit over the horizons a cache could keep it for, and
+        that horizon (seconds from now; re-predict then if the pause goes on). Both >= 0."""
+        sample, p = self._basis(keys, prior)
+        e = max(elapsed, 0.0)
+        k = self.prior_points
+        points = [(x - e, 1.0) for x in sample[bisect.bisect_right(sample, e) :]]
+        points += [(x - e, self.prior_weight / k) for x in (p.quantile((i + 0.5) / k) for i in range(k)) if x > e]
+        if not points:  # beyond everything seen and the prior's bulk: its conditional median
+            r = self.residual(keys, e, prior, 0.5)
+            return r, r
+        return _gittins(sorted(points))
 
     def residual(self, keys: Sequence[tuple[str, ...]], elapsed: float, prior: LogNormalPrior | None = None, q: float = 0.5) -> float:
         """Seconds until the pause is expected to end, given it has lasted `elapsed` (the

@@ -5,13 +5,17 @@ call `flush(sink)` (or `await flush_async(sink)`) after each batch of
 signals and on a timer (a few times a second is plenty), and it sends:
 
 * a paused session (tool call, idle, waiting for its children): Retain at
-  `session_priority` with `expected_reuse_in` = the predicted time to its
-  next request (`PauseModel.residual`, learned online per tool name and
-  session class). All paused sessions share one priority, so the engine
+  `session_priority` with `expected_reuse_in` = its predicted next use,
+  learned online per tool name and session class: with `ranking="quantile"`
+  (the default) the conditional `quantile` of the remaining pause; with
+  `ranking="index"` `PauseModel.reuse_index`, the smallest expected cache
+  space-time per hit, which ranks a usually-quick, sometimes-slow call by
+  its likely quick return and re-predicts at the horizon where that chance
+  is spent. All paused sessions share one priority, so the engine
   orders them by expected reuse: the one expected back last is evicted first.
-  When the prediction passes and the session is still paused, the policy
-  re-predicts from the time already waited and refreshes the hint (an engine
-  treats a passed expectation as plain LRU).
+  When the prediction passes (or its horizon does) and the session is still
+  paused, the policy re-predicts from the time already waited and refreshes
+  the hint (an engine treats a passed expectation as plain LRU).
 * engines without `supports_expected_reuse`: the same ranking as priority
   bands below `session_priority` (nearer resume, higher priority).
 * a predicted pause >= `demote_after_s` on an engine with lower tiers (and
@@ -84,14 +88,20 @@ class PolicyConfig:
     #: Declared duration classes -> nominal upper bound (s); a call declared in a class gets a
     #: prior with median bound/3 until its keys have data.
     declared_classes: Mapping[str, float] = field(default_factory=dict)
-    #: Conditional quantile of the remaining pause used as the prediction. 0.7 ranked best on
-    #: average over the benchmark's generated presets and seeds (0.5-0.8 were tried; see
-    #: docs/design-notes.md): mixtures of short and long pauses favour a cautious estimate.
+    #: How a paused session's next use is predicted: "quantile" (the conditional `quantile` of
+    #: the remaining pause) or "index" (`PauseModel.reuse_index`, the smallest expected
+    #: space-time per hit, re-predicted at its horizon). On the benchmark's generated presets and
+    #: seeds the two tie within noise (bench/results/policy/sweep.md); "quantile" 0.7 had the
+    #: higher mean there, "index" the better worst case.
+    ranking: str = "quantile"
+    #: Conditional quantile of the remaining pause with ranking="quantile" (0.7 was the best
+    #: of 0.5-0.8 there: mixtures of short and long pauses favour a cautious estimate).
     quantile: float = 0.7
-    #: Observations per key kept, pseudo-observations of the prior, observations before a key is used.
+    #: Observations per key kept, pseudo-observations of the prior, observations before a key
+    #: is used (a key's own observations are blended with the prior, so one already counts).
     window: int = 256
     prior_weight: float = 2.0
-    min_samples: int = 3
+    min_samples: int = 1
     #: Refresh a paused session's hint this long before its expectation passes.
     refresh_lead_s: float = 0.25
     #: Expected reuse sent when a tool call finished (the next request is imminent).
@@ -120,6 +130,7 @@ class _Session:
     keys: tuple[Key, ...] = ()
     prior: Optional[LogNormalPrior] = None
     reuse_at: Optional[float] = None  # the expectation last queued/sent (absolute)
+    review_at: Optional[float] = None  # re-predict then if still paused (absolute)
     ttl_until: float = math.inf
     demoted: bool = False
     prefetch_at: Optional[float] = None
@@ -156,6 +167,8 @@ class SessionPolicy:
     ) -> None:
         self.config = c = config or PolicyConfig()
         self.clock = clock
+        if c.ranking not in ("index", "quantile"):
+            raise ValueError(f"PolicyConfig.ranking must be 'index' or 'quantile', got {c.ranking!r}")
         self.model = model or PauseModel(c.prior, window=c.window, prior_weight=c.prior_weight, min_samples=c.min_samples)
         self.bucket = TokenBucket(c.max_hints_per_s, c.burst)
         self.sessions: dict[str, _Session] = {}
@@ -306,9 +319,18 @@ class SessionPolicy:
 
     # ------------------------------------------------------------ predictions and hints
 
+    def forecast(self, s: _Session, now: float) -> tuple[float, float]:
+        """(expected reuse in, re-predict in): the paused session `s`'s predicted next use and
+        when to predict again if it is still paused then (seconds from `now`)."""
+        if self.config.ranking == "index":
+            return self.model.reuse_index(s.keys, now - s.pause_start, s.prior)
+        r = self.model.residual(s.keys, now - s.pause_start, s.prior, self.config.quantile)
+        return r, r
+
     def residual(self, s: _Session, now: float) -> float:
-        """Predicted seconds until the paused session `s` sends its next request."""
-        return self.model.residual(s.keys, now - s.pause_start, s.prior, self.config.quantile)
+        """Predicted seconds until the paused session `s` sends its next request (what the
+        engine is told; see `PolicyConfig.ranking`)."""
+        return self.forecast(s, now)[0]
 
     def predicted_resume(self, session_id: str, now: Optional[float] = None) -> Optional[float]:
         """Absolute predicted time of the session's next request; None when it is running or unknown."""
@@ -328,23 +350,27 @@ class SessionPolicy:
 
     def _predict_and_keep(self, s: _Session, now: float) -> None:
         c = self.config
-        residual = self.residual(s, now)
+        residual, review = self.forecast(s, now)
         if self.tiers and residual >= c.demote_after_s:
             s.prefetch_at = now + max(0.0, residual - c.prefetch_margin_s)
             s.reuse_at = now + residual
+            s.review_at = s.reuse_at - c.refresh_lead_s
             if not s.demoted:
                 s.demoted = True
                 self._outbox.pop(("keep", s.sid), None)
                 self._queue("demote", s.sid, session(s.sid).demote(), now)
             return
         s.demoted = False  # (re-)protect what is left on the device; a scheduled Prefetch still goes out
-        self._keep(s, now, residual)
+        self._keep(s, now, residual, review)
 
-    def _keep(self, s: _Session, now: float, residual: float) -> None:
-        """Queue a Retain (or Pin) of `s` expecting reuse in `residual` seconds."""
+    def _keep(self, s: _Session, now: float, residual: float, review: Optional[float] = None) -> None:
+        """Queue a Retain (or Pin) of `s` expecting reuse in `residual` seconds; re-predict after
+        `review` seconds if that comes before the expectation passes (else just before it does)."""
         c = self.config
         ttl = min(self.max_ttl_s, max(c.min_ttl_s, c.ttl_factor * residual, residual + c.refresh_lead_s))
         s.reuse_at, s.ttl_until = now + residual, now + ttl
+        lead = residual - c.refresh_lead_s
+        s.review_at = now + (review - c.refresh_lead_s if review is not None and review < residual else lead)
         target = session(s.sid)
         reuse = min(residual, ttl) if self.expected_reuse else None
         if self._may_pin(s, now, residual):
@@ -393,7 +419,7 @@ class SessionPolicy:
             if s.prefetch_at is not None and now >= s.prefetch_at:
                 s.prefetch_at = None
                 self._queue("prefetch", s.sid, session(s.sid).prefetch(), s.reuse_at or now)
-            overdue = s.reuse_at is not None and now >= s.reuse_at - lead
+            overdue = s.review_at is not None and now >= s.review_at
             if overdue or (not s.demoted and now >= s.ttl_until - lead):
                 self._predict_and_keep(s, now)  # still paused: re-predict from the time waited
         for tid, (target, refresh_at) in list(self.templates.items()):
