@@ -81,6 +81,7 @@ class VllmAdapter:
         self._resident: set[bytes] = set()
         self.groups: GroupLayout = layout_of(None)
         self._residency_suffixes: frozenset[bytes] = frozenset()
+        self._cacheable_suffixes: tuple[bytes, ...] = ((0).to_bytes(4, "big"),)
         self._wake_pending = False
         self._wake_lock = threading.Lock()
         self._max_id = core.config.max_id_length
@@ -90,6 +91,9 @@ class VllmAdapter:
         self.pool = pool
         self.groups = layout_of(getattr(self.scheduler, "kv_cache_config", None))
         self._residency_suffixes = frozenset(g.to_bytes(4, "big") for g in self.groups.residency)
+        # Pool-key suffixes of every cacheable group (vLLM's make_block_hash_with_group_id:
+        # digest + 4-byte big-endian group id), precomputed for the per-block paths.
+        self._cacheable_suffixes = tuple(g.to_bytes(4, "big") for g in self.groups.cacheable)
 
     # ------------------------------------------------------------ hashes
 
@@ -106,13 +110,19 @@ class VllmAdapter:
 
     def _copies(self, ext: bytes) -> list[Any]:
         """Every cached copy of a logical block, in every group."""
-        digest = self._digest_of(ext)
+        digest = self._digest.get(ext) if self._int_hashes else ext
         if digest is None:
             return []
         cache = vllm_private.cached_block_map(self.pool)
         out: list[Any] = []
-        for key in self.groups.keys(digest):
-            out.extend(vllm_private.copies_in(cache.get(key)))
+        for suffix in self._cacheable_suffixes:
+            entry = cache.get(digest + suffix)
+            if entry is None:
+                continue
+            if isinstance(entry, dict):  # several copies of the hash in this group
+                out.extend(entry.values())
+            else:
+                out.append(entry)
         return out
 
     def _held_by_all(self, digest: bytes, groups: tuple[int, ...]) -> bool:
@@ -196,10 +206,12 @@ class VllmAdapter:
             yield BlockState(ext, Tier.DEVICE.bit, in_use=any(b.ref_cnt > 0 for b in self._copies(ext)))
 
     def refile(self, hashes: Iterable[bytes]) -> None:
-        core, refile_block = self.core, self.pool.kvh_refile_block
+        core, refile_block, copies_of = self.core, self.pool.kvh_refile_block, self._copies
         for h in hashes:
-            copies = self._copies(h)
-            if copies:
+            copies = copies_of(h)
+            # Only free copies are filed by class (refile_block skips blocks in use),
+            # so a block every copy of which is in use needs no retention view.
+            if copies and any(b.ref_cnt == 0 for b in copies):
                 view = core.retention(h)
                 for block in copies:
                     refile_block(block, view)
@@ -257,21 +269,27 @@ class VllmAdapter:
     ) -> None:
         hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, block_size)
         ext = self.external
-        fresh = [
-            hashes[i]
-            for i in range(num_cached_blocks, num_full_blocks)
-            if not blocks[i].is_null and (block_mask is None or block_mask[i - num_cached_blocks])
-        ]
-        if self._int_hashes:
-            digests = self._digest
-            for h in fresh:
-                digests[ext(h)] = h
+        int_hashes = self._int_hashes
+        if block_mask is None:
+            fresh = [hashes[i] for i in range(num_cached_blocks, num_full_blocks) if not blocks[i].is_null]
+        else:
+            fresh = [
+                hashes[i]
+                for i in range(num_cached_blocks, num_full_blocks)
+                if not blocks[i].is_null and block_mask[i - num_cached_blocks]
+            ]
+        if int_hashes:  # the external hash is the digest's last 8 bytes (see external())
+            ext_fresh = [h[-8:] for h in fresh]
+            self._digest.update(zip(ext_fresh, fresh))
+        else:
+            ext_fresh = fresh
         groups = self.groups
         if group_id not in groups.residency:
             return  # a window-tail copy: resolved through its logical block, not reported
         if len(groups.residency) > 1:  # resident once the last residency group holds it
-            fresh = [h for h in fresh if self._held_by_all(h, groups.residency)]
-        new = [ext(h) for h in fresh]
+            new = [ext(h) for h in fresh if self._held_by_all(h, groups.residency)]
+        else:
+            new = ext_fresh
         self._resident.update(new)
         parent = ext(hashes[num_cached_blocks - 1]) if num_cached_blocks > 0 else None
         coords = request_coords(request, self._max_id)

@@ -81,6 +81,8 @@ class KvHintCore:
         # as ordered sets: a snapshot copies them, and copying in insertion order
         # (≈ allocation order) is several times faster than a set's hash order.
         self.resident: dict[Tier, dict[bytes, None]] = {t: {} for t in Tier}
+        # (tier bit, that tier's resident map): tiers_of runs once per new index node.
+        self._tier_maps = tuple((t.bit, self.resident[t]) for t in Tier)
         self.bus = EventBus(config.event_replay_window, clock=wall)
         self.operations = OperationRegistry(self.bus, config.operation_history)
         self.ledger = RetentionLedger(0, start=monotonic())
@@ -239,9 +241,9 @@ class KvHintCore:
     def tiers_of(self, h: bytes) -> int:
         """Tier bitmask of the published copies of `h`."""
         mask = 0
-        for t, blocks in self.resident.items():
+        for bit, blocks in self._tier_maps:
             if h in blocks:
-                mask |= t.bit
+                mask |= bit
         return mask
 
     def on_removed(

@@ -106,6 +106,9 @@ class SessionPrefixIndex:
         self.children_of: dict[str, set[str]] = {}
         self.continuations: dict[str, bytes] = {}
         self._continuations_at: dict[bytes, set[str]] = {}
+        # continuation -> number of live sessions listing it (SessionState.continuations),
+        # so forgetting a session asks "does another session hold it?" in O(1).
+        self._continuation_holders: dict[str, int] = {}
         # Hears every forget_session that took a session off blocks.
         self.listener: LeaveListener | None = None
 
@@ -150,8 +153,10 @@ class SessionPrefixIndex:
                 state.blocks.add(h)
             prev = h
         last = hashes[-1]
-        if state is not None and coords.continuation_id:
+        if state is not None and coords.continuation_id and coords.continuation_id not in state.continuations:
             state.continuations.add(coords.continuation_id)
+            holders = self._continuation_holders
+            holders[coords.continuation_id] = holders.get(coords.continuation_id, 0) + 1
         if coords.continuation_id:
             self._point_continuation(coords.continuation_id, last)
 
@@ -225,9 +230,14 @@ class SessionPrefixIndex:
             if node is None:
                 continue
             node.sessions.discard(session)
+        holders = self._continuation_holders
         for c in state.continuations:
-            h = self.continuations.get(c)
-            if h is not None and not self._continuation_shared(c, session):
+            n = holders.get(c, 0) - 1
+            if n > 0:
+                holders[c] = n
+                continue  # another live session holds it
+            holders.pop(c, None)
+            if c in self.continuations:
                 self._unpoint_continuation(c)
         for h in state.blocks:
             node = self.nodes.get(h)
@@ -398,5 +408,3 @@ class SessionPrefixIndex:
                 del self._continuations_at[h]
                 self._delete_upwards(h)
 
-    def _continuation_shared(self, c: str, leaving: str) -> bool:
-        return any(c in st.continuations for s, st in self.sessions.items() if s != leaving)

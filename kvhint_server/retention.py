@@ -18,16 +18,29 @@ expected reuse first.
 The pin budget counts distinct blocks with a pin grant; callers run
 `expire(now)` first so that only unexpired pins count.
 
+Cost: `view(h, now)` is what the pool asks on every admission, eviction and
+refile of a block. A block with few grants is scanned (at most
+_SCAN_OWNERS); a block with more (a shared system prompt retained by many
+sessions) keeps two lazy heaps, strongest grant first and earliest
+expectation first, so `view` is O(log grants) amortized whatever the number
+of owners. Replaced and dropped grants leave the heaps lazily; the heaps are
+rebuilt when stale entries outnumber live ones.
+
 Not thread-safe: the engine thread owns it.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .model import ORDINARY, RetentionClass, RetentionView
 from .timer_wheel import TimerWheel
+
+_RETAINED, _PINNED = RetentionClass.RETAINED, RetentionClass.PINNED
+# A block with more grants than this gets heaps (see _Heaps); fewer are scanned.
+_SCAN_OWNERS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +52,77 @@ class Grant:
     reuse_at: float | None = None  # monotonic seconds; None: no expectation
 
 
+class _Heaps:
+    """The grants of one widely shared block, strongest first and earliest
+    expectation first. Entries hold the Grant object; an entry is live while
+    the owner's current grant on the block is that same object."""
+
+    __slots__ = ("strong", "reuse", "seq")
+
+    def __init__(self, per_block: dict[str, Grant]) -> None:
+        self.seq = 0
+        self.strong: list[tuple[int, int, float, int, str, Grant]] = []
+        self.reuse: list[tuple[float, int, str, Grant]] = []
+        for owner, g in per_block.items():
+            self._push(owner, g)
+        heapq.heapify(self.strong)
+        heapq.heapify(self.reuse)
+
+    def _push(self, owner: str, g: Grant, heap: bool = False) -> None:
+        self.seq += 1
+        # Max-heap on (pinned, priority (0 when pinned), expires_at) via negation.
+        entry = (-int(g.pinned), 0 if g.pinned else -g.priority, -g.expires_at, self.seq, owner, g)
+        if heap:
+            heapq.heappush(self.strong, entry)
+        else:
+            self.strong.append(entry)
+        if g.reuse_at is not None:
+            r = (g.reuse_at, self.seq, owner, g)
+            if heap:
+                heapq.heappush(self.reuse, r)
+            else:
+                self.reuse.append(r)
+
+    def add(self, owner: str, g: Grant) -> None:
+        self._push(owner, g, heap=True)
+
+    def stale(self, live: int) -> bool:
+        return len(self.strong) > 2 * live + 16 or len(self.reuse) > 2 * live + 16
+
+    def view(self, per_block: dict[str, Grant], now: float) -> RetentionView:
+        best = _first_live(self.strong, per_block, now)
+        if best is None:
+            return ORDINARY
+        g = best[-1]
+        r = _first_live(self.reuse, per_block, now)
+        reuse_at = None if r is None else r[0]
+        if g.pinned:
+            return RetentionView(_PINNED, 0, g.expires_at, reuse_at)
+        return RetentionView(_RETAINED, g.priority, g.expires_at, reuse_at)
+
+
+def _first_live(heap: list, per_block: dict[str, Grant], now: float) -> tuple | None:
+    """The first heap entry (..., owner, grant) whose grant is current and unexpired at `now`.
+    Entries of replaced or dropped grants are popped for good; entries whose
+    grant is current but expired at `now` are set aside and pushed back (a
+    later call may ask about an earlier `now`; the wheel drops them)."""
+    aside = []
+    found = None
+    while heap:
+        top = heap[0]
+        g = top[-1]
+        if per_block.get(top[-2]) is not g:
+            heapq.heappop(heap)
+        elif g.deadline <= now:
+            aside.append(heapq.heappop(heap))
+        else:
+            found = top
+            break
+    for entry in aside:
+        heapq.heappush(heap, entry)
+    return found
+
+
 class RetentionLedger:
     def __init__(self, pin_budget_blocks: int, start: float = 0.0) -> None:
         self.pin_budget_blocks = pin_budget_blocks
@@ -48,6 +132,8 @@ class RetentionLedger:
         self._by_owner: dict[str, set[bytes]] = {}
         self._pin_holders: dict[bytes, int] = {}  # block -> number of unexpired pin grants
         self._wheel: TimerWheel[tuple[bytes, str]] = TimerWheel(start=start)
+        self._heaps: dict[bytes, _Heaps] = {}  # blocks with more than scan_owners grants
+        self.scan_owners = _SCAN_OWNERS
 
     @property
     def pinned_blocks(self) -> int:
@@ -78,12 +164,21 @@ class RetentionLedger:
             reuse_at = min(reuse_at, deadline)
         new = Grant(pinned, priority, deadline, expires_at, reuse_at)
         owned = self._by_owner.setdefault(owner, set())
+        heaps_of = self._heaps
         for h in hashes:
             per_block = self.grants.setdefault(h, {})
             old = per_block.get(owner)
             if old is not None and old.pinned:
                 self._unpin(h)
             per_block[owner] = new
+            heaps = heaps_of.get(h)
+            if heaps is not None:
+                if heaps.stale(len(per_block)):
+                    heaps_of[h] = _Heaps(per_block)
+                else:
+                    heaps.add(owner, new)
+            elif len(per_block) > self.scan_owners:
+                heaps_of[h] = _Heaps(per_block)
             if pinned:
                 self._pin_holders[h] = self._pin_holders.get(h, 0) + 1
             owned.add(h)
@@ -143,6 +238,9 @@ class RetentionLedger:
         per_block = self.grants.get(h)
         if not per_block:
             return ORDINARY
+        heaps = self._heaps.get(h)
+        if heaps is not None:
+            return heaps.view(per_block, now)
         best: RetentionView = ORDINARY
         reuse_at: float | None = None
         for g in per_block.values():
@@ -184,6 +282,9 @@ class RetentionLedger:
             self._unpin(h)
         if not per_block:
             del self.grants[h]
+            self._heaps.pop(h, None)
+        elif h in self._heaps and len(per_block) <= self.scan_owners // 2:
+            del self._heaps[h]  # few owners left: scanning is cheaper
         owned = self._by_owner.get(owner)
         if owned is not None:
             owned.discard(h)

@@ -233,6 +233,59 @@ def test_ledger_matches_model(ops):
                 assert ledger.pinned_by_other(h, owner, now) is others_pin
 
 
+# --------------------------------------------------------------------------- ledger: widely shared blocks
+
+MANY_OWNERS = [f"s:{i}" for i in range(24)]
+
+shared_op = st.one_of(
+    st.tuples(
+        st.just("grant"),
+        st.lists(st.sampled_from(MANY_OWNERS), min_size=1, max_size=6),
+        st.lists(st.sampled_from(BLOCKS[:2]), min_size=1, max_size=2),
+        st.booleans(),
+        st.integers(-2, 2),
+        st.floats(0.0, 30.0),
+        st.none() | st.floats(0.0, 40.0),
+    ),
+    st.tuples(st.just("release"), st.sampled_from(MANY_OWNERS)),
+    st.tuples(st.just("drop"), st.sampled_from(BLOCKS[:2])),
+    st.tuples(st.just("advance"), st.floats(0.0, 8.0)),
+    st.tuples(st.just("expire")),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(shared_op, max_size=50), st.lists(st.floats(0.0, 60.0), min_size=1, max_size=4))
+def test_heaped_view_matches_scanned_view(ops, probes):
+    """A block with many owners is viewed through heaps; the answer is the scan's,
+    whatever the replaced, released, dropped and expired grants, and for any `now`
+    asked (earlier or later than the last)."""
+    heaped = RetentionLedger(pin_budget_blocks=100)
+    heaped.scan_owners = 2  # heaps from the third owner on (and down again at one)
+    scanned = RetentionLedger(pin_budget_blocks=100)
+    scanned.scan_owners = 1 << 30  # never heaps
+    now = 0.0
+    for o in ops:
+        kind = o[0]
+        for ledger in (heaped, scanned):
+            if kind == "grant":
+                _, owners, hashes, pinned, prio, ttl, reuse_in = o
+                for owner in owners:
+                    ledger.grant(owner, hashes, pinned=pinned, priority=prio, deadline=now + ttl,
+                                 expires_at=now + ttl + 1000, reuse_at=None if reuse_in is None else now + reuse_in)
+            elif kind == "release":
+                ledger.release(o[1])
+            elif kind == "drop":
+                ledger.drop_block(o[1])
+            elif kind == "expire":
+                ledger.expire(now)
+        if kind == "advance":
+            now += o[1]
+        for h in BLOCKS[:2]:
+            for t in (now, *probes):
+                assert heaped.view(h, t) == scanned.view(h, t)
+
+
 # --------------------------------------------------------------------------- timer wheel
 
 KEYS = list(range(8))
