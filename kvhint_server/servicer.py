@@ -71,9 +71,9 @@ class KvHintServicer:
 
     def _rate_limit(self, context: grpc.aio.ServicerContext, cost: int) -> str:
         """Spend `cost` from the caller's bucket (RpcError if over); returns the principal."""
-        principal = principal_of(context)
         if self.rate_limiter is None:
-            return principal
+            return ""
+        principal = principal_of(context)
         wait = self.rate_limiter.take(principal, cost)
         if wait > 0:
             self.core.overload.rate_limited += 1

@@ -5,6 +5,7 @@ google.rpc.RetryInfo and change nothing; deferred batches say how long they wait
 from __future__ import annotations
 
 import math
+from collections import Counter
 import threading
 import time
 from typing import Any
@@ -136,18 +137,16 @@ def test_a_step_budget_spreads_a_backlog_over_several_steps():
     core = KvHintCore(ServerConfig(step_apply_budget_ms=budget_ms))
     core.attach(FakeEngine(core, local_engine_info()))
     futures = [core.submit(lambda: _busy(task_s)) for _ in range(12)]
-    steps, durations = 0, []
+    steps = 0
     while core.has_pending():
-        start = time.perf_counter()
         core.run_pending()
-        durations.append(time.perf_counter() - start)
         steps += 1
         assert steps <= 12, "every step runs at least one task"
     assert steps >= 3, "12 tasks of 2 ms do not fit one 5 ms budget"
     deferred = [f.deferred_steps for f in futures]
     assert deferred[0] == 0 and deferred == sorted(deferred) and deferred[-1] == steps - 1
-    # A step stops at the first task boundary past its budget.
-    assert max(durations) < budget_ms / 1000 + task_s + 0.05
+    # A step stops at the first task boundary past its budget: tasks of >= 2 ms, at most 3 per 5 ms.
+    assert max(Counter(deferred).values()) <= 3
     assert core.overload.budget_cutoffs == steps - 1
 
 
@@ -167,6 +166,7 @@ def test_apply_hints_reports_the_steps_its_batch_waited(make_harness):
     slow = [harness.core.submit(lambda: _busy(0.005)) for _ in range(3)]
     call = harness.stub.ApplyHints.future(pb.ApplyHintsRequest(hints=[retain("a", 60)]), timeout=10)
     _wait(lambda: harness.core.pending_tasks() == 4)
+    time.sleep(0.01)  # the gate's step outlasts its budget too
     gate.release.set()
     response = call.result()
     # The gate's step and each 5 ms task's step spent the 1 ms budget before the batch ran.
@@ -180,7 +180,7 @@ def test_apply_hints_reports_the_steps_its_batch_waited(make_harness):
 
 
 def test_rate_limits_are_per_principal_and_say_when_to_retry(make_harness):
-    harness = make_harness(rate_limit_hints_per_s=20, rate_limit_burst=3)
+    harness = make_harness(rate_limit_hints_per_s=4, rate_limit_burst=3)
     for i, s in enumerate("abc"):
         harness.engine.store([h(i)], session=s)
     alice = (("authorization", "Bearer alice"),)
@@ -196,7 +196,7 @@ def test_rate_limits_are_per_principal_and_say_when_to_retry(make_harness):
     delay = retry_info(err)
     assert delay is not None
     wait_s = delay.retry_delay.ToNanoseconds() / 1e9
-    assert 0 < wait_s <= 1 / 20 + 0.01
+    assert 0 < wait_s <= 1 / 4
     # Bob's bucket is his own.
     assert len(harness.stub.ApplyHints(three, metadata=bob, timeout=5).results) == 3
     # The refused hint changed nothing (its hint id is unknown); after the delay it is admitted.
@@ -339,7 +339,7 @@ def test_overload_metrics(make_harness):
 
 
 def test_client_reports_retry_after_and_can_retry_on_it(make_harness):
-    harness = make_harness(rate_limit_hints_per_s=20, rate_limit_burst=1)
+    harness = make_harness(rate_limit_hints_per_s=4, rate_limit_burst=1)
     harness.engine.store([h(1)], session="a")
     address = f"127.0.0.1:{harness.port}"
     plain = ConnectionConfig(address=address, bearer_token="c1", retry=RetryPolicy.disabled())
@@ -348,7 +348,7 @@ def test_client_reports_retry_after_and_can_retry_on_it(make_harness):
         with pytest.raises(KvHintError) as exc:
             kv.apply(retain("a", 5))
         assert exc.value.is_overloaded and exc.value.metadata["cause"] == "rate_limited"
-        assert exc.value.retry_after is not None and 0 < exc.value.retry_after <= 0.06
+        assert exc.value.retry_after is not None and 0 < exc.value.retry_after <= 0.25
     patient = plain.replace(bearer_token="c2", retry=RetryPolicy(retry_resource_exhausted=True))
     with KvHintClient(patient) as kv:
         kv.apply(retain("a", 5))
