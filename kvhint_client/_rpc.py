@@ -57,11 +57,20 @@ class Attempts:
             return None
         return max(0.0, self._deadline - time.monotonic())
 
-    def retry_delay(self, code: grpc.StatusCode) -> Optional[float]:
-        """Seconds to wait before retrying after a failure with `code`; None: do not retry."""
-        if not self._policy.retryable(code) or self.count >= self._policy.max_attempts:
+    def retry_delay(self, code: grpc.StatusCode, retry_after: Optional[float] = None) -> Optional[float]:
+        """Seconds to wait before retrying after a failure with `code` (and the server's
+        RetryInfo delay, if any); None: do not retry."""
+        if self.count >= self._policy.max_attempts:
             return None
-        delay = self._policy.backoff(self.count, self._rng)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            policy = self._policy
+            if not policy.retry_resource_exhausted or retry_after is None or retry_after > policy.max_retry_after:
+                return None
+            delay = retry_after
+        elif self._policy.retryable(code):
+            delay = self._policy.backoff(self.count, self._rng)
+        else:
+            return None
         if self._deadline is not None and time.monotonic() + delay >= self._deadline:
             return None
         return delay
@@ -74,6 +83,13 @@ def resolve_timeout(config: ConnectionConfig, timeout: Optional[float]) -> Optio
             raise ValueError("timeout must be > 0")
         return timeout
     return config.default_timeout
+
+
+def retry_after_of(error: grpc.RpcError) -> Optional[float]:
+    """The RetryInfo delay a RESOURCE_EXHAUSTED error carries (None otherwise)."""
+    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    return KvHintError.from_rpc_error(error).retry_after
 
 
 def rpc_error(error: grpc.RpcError, method: str, address: str) -> KvHintError:
@@ -143,6 +159,7 @@ def apply_result(hints: list[kvhint_pb2.Hint], response: kvhint_pb2.ApplyHintsRe
         results=list(response.results),
         epoch=response.epoch,
         applied_at_sequence=response.applied_at_sequence,
+        deferred_steps=response.deferred_steps,
     )
 
 

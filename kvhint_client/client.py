@@ -6,7 +6,8 @@
 
 Contracts (both clients):
 - Every failure raises KvHintError (status code + ErrorInfo); see errors.py.
-- Unary calls retry on UNAVAILABLE only, per ConnectionConfig.retry, within one deadline.
+- Unary calls retry on UNAVAILABLE only, per ConnectionConfig.retry, within one deadline
+  (and on RESOURCE_EXHAUSTED with RetryInfo, after its delay, when the policy opts in).
 - apply() gives every hint without a hint_id a uuid4 id before the first attempt, so a retried
   batch is idempotent (the server replays the first result with `replayed=true`).
 - query_residency() / list_sessions() follow next_page_token to the end; the *_page forms
@@ -150,7 +151,7 @@ class KvHintClient(_ClientBase):
             try:
                 return call(request, timeout=attempts.attempt_timeout(), metadata=self._metadata)
             except grpc.RpcError as error:
-                delay = attempts.retry_delay(error.code())
+                delay = attempts.retry_delay(error.code(), _rpc.retry_after_of(error))
                 if delay is None:
                     raise _rpc.rpc_error(error, method, self.address) from error
                 time.sleep(delay)
@@ -352,7 +353,7 @@ class AsyncKvHintClient(_ClientBase):
             try:
                 return await call(request, timeout=attempts.attempt_timeout(), metadata=self._metadata)
             except grpc.RpcError as error:
-                delay = attempts.retry_delay(error.code())
+                delay = attempts.retry_delay(error.code(), _rpc.retry_after_of(error))
                 if delay is None:
                     raise _rpc.rpc_error(error, method, self.address) from error
                 await asyncio.sleep(delay)

@@ -89,6 +89,11 @@ class RetryPolicy:
     Attempt n (1-based) that fails with UNAVAILABLE is followed by a sleep of
     min(max_backoff, initial_backoff * multiplier**(n-1)) scaled by a random factor in
     [1 - jitter, 1 + jitter], unless n == max_attempts or the call's deadline would pass.
+
+    With `retry_resource_exhausted`, a RESOURCE_EXHAUSTED failure that carries a
+    google.rpc.RetryInfo (server overload: nothing was applied) is retried after exactly that
+    delay, within the same max_attempts and deadline, and only if the delay is at most
+    `max_retry_after` seconds.
     """
 
     max_attempts: int = 4
@@ -96,6 +101,8 @@ class RetryPolicy:
     max_backoff: float = 2.0
     multiplier: float = 2.0
     jitter: float = 0.2
+    retry_resource_exhausted: bool = False
+    max_retry_after: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -106,6 +113,8 @@ class RetryPolicy:
             raise ValueError("multiplier must be >= 1")
         if not 0 <= self.jitter <= 1:
             raise ValueError("jitter must be in [0, 1]")
+        if self.max_retry_after < 0:
+            raise ValueError("max_retry_after must be >= 0")
 
     @classmethod
     def disabled(cls) -> "RetryPolicy":

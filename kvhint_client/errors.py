@@ -7,6 +7,10 @@ INVALID_ARGUMENT and ErrorInfo(reason=<kvhint.v1.Reason name, e.g. "REASON_MALFO
 domain="kvhint.v1", metadata={"field": "<path>"}); an unknown operation id is NOT_FOUND.
 Client-side problems the server never saw (a wait that timed out) use the same type with the
 matching code. Programming errors in arguments (an empty session id) are ValueError instead.
+Overload is RESOURCE_EXHAUSTED with ErrorInfo metadata {"cause": "queue_full" | "rate_limited"}
+and a google.rpc.RetryInfo: `retry_after` gives its delay in seconds (None without one), and
+`is_overloaded` tells the case apart. Nothing of a refused call was applied, so retrying it
+(same hint ids) is safe; RetryPolicy(retry_resource_exhausted=True) does so automatically.
 """
 
 from __future__ import annotations
@@ -62,6 +66,21 @@ class KvHintError(Exception):
     def field(self) -> Optional[str]:
         """ErrorInfo.metadata["field"]: the request field at fault, if the server named one."""
         return self.metadata.get("field")
+
+    @property
+    def is_overloaded(self) -> bool:
+        """The server refused the call for overload (rate limit or full queue); nothing applied."""
+        return self.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    @property
+    def retry_after(self) -> Optional[float]:
+        """google.rpc.RetryInfo.retry_delay in seconds: when a retry can succeed (None: no RetryInfo)."""
+        for detail in self.status_details:
+            if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                info = error_details_pb2.RetryInfo()
+                detail.Unpack(info)
+                return float(info.retry_delay.ToNanoseconds()) / 1e9
+        return None
 
     @property
     def is_unavailable(self) -> bool:

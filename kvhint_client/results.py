@@ -23,6 +23,8 @@ class ApplyResult:
     results: Sequence[kvhint_pb2.HintResult]
     epoch: str = ""
     applied_at_sequence: int = 0
+    #: Engine steps whose hint-work budget ran out while the batch waited (server overload).
+    deferred_steps: int = 0
 
     def __iter__(self) -> Iterator[kvhint_pb2.HintResult]:
         return iter(self.results)

@@ -109,6 +109,18 @@ class ServerConfig:
     # PEM bundle of CAs whose client certificates are accepted (mTLS); with
     # it, clients must present a certificate. Needs TLS.
     tls_client_ca_file: str = ""
+    # Overload (kvhint_server/overload.py). Engine-thread tasks from RPCs that
+    # may be queued at once; past it an RPC fails RESOURCE_EXHAUSTED with
+    # RetryInfo, having changed nothing.
+    max_pending_tasks: int = 1024
+    # Engine time per step for queued RPC tasks, in ms (at least one task per
+    # step runs; the rest waits for the next step). 0: no budget.
+    step_apply_budget_ms: float = 10.0
+    # Per-principal token bucket: hints per second (ApplyHints costs one per
+    # hint, QueryResidency/ListSessions/WatchEvents one per call) and burst
+    # (0: one second's worth). 0 rate: unlimited.
+    rate_limit_hints_per_s: float = 0.0
+    rate_limit_burst: int = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> ServerConfig:
@@ -195,6 +207,9 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "pin_budget_fraction": (0.0, 1.0, True),
     "shutdown_grace_s": (0.0, MAX_SECONDS, True),
     "operation_history": (0.0, MAX_COUNT, True),
+    "step_apply_budget_ms": (0.0, 3_600_000.0, True),
+    "rate_limit_hints_per_s": (0.0, 1e9, True),
+    "rate_limit_burst": (0.0, MAX_COUNT, True),
 }
 _SECRET = frozenset({"auth_token"})
 

@@ -6,6 +6,14 @@ changes through the `on_*` hooks (engine thread) and drive `run_pending()` at
 step boundaries; the gRPC side submits work with `submit()` (any thread), and
 long read-side work (snapshots) in bounded slices with `submit_slice()`.
 
+Overload (kvhint_server/overload.py): a `bounded=True` submit (every RPC's)
+fails with QueueFull, queuing nothing, while `config.max_pending_tasks` tasks
+are pending. `run_pending()` runs queued tasks for at most
+`config.step_apply_budget_ms` per step (at least one task; a task is never
+split), the rest waits for the next step and the adapter is asked for another
+wakeup; each task's future reports in `deferred_steps` how many step budgets
+ran out while it waited.
+
 Events and queries agree: every change to what QueryResidency/ListSessions
 report (residency per tier, session membership) is published, in the order
 it happened, as BlocksStored / BlocksRemoved / AllBlocksCleared /
@@ -41,6 +49,7 @@ from .events import (
 from .index import LeaveCause, Removal, SessionPrefixIndex
 from .model import EngineInfo, RemovalCause, RequestCoords, RetentionView, Tier, session_of_owner
 from .operations import OperationRegistry
+from .overload import OverloadStats, QueueFull, queue_retry_after
 from .retention import RetentionLedger
 
 log = logging.getLogger("kvhint.core")
@@ -52,6 +61,13 @@ SLICE_BUDGET_S = 0.004
 
 class EngineStopped(RuntimeError):
     """The engine stopped before running the task."""
+
+
+class TaskFuture(Future[T]):
+    """The future of an engine-thread task."""
+
+    #: Steps that ended with their budget spent while this task waited.
+    deferred_steps: int = 0
 
 
 def _run(future: Future[T], fn: Callable[[], T]) -> None:
@@ -88,10 +104,14 @@ class KvHintCore:
         self.ledger = RetentionLedger(0, start=monotonic())
         self._adapter: EngineAdapter | None = None
         self._info: EngineInfo | None = None
-        self._tasks: deque[tuple[Callable[[], object], Future[object]]] = deque()
+        # (fn, future, budget cutoffs so far, perf_counter at submit)
+        self._tasks: deque[tuple[Callable[[], object], TaskFuture[object], int, float]] = deque()
         self._slices: deque[tuple[Callable[[float], object], Future[object]]] = deque()
         self._tasks_lock = threading.Lock()
         self._stopped = False
+        self.overload = OverloadStats()
+        self._cutoffs = 0  # steps whose task budget ran out with tasks left
+        self._recent_wait = 0.0  # EWMA of the queue wait of tasks run, seconds
 
     # ------------------------------------------------------------ wiring
 
@@ -115,37 +135,55 @@ class KvHintCore:
 
     # ------------------------------------------------------------ engine-thread tasks
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
+    def submit(self, fn: Callable[[], T], *, bounded: bool = False) -> TaskFuture[T]:
         """Run `fn` on the engine thread at the next step boundary (any thread).
 
-        The future fails with EngineStopped if the engine stops first. A
-        caller that gives up may `cancel()` the future; a cancelled task is
-        skipped if it has not started.
+        The future fails with EngineStopped if the engine stops first, and,
+        when `bounded` (RPC work), with QueueFull if the queue is at
+        `config.max_pending_tasks` (nothing queued). A caller that gives up
+        may `cancel()` the future; a cancelled task is skipped if it has not
+        started.
         """
-        future: Future[T] = Future()
+        future: TaskFuture[T] = TaskFuture()
         with self._tasks_lock:
-            if self._stopped:
-                future.set_exception(EngineStopped("engine is shutting down"))
+            if self._refused(future, bounded):
                 return future
-            self._tasks.append((fn, future))  # type: ignore[arg-type]
+            self._tasks.append((fn, future, self._cutoffs, time.perf_counter()))  # type: ignore[arg-type]
         self.adapter.request_wakeup()
         return future
 
-    def submit_slice(self, fn: Callable[[float], T]) -> Future[T]:
+    def submit_slice(self, fn: Callable[[float], T], *, bounded: bool = False) -> TaskFuture[T]:
         """Run `fn(deadline)` on the engine thread at a step boundary, after
         the step's tasks, sharing SLICE_BUDGET_S per step with other slices
         (any thread). `fn` must return soon after `time.perf_counter()`
         passes `deadline`: it is one bounded piece of a longer job, whose
         caller submits the next piece once this one's future resolves.
+        `bounded` as for `submit`.
         """
-        future: Future[T] = Future()
+        future: TaskFuture[T] = TaskFuture()
         with self._tasks_lock:
-            if self._stopped:
-                future.set_exception(EngineStopped("engine is shutting down"))
+            if self._refused(future, bounded):
                 return future
             self._slices.append((fn, future))  # type: ignore[arg-type]
         self.adapter.request_wakeup()
         return future
+
+    def _refused(self, future: Future[T], bounded: bool) -> bool:
+        """Under _tasks_lock: fail `future` if the engine stopped, or if
+        `bounded` and the queue is full."""
+        if self._stopped:
+            future.set_exception(EngineStopped("engine is shutting down"))
+            return True
+        pending = len(self._tasks) + len(self._slices)
+        if bounded and pending >= self.config.max_pending_tasks:
+            self.overload.queue_full += 1
+            future.set_exception(QueueFull(pending, self.config.max_pending_tasks, queue_retry_after(self._recent_wait)))
+            return True
+        return False
+
+    def pending_tasks(self) -> int:
+        """Tasks and slices queued now (the queue-depth metric)."""
+        return len(self._tasks) + len(self._slices)
 
     def has_pending(self) -> bool:
         return bool(self._tasks or self._slices)
@@ -159,14 +197,12 @@ class KvHintCore:
 
     def run_pending(self) -> None:
         """Engine thread, at a step boundary: expire retention, run queued
-        tasks, then slices for at most SLICE_BUDGET_S."""
+        tasks for at most config.step_apply_budget_ms (at least one), then
+        slices for at most SLICE_BUDGET_S. Asks for another wakeup when work
+        is left."""
         self.expire_retention()
-        while self._tasks:
-            with self._tasks_lock:
-                if not self._tasks:
-                    break
-                fn, future = self._tasks.popleft()
-            _run(future, fn)
+        if self._tasks:
+            self._run_tasks()
         if self._slices:
             deadline = time.perf_counter() + SLICE_BUDGET_S
             ran = False
@@ -177,14 +213,35 @@ class KvHintCore:
                     fn, future = self._slices.popleft()
                 ran = True
                 _run(future, partial(fn, deadline))
+        if self._tasks or self._slices:
+            self.adapter.request_wakeup()
+
+    def _run_tasks(self) -> None:
+        budget = self.config.step_apply_budget_ms / 1000.0
+        deadline = time.perf_counter() + budget if budget > 0 else float("inf")
+        ran = False
+        while self._tasks:
+            now = time.perf_counter()
+            if ran and now >= deadline:
+                self._cutoffs += 1
+                self.overload.budget_cutoffs += 1
+                return
+            with self._tasks_lock:
+                if not self._tasks:
+                    break
+                fn, future, cutoffs, submitted = self._tasks.popleft()
+            self._recent_wait = 0.8 * self._recent_wait + 0.2 * (now - submitted)
+            future.deferred_steps = self._cutoffs - cutoffs
+            ran = True
+            _run(future, fn)
 
     def stop(self) -> None:
         """Fail queued tasks; later submits fail immediately."""
         with self._tasks_lock:
             self._stopped = True
-            tasks, self._tasks = [*self._tasks, *self._slices], deque()
-            self._slices = deque()
-        for _, future in tasks:
+            futures = [t[1] for t in self._tasks] + [t[1] for t in self._slices]
+            self._tasks, self._slices = deque(), deque()
+        for future in futures:
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineStopped("engine is shutting down"))
 

@@ -22,6 +22,13 @@ enums of kvhint.v1):
                                             (budget="pin"|"retention"; unlimited: absent)
   tenant_budget_used_blocks{tenant,budget}  blocks the tenant pins / protects now
                                             (tenant names come from the tenants file)
+  rejections_total{cause}                   calls refused RESOURCE_EXHAUSTED:
+                                            queue_full, rate_limited
+  engine_queue_depth                        engine-thread tasks queued now
+  deferred_batches_total                    ApplyHints batches that waited past
+                                            a spent step budget
+  step_budget_exhausted_total               steps that left queued tasks for
+                                            the next one
 
 Where they are visible:
   * vLLM's own `/metrics`, when the vLLM process tree runs in prometheus_client's
@@ -34,12 +41,14 @@ Where they are visible:
 How: nothing on the engine thread's hot path. A daemon thread follows the
 EventBus (counting HintApplied, PinBroken, OperationCompleted and
 TierTransferCompleted events as a subscriber would) and samples the gauges
+and the core's overload counters (kvhint_server.overload.OverloadStats)
 every `interval_s`. Only ApplyHints latency and snapshot time are observed
 where they happen (`observe_apply`, `observe_snapshot`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -57,6 +66,7 @@ from .events import (
     TierTransferCompleted,
 )
 from .model import Outcome, Reason
+from .overload import CAUSE_QUEUE_FULL, CAUSE_RATE_LIMITED, OverloadStats
 
 if TYPE_CHECKING:
     from .core import KvHintCore
@@ -111,6 +121,13 @@ class KvHintMetrics:
                                  ["tenant", "budget"], **live, **kw)
         self.skipped = Counter("kvhint_metrics_events_skipped",
                                "Events the exporter could not count (outside the replay window).", **kw)
+        self.rejections = Counter("kvhint_rejections", "Calls refused RESOURCE_EXHAUSTED, by cause.",
+                                  ["cause"], **kw)
+        self.queue_depth = Gauge("kvhint_engine_queue_depth", "Engine-thread tasks queued now.", **live, **kw)
+        self.deferred_batches = Counter("kvhint_deferred_batches",
+                                        "ApplyHints batches that waited past a spent step budget.", **kw)
+        self.budget_exhausted = Counter("kvhint_step_budget_exhausted",
+                                        "Engine steps whose hint-work budget ran out with tasks left.", **kw)
 
     # ------------------------------------------------------------ per event
 
@@ -158,6 +175,7 @@ class MetricsExporter:
         self._subscribers = subscribers
         self._interval = interval_s
         self._cursor = core.bus.last_sequence
+        self._overload_seen = OverloadStats()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -200,6 +218,8 @@ class MetricsExporter:
         self._m.pin_budget.set(ledger.pin_budget_blocks)
         self._m.pin_used.set(pinned)
         self._m.in_flight.set(len(self._core.operations.pending()))
+        self._m.queue_depth.set(self._core.pending_tasks())
+        self._count_overload()
         if self._subscribers is not None:
             count, lag = self._subscribers()
             self._m.subscribers.set(count)
@@ -209,6 +229,19 @@ class MetricsExporter:
                 self._m.tenant_used.labels(tenant, budget).set(used)
                 if limit is not None:
                     self._m.tenant_budget.labels(tenant, budget).set(limit)
+
+
+    def _count_overload(self) -> None:
+        now, seen, m = dataclasses.replace(self._core.overload), self._overload_seen, self._m
+        for cause, counter in ((CAUSE_QUEUE_FULL, "queue_full"), (CAUSE_RATE_LIMITED, "rate_limited")):
+            delta = getattr(now, counter) - getattr(seen, counter)
+            if delta > 0:
+                m.rejections.labels(cause).inc(delta)
+        if now.deferred_batches > seen.deferred_batches:
+            m.deferred_batches.inc(now.deferred_batches - seen.deferred_batches)
+        if now.budget_cutoffs > seen.budget_cutoffs:
+            m.budget_exhausted.inc(now.budget_cutoffs - seen.budget_cutoffs)
+        self._overload_seen = now
 
 
 _metrics: KvHintMetrics | None = None

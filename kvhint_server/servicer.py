@@ -4,6 +4,10 @@ Handlers take raw request bytes and parse them here, so an undecodable
 request is INVALID_ARGUMENT (with ErrorInfo) instead of grpc's generic
 INTERNAL. Work that touches engine state runs on the engine thread through
 KvHintCore.submit and is awaited with the RPC's deadline.
+
+Overload (kvhint_server/overload.py): each RPC that reaches the engine thread
+first spends its cost from the caller's rate limit, then submits bounded;
+either refusal is RESOURCE_EXHAUSTED with RetryInfo, with nothing applied.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -22,10 +25,11 @@ from kvhint.v1 import kvhint_pb2 as pb
 
 from . import wire
 from .config import ServerConfig
-from .core import EngineStopped, KvHintCore
-from .errors import RpcError, excerpt, invalid_argument, not_found, unavailable
+from .core import EngineStopped, KvHintCore, TaskFuture
+from .errors import RpcError, excerpt, invalid_argument, not_found, resource_exhausted, unavailable
 from .executor import HintExecutor
 from .model import Reason
+from .overload import CAUSE_QUEUE_FULL, CAUSE_RATE_LIMITED, QueueFull, RateLimiter, principal_of
 from .page_tokens import PageTokens
 from . import tenant_guard
 from .tenancy import Tenant, current_principal
@@ -57,6 +61,7 @@ class KvHintServicer:
         self.queries = Queries(core, self.executor)
         self.hub: WatchHub | None = None
         self._page_tokens = PageTokens(core.bus.epoch)
+        self.rate_limiter = RateLimiter.from_config(config)
         # Metrics (kvhint_server.metrics), set by the server when exported.
         self.metrics: KvHintMetrics | None = None
         # Tenancy (tenancy.py, tenant_guard.py): None without KVHINT_TENANTS_FILE.
@@ -76,9 +81,33 @@ class KvHintServicer:
 
     # ------------------------------------------------------------ plumbing
 
+    def _rate_limit(self, context: grpc.aio.ServicerContext, cost: int) -> str:
+        """Spend `cost` from the caller's bucket (RpcError if over); returns the principal."""
+        if self.rate_limiter is None:
+            return ""
+        # With tenancy the bucket is the tenant's (one per tenant, whichever
+        # token or certificate it uses); otherwise the caller's credential or peer.
+        tenant = current_principal() if self.tenants is not None else None
+        principal = "tenant:" + tenant.name if tenant is not None else principal_of(context)
+        wait = self.rate_limiter.take(principal, cost)
+        if wait > 0:
+            self.core.overload.rate_limited += 1
+            limiter = self.rate_limiter
+            if cost > limiter.burst:
+                message = f"rate limited: a call costing {cost} exceeds the burst of {limiter.burst}; split it"
+            else:
+                message = f"rate limited ({limiter.rate:g}/s, burst {limiter.burst}): retry in {wait:.3f}s"
+            raise resource_exhausted(message, CAUSE_RATE_LIMITED, wait)
+        return principal
+
     async def _on_engine(self, fn: Callable[[], T], context: grpc.aio.ServicerContext) -> T:
         """Run `fn` on the engine thread, bounded by the RPC deadline."""
-        future: Future[T] = self.core.submit(fn)
+        return await self._await_engine(self._submit(fn), context)
+
+    def _submit(self, fn: Callable[[], T]) -> TaskFuture[T]:
+        return self.core.submit(fn, bounded=True)
+
+    async def _await_engine(self, future: TaskFuture[T], context: grpc.aio.ServicerContext) -> T:
         remaining = context.time_remaining()
         timeout = self.config.engine_task_timeout_s if remaining is None else min(remaining, self.config.engine_task_timeout_s)
         try:
@@ -89,6 +118,8 @@ class KvHintServicer:
             return await asyncio.wrap_future(future)
         except EngineStopped as exc:
             raise unavailable(Reason.SHUTTING_DOWN, str(exc)) from exc
+        except QueueFull as exc:
+            raise resource_exhausted(f"{exc}; retry in {exc.retry_after:.3f}s", CAUSE_QUEUE_FULL, exc.retry_after) from None
 
     # ------------------------------------------------------------ RPCs
 
@@ -102,13 +133,21 @@ class KvHintServicer:
         return await self._apply_hints(request, context)
 
     async def _apply_hints(self, request: pb.ApplyHintsRequest, context: grpc.aio.ServicerContext) -> pb.ApplyHintsResponse:
+        cost = len(request.hints)
+        principal = self._rate_limit(context, cost)
         items = parse_apply_request(request, self.config, self.core.info)
         hints = list(request.hints)
         tenant = self._scoped()
         guard = tenant_guard.TenantGuard(self.core, self.tenants, tenant) if tenant is not None else None
-        results, sequence = await self._on_engine(lambda: self.executor.apply_batch(items, hints, guard), context)
+        future = self._submit(lambda: self.executor.apply_batch(items, hints, guard))
+        if self.rate_limiter is not None and future.done() and isinstance(future.exception(), QueueFull):
+            self.rate_limiter.give_back(principal, cost)  # refused at once: nothing ran, nothing spent
+        results, sequence = await self._await_engine(future, context)
+        if future.deferred_steps:
+            self.core.overload.deferred_batches += 1
         return pb.ApplyHintsResponse(
-            results=[wire.hint_result(r) for r in results], epoch=self.core.bus.epoch, applied_at_sequence=sequence
+            results=[wire.hint_result(r) for r in results], epoch=self.core.bus.epoch, applied_at_sequence=sequence,
+            deferred_steps=future.deferred_steps,
         )
 
     def page_tokens(self) -> PageTokens:
@@ -122,6 +161,7 @@ class KvHintServicer:
         return min(asked or self.config.default_page_size, self.config.max_page_size)
 
     async def QueryResidency(self, request: pb.QueryResidencyRequest, context: grpc.aio.ServicerContext) -> pb.QueryResidencyResponse:
+        self._rate_limit(context, 1)
         selector = parse_query_selector(request.selector, request.HasField("selector"), self.config)
         tiers = parse_query_tiers(request.tiers)
         tenant = self._scoped()
@@ -150,6 +190,7 @@ class KvHintServicer:
         return response
 
     async def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext) -> pb.ListSessionsResponse:
+        self._rate_limit(context, 1)
         prefix = check_request_id(request.session_id_prefix, "session_id_prefix", self.config.max_id_length, required=False)
         tokens = self.page_tokens()
         scope = hashlib.sha256(prefix.encode()).hexdigest()[:16]
@@ -176,13 +217,17 @@ class KvHintServicer:
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchEventsResponse | bytes]:
         validate_watch_request(request, self.config)
+        self._rate_limit(context, 1)
         assert self.hub is not None
         tenant = self._scoped()
         scope = tenant_guard.WatchScope(tenant) if tenant is not None else None
         if scope is not None:
             scope.check_filter(request.filter.session_ids)
-        async for message in self.hub.stream(request, scope):
-            yield message
+        try:
+            async for message in self.hub.stream(request, scope):
+                yield message
+        except QueueFull as exc:  # the snapshot's first task, before any message
+            raise resource_exhausted(f"{exc}; retry in {exc.retry_after:.3f}s", CAUSE_QUEUE_FULL, exc.retry_after) from None
 
 
 # ---------------------------------------------------------------- registration

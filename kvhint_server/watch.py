@@ -159,7 +159,7 @@ class WatchHub:
         core, bus = self._core, self._bus
         snap = SnapshotCursor(self._queries, self.snapshot_max_items)
         began = time.perf_counter()
-        start = await asyncio.wrap_future(core.submit(snap.begin))
+        start = await asyncio.wrap_future(core.submit(snap.begin, bounded=True))  # QueueFull: nothing sent yet
         sent = start.sequence
         yield self._control(sent, snapshot_begin=pb.SnapshotBegin(num_sessions=start.num_sessions, num_blocks=start.num_blocks))
         block_size = core.info.block_size

@@ -14,6 +14,13 @@ Contract summary (the normative text is in each message below):
 * Session identity is policy metadata, never cache identity: it never
   enters block hashing, and identical content is shared across sessions.
 * Every residency change a hint causes is visible on WatchEvents.
+* Overload: a call over the caller's rate limit, or one the engine-thread
+  queue has no room for, fails RESOURCE_EXHAUSTED with ErrorInfo (reason
+  REASON_RESOURCE_EXHAUSTED, metadata "cause": "rate_limited" or
+  "queue_full") and a google.rpc.RetryInfo giving when a retry can succeed
+  (absent when it cannot: a batch larger than the burst). Nothing of such a
+  call was applied. Hint work delayed by the per-step budget is reported in
+  ApplyHintsResponse.deferred_steps.
 
 Block hashes are the engine's external block hash, as the engine publishes
 it on its own KV events. For vLLM that is the raw digest (32 bytes for
@@ -1350,11 +1357,19 @@ class ApplyHintsResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     APPLIED_AT_SEQUENCE_FIELD_NUMBER: _builtins.int
+    DEFERRED_STEPS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.str
     """The event position right after the batch was applied: every event the
     batch caused has a sequence <= applied_at_sequence.
     """
     applied_at_sequence: _builtins.int
+    deferred_steps: _builtins.int
+    """Overload: how many engine steps ended with their hint-work budget
+    (KVHINT_STEP_APPLY_BUDGET_MS) spent while this batch waited in the
+    engine-thread queue, so it was applied that many steps later than it
+    could have been. 0 when it was applied at the first step boundary. A
+    batch is never split across steps: all of its results are from one step.
+    """
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___HintResult]: ...
     def __init__(
@@ -1363,10 +1378,11 @@ class ApplyHintsResponse(_message.Message):
         results: _abc.Iterable[Global___HintResult] | None = ...,
         epoch: _builtins.str = ...,
         applied_at_sequence: _builtins.int = ...,
+        deferred_steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_at_sequence", b"applied_at_sequence", "epoch", b"epoch", "results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_at_sequence", b"applied_at_sequence", "deferred_steps", b"deferred_steps", "epoch", b"epoch", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

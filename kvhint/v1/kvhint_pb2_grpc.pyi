@@ -14,6 +14,13 @@ Contract summary (the normative text is in each message below):
 * Session identity is policy metadata, never cache identity: it never
   enters block hashing, and identical content is shared across sessions.
 * Every residency change a hint causes is visible on WatchEvents.
+* Overload: a call over the caller's rate limit, or one the engine-thread
+  queue has no room for, fails RESOURCE_EXHAUSTED with ErrorInfo (reason
+  REASON_RESOURCE_EXHAUSTED, metadata "cause": "rate_limited" or
+  "queue_full") and a google.rpc.RetryInfo giving when a retry can succeed
+  (absent when it cannot: a batch larger than the burst). Nothing of such a
+  call was applied. Hint work delayed by the per-step budget is reported in
+  ApplyHintsResponse.deferred_steps.
 
 Block hashes are the engine's external block hash, as the engine publishes
 it on its own KV events. For vLLM that is the raw digest (32 bytes for

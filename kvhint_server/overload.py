@@ -1,0 +1,178 @@
+"""Overload control: per-caller rate limits, the engine-queue bound's error,
+and the counters the metrics exporter reads.
+
+Contract:
+  * Rate limits (KVHINT_RATE_LIMIT_HINTS_PER_S, KVHINT_RATE_LIMIT_BURST; 0 =
+    unlimited) are token buckets, one per principal (`principal_of`). A bucket
+    holds at most `burst` tokens and refills at `rate` tokens per second, so in
+    any interval of t seconds a principal is admitted at most rate*t + burst
+    tokens. ApplyHints costs one token per hint; QueryResidency, ListSessions
+    and WatchEvents cost one per call; GetCapabilities and GetOperation are
+    free (they never touch the engine thread). A call over its limit fails
+    RESOURCE_EXHAUSTED (ErrorInfo reason REASON_RESOURCE_EXHAUSTED, metadata
+    cause=rate_limited) with a google.rpc.RetryInfo saying when the same call
+    would be admitted; it changes nothing. A batch larger than the burst can
+    never be admitted and says so (no RetryInfo: split the batch).
+  * The engine-thread queue holds at most KVHINT_MAX_PENDING_TASKS tasks from
+    RPCs (KvHintCore.submit/submit_slice with bounded=True). Past it the
+    submit fails with QueueFull, the RPC RESOURCE_EXHAUSTED (cause=queue_full)
+    with RetryInfo = the recent queue wait, and nothing of the request ran.
+  * `OverloadStats` counts rejections and deferred work for the metrics
+    exporter (plain ints: read from any thread, written under the GIL).
+
+`principal_of(context)` is the one place that decides who a caller is; today
+it is a hash of the presented `authorization` header (only as trustworthy as
+the server's authentication: without KVHINT_AUTH_TOKEN anyone may present
+any header), else the peer's host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: Causes in ErrorInfo.metadata["cause"] and the rejections metric's label.
+CAUSE_QUEUE_FULL = "queue_full"
+CAUSE_RATE_LIMITED = "rate_limited"
+#: Bounds of the RetryInfo a full queue advertises (seconds).
+MIN_QUEUE_RETRY_S, MAX_QUEUE_RETRY_S = 0.005, 1.0
+#: Principals whose buckets are remembered at most (least recently used go;
+#: a forgotten bucket comes back full, which only ever admits what an idle
+#: principal's full bucket would have).
+MAX_PRINCIPALS = 65_536
+
+
+class QueueFull(RuntimeError):
+    """The engine-thread queue is at its bound; nothing was queued."""
+
+    def __init__(self, pending: int, bound: int, retry_after: float) -> None:
+        super().__init__(f"the engine queue is full ({pending} tasks pending, bound {bound})")
+        self.pending = pending
+        self.bound = bound
+        self.retry_after = retry_after
+
+
+@dataclass
+class OverloadStats:
+    """Monotonic counters (read by kvhint_server.metrics)."""
+
+    queue_full: int = 0  # submits refused at the queue bound
+    rate_limited: int = 0  # calls refused by a rate limit
+    deferred_batches: int = 0  # ApplyHints batches that waited past >= 1 step budget
+    budget_cutoffs: int = 0  # steps that ended with tasks left for the next one
+
+
+def principal_of(context: Any) -> str:
+    """A stable key for the caller of an RPC (grpc ServicerContext).
+
+    The hash of the `authorization` header when one is presented, else the
+    peer's host (port dropped: a client's reconnects stay one principal).
+    With tenancy, the servicer keys buckets by the tenant name instead.
+    """
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            raw = value.encode() if isinstance(value, str) else bytes(value)
+            return "token:" + hashlib.sha256(raw).hexdigest()[:16]
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return "peer:" + rest.rsplit(":", 1)[0]
+    return "peer:" + peer
+
+
+class TokenBucket:
+    """`burst` tokens at most, refilled at `rate` per second (from full)."""
+
+    __slots__ = ("rate", "burst", "tokens", "stamp")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = float(burst)
+        self.stamp = now
+
+    def _refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def take(self, cost: float, now: float) -> float:
+        """Take `cost` tokens: 0.0 if admitted, else the seconds until they
+        would be there (math.inf if cost > burst). Takes nothing unless admitted."""
+        self._refill(now)
+        if cost <= self.tokens:
+            self.tokens -= cost
+            return 0.0
+        if cost > self.burst:
+            return math.inf
+        return (cost - self.tokens) / self.rate
+
+    def give_back(self, cost: float) -> None:
+        self.tokens = min(self.burst, self.tokens + cost)
+
+
+class RateLimiter:
+    """Token buckets per principal (thread-safe)."""
+
+    def __init__(self, rate: float, burst: int = 0, clock: Callable[[], float] = time.monotonic,
+                 max_principals: int = MAX_PRINCIPALS) -> None:
+        if rate <= 0:
+            raise ValueError("rate must be > 0")
+        self.rate = rate
+        # Burst 0: one second's worth, at least one token.
+        self.burst = burst if burst > 0 else max(1, math.ceil(rate))
+        self._clock = clock
+        self._max = max_principals
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: Any, clock: Callable[[], float] = time.monotonic) -> RateLimiter | None:
+        """The limiter the config asks for; None when unlimited."""
+        if config.rate_limit_hints_per_s <= 0:
+            return None
+        return cls(config.rate_limit_hints_per_s, config.rate_limit_burst, clock)
+
+    def take(self, principal: str, cost: float) -> float:
+        """0.0 if `principal` may spend `cost` now (and it is spent), else the
+        seconds to wait (math.inf: never, cost > burst)."""
+        now = self._clock()
+        with self._lock:
+            bucket = self._buckets.get(principal)
+            if bucket is None:
+                bucket = self._buckets[principal] = TokenBucket(self.rate, self.burst, now)
+                if len(self._buckets) > self._max:
+                    self._buckets.popitem(last=False)
+            else:
+                self._buckets.move_to_end(principal)
+            return bucket.take(cost, now)
+
+    def give_back(self, principal: str, cost: float) -> None:
+        """Refund a cost whose call was refused later (nothing ran)."""
+        with self._lock:
+            bucket = self._buckets.get(principal)
+            if bucket is not None:
+                bucket.give_back(cost)
+
+
+def queue_retry_after(recent_wait_s: float) -> float:
+    """RetryInfo for a full queue: how long tasks recently waited, bounded."""
+    return min(MAX_QUEUE_RETRY_S, max(MIN_QUEUE_RETRY_S, recent_wait_s))
+
+
+__all__ = [
+    "CAUSE_QUEUE_FULL",
+    "CAUSE_RATE_LIMITED",
+    "OverloadStats",
+    "QueueFull",
+    "RateLimiter",
+    "TokenBucket",
+    "principal_of",
+    "queue_retry_after",
+]
