@@ -202,7 +202,7 @@ class HintSender:
 
         def apply() -> Any:
             t = thread_ns()
-            results, _ = self.executor.apply_batch(items)
+            results = self.executor.apply_batch(items).results
             dt = thread_ns() - t
             blocks = sum(sum(r.affected.values()) for r in results)
             self.batches.append({"hints": len(wire), "actions": actions, "ns": dt, "blocks": blocks,

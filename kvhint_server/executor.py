@@ -18,9 +18,12 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvhint.v1 import kvhint_pb2 as pb
 
 from . import resolution
+from . import wire as wire_format
 from .adapter import TierTask
 from .errors import excerpt
 from .events import HintApplied
@@ -46,6 +49,14 @@ if TYPE_CHECKING:
 _FROM_END = (Action.RELEASE, Action.EVICT, Action.DEMOTE)
 
 
+class BatchApplied(NamedTuple):
+    results: list[HintResult]
+    # Sequence of the last event the batch caused.
+    sequence: int
+    # The results as pb.HintResult, in request order.
+    messages: list[pb.HintResult]
+
+
 class HintExecutor:
     def __init__(self, core: KvHintCore) -> None:
         self.core = core
@@ -55,18 +66,20 @@ class HintExecutor:
 
     # ------------------------------------------------------------ batch
 
-    def apply_batch(self, parsed: Sequence[ParsedHint], guard: TenantGuard | None = None) -> tuple[list[HintResult], int]:
-        """Engine thread. Returns the results (request order) and the sequence
-        of the last event the batch caused. `guard`: the calling tenant's
-        limits (tenant_guard.py)."""
+    def apply_batch(self, parsed: Sequence[ParsedHint], guard: TenantGuard | None = None) -> BatchApplied:
+        """Engine thread. Returns the results (request order), the sequence of
+        the last event the batch caused, and the results' wire form (made once,
+        for the response and the HintApplied events). `guard`: the calling
+        tenant's limits (tenant_guard.py)."""
         self._guard = guard
         try:
             return self._apply_batch(parsed)
         finally:
             self._guard = None
 
-    def _apply_batch(self, parsed: Sequence[ParsedHint]) -> tuple[list[HintResult], int]:
+    def _apply_batch(self, parsed: Sequence[ParsedHint]) -> BatchApplied:
         results: list[HintResult] = []
+        messages: list[pb.HintResult] = []
         for p in parsed:
             # The id binds to the hint's content whether the hint is valid or
             # not (validation.hint_fingerprint), so one rule covers both.
@@ -76,14 +89,17 @@ class HintExecutor:
             result = self._replay(hint_id, fingerprint, self._guard.id_key(hint_id) if self._guard and hint_id else hint_id)
             if result is not None and result.replayed:
                 results.append(result)  # seen before: not again, no new event
+                messages.append(wire_format.hint_result(result))
                 continue
             if result is None:
                 result = self._apply(spec) if spec is not None else item  # type: ignore[assignment]
                 if hint_id:
                     self._remember(self._guard.id_key(hint_id) if self._guard else hint_id, fingerprint, result)
-            self.core.bus.publish(HintApplied(wire, result), sessions=_sessions_of(item))
+            message = wire_format.hint_result(result)
+            self.core.bus.publish(HintApplied(wire, result, message), sessions=_sessions_of(item))
             results.append(result)
-        return results, self.core.bus.last_sequence
+            messages.append(message)
+        return BatchApplied(results, self.core.bus.last_sequence, messages)
 
     def _replay(self, hint_id: str, fingerprint: bytes, key: str) -> HintResult | None:
         if not hint_id:

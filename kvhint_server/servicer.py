@@ -139,11 +139,11 @@ class KvHintServicer:
         future = self._submit(lambda: self.executor.apply_batch(parsed, guard))
         if self.rate_limiter is not None and future.done() and isinstance(future.exception(), QueueFull):
             self.rate_limiter.give_back(principal, cost)  # refused at once: nothing ran, nothing spent
-        results, sequence = await self._await_engine(future, context)
+        applied = await self._await_engine(future, context)
         if future.deferred_steps:
             self.core.overload.deferred_batches += 1
         return pb.ApplyHintsResponse(
-            results=[wire.hint_result(r) for r in results], epoch=self.core.bus.epoch, applied_at_sequence=sequence,
+            results=applied.messages, epoch=self.core.bus.epoch, applied_at_sequence=applied.sequence,
             deferred_steps=future.deferred_steps,
         )
 

@@ -179,7 +179,7 @@ class Cache:
     def apply(self, *hints: pb.Hint) -> list[HintResult]:
         """Validate and apply a batch on this (the engine) thread, as ApplyHints does."""
         parsed = parse_apply_request(pb.ApplyHintsRequest(hints=list(hints)), self.core.config, self.core.info)
-        results, _ = self.executor.apply_batch(parsed)
+        results = self.executor.apply_batch(parsed).results
         return results
 
 

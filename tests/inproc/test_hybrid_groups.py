@@ -70,7 +70,7 @@ def run(scheduler: Any, rid: str, prompt: list[int], sid: str | None = None) -> 
 def apply(scheduler: Any, *hints: pb.Hint) -> list[HintResult]:
     core = scheduler.kvhint_core
     parsed = parse_apply_request(pb.ApplyHintsRequest(hints=list(hints)), core.config, core.info)
-    return core.executor.apply_batch(parsed)[0]
+    return core.executor.apply_batch(parsed).results
 
 
 def resume(seed: str) -> list[int]:
