@@ -189,7 +189,7 @@ class HintSender:
 
         self._parse = parse_apply_request
         self.core = scheduler.kvhint_core
-        self.executor = scheduler.kvhint_server.servicer.executor
+        self.executor = scheduler.kvhint_core.executor
         self.config = scheduler.kvhint_server.servicer.config
         self.batches: list[dict[str, Any]] = []
 
@@ -202,7 +202,7 @@ class HintSender:
 
         def apply() -> Any:
             t = thread_ns()
-            results, _ = self.executor.apply_batch(items, wire)
+            results = self.executor.apply_batch(items).results
             dt = thread_ns() - t
             blocks = sum(sum(r.affected.values()) for r in results)
             self.batches.append({"hints": len(wire), "actions": actions, "ns": dt, "blocks": blocks,

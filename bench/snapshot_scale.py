@@ -48,9 +48,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server import KvHintCore, ServerConfig, wire
 from kvhint_server.adapter import DeviceOnlyTiers, EvictReport
 from kvhint_server.core import SLICE_BUDGET_S
-from kvhint_server.executor import HintExecutor
 from kvhint_server.model import BlockState, EngineInfo, RequestCoords, Tier, TierInfo
-from kvhint_server.queries import Queries
 from kvhint_server.snapshot import SnapshotCursor
 
 from bench.report import write_markdown
@@ -150,7 +148,7 @@ def _serialize(epoch: str, sequence: int, chunks: list[tuple[str, list]]) -> int
 
 def measure(n: int) -> dict[str, object]:
     core, engine, shared, joins = _populated(n)
-    queries = Queries(core, HintExecutor(core))
+    queries = core.queries
     gc.collect()  # the population's garbage is not the snapshot's cost
     # Sliced snapshot, as watch.py takes it; one new session stores a block between steps.
     cursor = SnapshotCursor(queries)

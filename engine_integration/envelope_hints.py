@@ -17,7 +17,7 @@ from typing import Any
 
 from kvhint_client.envelope import EnvelopeError, envelope_to_hints
 from kvhint_server.executor import HintExecutor
-from kvhint_server.validation import parse_hint
+from kvhint_server.validation import parse_hints
 
 log = logging.getLogger("kvhint.vllm")
 
@@ -32,5 +32,4 @@ def apply_request_envelope(executor: HintExecutor, request: Any) -> None:
     if not hints:
         return
     core = executor.core
-    items = [parse_hint(h, core.config, core.info) for h in hints]
-    executor.apply_batch(items, hints)
+    executor.apply_batch(parse_hints(hints, core.config, core.info))

@@ -123,7 +123,7 @@ class KvHintScheduler(Scheduler):
 
     def add_request(self, request: Any) -> None:
         if getattr(request, "kv_hints", None) is not None:
-            apply_request_envelope(self.kvhint_server.servicer.executor, request)
+            apply_request_envelope(self.kvhint_core.executor, request)
         super().add_request(request)
 
     def shutdown(self) -> None:

@@ -46,10 +46,12 @@ from .events import (
     PinBroken,
     TierTransferCompleted,
 )
+from .executor import HintExecutor
 from .index import LeaveCause, Removal, SessionPrefixIndex
 from .model import EngineInfo, RemovalCause, RequestCoords, RetentionView, Tier, session_of_owner
 from .operations import OperationRegistry
 from .overload import OverloadStats, QueueFull, queue_retry_after
+from .queries import Queries
 from .retention import RetentionLedger
 
 log = logging.getLogger("kvhint.core")
@@ -110,6 +112,11 @@ class KvHintCore:
         self._tasks_lock = threading.Lock()
         self._stopped = False
         self.overload = OverloadStats()
+        # The engine-thread state's users, owned here so that the gRPC servicer
+        # and the engine's own paths (request envelopes) share one of each:
+        # the executor's idempotency window is the engine's, whoever applied.
+        self.executor = HintExecutor(self)
+        self.queries = Queries(self)
         self._cutoffs = 0  # steps whose task budget ran out with tasks left
         self._recent_wait = 0.0  # EWMA of the queue wait of tasks run, seconds
 

@@ -89,6 +89,9 @@ class PinBroken(NamedTuple):
 class HintApplied(NamedTuple):
     hint: Any  # the wire Hint message, as received
     result: HintResult
+    # The result's pb.HintResult, converted once by the executor for both the
+    # ApplyHints response and this event (None: converted when sent).
+    message: Any = None
 
 
 class OperationCompleted(NamedTuple):

@@ -18,10 +18,13 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvhint.v1 import kvhint_pb2 as pb
+
+from . import resolution
+from . import wire as wire_format
 from .adapter import TierTask
-from .core import KvHintCore
 from .errors import excerpt
 from .events import HintApplied
 from .model import (
@@ -37,12 +40,21 @@ from .model import (
     session_owner,
     tiers_of,
 )
-from .validation import hint_fingerprint, hint_id_bindable
+from .validation import ParsedHint, hint_fingerprint, hint_id_bindable
 
 if TYPE_CHECKING:
+    from .core import KvHintCore
     from .tenant_guard import TenantGuard
 
 _FROM_END = (Action.RELEASE, Action.EVICT, Action.DEMOTE)
+
+
+class BatchApplied(NamedTuple):
+    results: list[HintResult]
+    # Sequence of the last event the batch caused.
+    sequence: int
+    # The results as pb.HintResult, in request order.
+    messages: list[pb.HintResult]
 
 
 class HintExecutor:
@@ -54,37 +66,40 @@ class HintExecutor:
 
     # ------------------------------------------------------------ batch
 
-    def apply_batch(
-        self, items: Sequence[HintSpec | HintResult], wire_hints: Sequence[Any], guard: TenantGuard | None = None
-    ) -> tuple[list[HintResult], int]:
-        """Engine thread. Returns the results (request order) and the sequence
-        of the last event the batch caused. `guard`: the calling tenant's
-        limits (tenant_guard.py)."""
+    def apply_batch(self, parsed: Sequence[ParsedHint], guard: TenantGuard | None = None) -> BatchApplied:
+        """Engine thread. Returns the results (request order), the sequence of
+        the last event the batch caused, and the results' wire form (made once,
+        for the response and the HintApplied events). `guard`: the calling
+        tenant's limits (tenant_guard.py)."""
         self._guard = guard
         try:
-            return self._apply_batch(items, wire_hints)
+            return self._apply_batch(parsed)
         finally:
             self._guard = None
 
-    def _apply_batch(self, items: Sequence[HintSpec | HintResult], wire_hints: Sequence[Any]) -> tuple[list[HintResult], int]:
+    def _apply_batch(self, parsed: Sequence[ParsedHint]) -> BatchApplied:
         results: list[HintResult] = []
-        for item, wire in zip(items, wire_hints):
+        messages: list[pb.HintResult] = []
+        for p in parsed:
             # The id binds to the hint's content whether the hint is valid or
             # not (validation.hint_fingerprint), so one rule covers both.
-            spec = item if isinstance(item, HintSpec) else None
+            spec, item, wire = p.spec, p.item, p.wire
             hint_id = item.hint_id if hint_id_bindable(item.hint_id, self.core.config) else ""
             fingerprint = spec.fingerprint if spec is not None else (hint_fingerprint(wire) if hint_id else b"")
             result = self._replay(hint_id, fingerprint, self._guard.id_key(hint_id) if self._guard and hint_id else hint_id)
             if result is not None and result.replayed:
                 results.append(result)  # seen before: not again, no new event
+                messages.append(wire_format.hint_result(result))
                 continue
             if result is None:
                 result = self._apply(spec) if spec is not None else item  # type: ignore[assignment]
                 if hint_id:
                     self._remember(self._guard.id_key(hint_id) if self._guard else hint_id, fingerprint, result)
-            self.core.bus.publish(HintApplied(wire, result), sessions=_sessions_of(item))
+            message = wire_format.hint_result(result)
+            self.core.bus.publish(HintApplied(wire, result, message), sessions=_sessions_of(item))
             results.append(result)
-        return results, self.core.bus.last_sequence
+            messages.append(message)
+        return BatchApplied(results, self.core.bus.last_sequence, messages)
 
     def _replay(self, hint_id: str, fingerprint: bytes, key: str) -> HintResult | None:
         if not hint_id:
@@ -108,36 +123,10 @@ class HintExecutor:
     # ------------------------------------------------------------ resolution
 
     def resolve(self, selector: Selector) -> list[bytes]:
-        """Block hashes the selector names, in chain order (range applied).
-        May include blocks with no resident copy (parent-only nodes)."""
-        index = self.core.index
-        if selector.kind is SelectorKind.SESSION:
-            hashes = index.resolve_session(selector.session_id, selector.include_children)
-        elif selector.kind is SelectorKind.CONTINUATION:
-            hashes = index.resolve_continuation(selector.continuation_id)
-        else:
-            return list(selector.block_hashes)
-        if selector.has_range:
-            end = selector.range_end if selector.range_end is not None else 1 << 62
-            nodes = index.nodes
-            hashes = [h for h in hashes if selector.range_start <= nodes[h].position < end]
-        return hashes
+        return resolution.resolve(self.core, selector)
 
     def tiers_of(self, hashes: Sequence[bytes]) -> dict[bytes, int]:
-        """Tier bitmask per hash (index for tracked blocks, adapter for the rest)."""
-        index = self.core.index
-        out: dict[bytes, int] = {}
-        unknown: list[bytes] = []
-        for h in hashes:
-            node = index.node(h)
-            if node is None:
-                unknown.append(h)
-            else:
-                out[h] = node.tiers
-        if unknown:
-            for h, state in self.core.adapter.lookup(unknown).items():
-                out[h] = state.tiers
-        return out
+        return resolution.tiers_of(self.core, hashes)
 
     def _resident(self, spec: HintSpec, tier: Tier = Tier.DEVICE) -> list[bytes]:
         hashes = self.resolve(spec.selector)

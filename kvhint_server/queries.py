@@ -11,11 +11,14 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .core import KvHintCore
-from .executor import HintExecutor
+from . import resolution
 from .index import MAX_MEMBERS_REPORTED
 from .model import RetentionView, Selector, Tier, session_owner, tiers_of
+
+if TYPE_CHECKING:
+    from .core import KvHintCore
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +58,8 @@ class SessionPage:
 
 
 class Queries:
-    def __init__(self, core: KvHintCore, executor: HintExecutor) -> None:
+    def __init__(self, core: KvHintCore) -> None:
         self.core = core
-        self.executor = executor
 
     def block_views(self, hashes: Sequence[bytes], cache: dict[bytes, BlockView] | None = None) -> list[BlockView]:
         """Views of the blocks that are tracked or resident (others are left
@@ -100,7 +102,7 @@ class Queries:
         wanted = 0
         for t in tier_filter:
             wanted |= t.bit
-        views = self.block_views(self.executor.resolve(selector))
+        views = self.block_views(resolution.resolve(self.core, selector))
         if wanted:
             views = [v for v in views if v.tiers & wanted]
         totals: dict[Tier, int] = {}

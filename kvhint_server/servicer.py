@@ -27,13 +27,11 @@ from . import wire
 from .config import ServerConfig
 from .core import EngineStopped, KvHintCore, TaskFuture
 from .errors import RpcError, excerpt, invalid_argument, not_found, resource_exhausted, unavailable
-from .executor import HintExecutor
 from .model import Reason
 from .overload import CAUSE_QUEUE_FULL, CAUSE_RATE_LIMITED, QueueFull, RateLimiter, principal_of
 from .page_tokens import PageTokens
 from . import tenant_guard
 from .tenancy import Tenant, current_principal
-from .queries import Queries
 from .validation import check_request_id, parse_apply_request, parse_query_selector, parse_query_tiers, validate_watch_request
 from .watch import WatchHub
 
@@ -57,8 +55,8 @@ class KvHintServicer:
     def __init__(self, core: KvHintCore, config: ServerConfig) -> None:
         self.core = core
         self.config = config
-        self.executor = HintExecutor(core)
-        self.queries = Queries(core, self.executor)
+        self.executor = core.executor
+        self.queries = core.queries
         self.hub: WatchHub | None = None
         self._page_tokens = PageTokens(core.bus.epoch)
         self.rate_limiter = RateLimiter.from_config(config)
@@ -135,18 +133,17 @@ class KvHintServicer:
     async def _apply_hints(self, request: pb.ApplyHintsRequest, context: grpc.aio.ServicerContext) -> pb.ApplyHintsResponse:
         cost = len(request.hints)
         principal = self._rate_limit(context, cost)
-        items = parse_apply_request(request, self.config, self.core.info)
-        hints = list(request.hints)
+        parsed = parse_apply_request(request, self.config, self.core.info)
         tenant = self._scoped()
         guard = tenant_guard.TenantGuard(self.core, self.tenants, tenant) if tenant is not None else None
-        future = self._submit(lambda: self.executor.apply_batch(items, hints, guard))
+        future = self._submit(lambda: self.executor.apply_batch(parsed, guard))
         if self.rate_limiter is not None and future.done() and isinstance(future.exception(), QueueFull):
             self.rate_limiter.give_back(principal, cost)  # refused at once: nothing ran, nothing spent
-        results, sequence = await self._await_engine(future, context)
+        applied = await self._await_engine(future, context)
         if future.deferred_steps:
             self.core.overload.deferred_batches += 1
         return pb.ApplyHintsResponse(
-            results=[wire.hint_result(r) for r in results], epoch=self.core.bus.epoch, applied_at_sequence=sequence,
+            results=applied.messages, epoch=self.core.bus.epoch, applied_at_sequence=applied.sequence,
             deferred_steps=future.deferred_steps,
         )
 

@@ -8,6 +8,9 @@ reports CLIPPED/TTL_CAPPED).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from google.protobuf import duration_pb2
 
 from kvhint.v1 import kvhint_pb2 as pb
@@ -140,6 +143,34 @@ def hint_id_bindable(hint_id: str, config: ServerConfig) -> bool:
     return bool(hint_id) and len(hint_id.encode("utf-8")) <= config.max_hint_id_length
 
 
+@dataclass(frozen=True, slots=True)
+class ParsedHint:
+    """One hint of a batch: the wire message as received (published in its
+    HintApplied event, and fingerprinted for its hint_id) and exactly one of
+    its validated spec or its rejection."""
+
+    wire: pb.Hint
+    spec: HintSpec | None
+    rejection: HintResult | None
+
+    @property
+    def hint_id(self) -> str:
+        return self.wire.hint_id
+
+    @property
+    def item(self) -> HintSpec | HintResult:
+        return self.spec if self.spec is not None else self.rejection  # type: ignore[return-value]
+
+
+def parse_hints(hints: Sequence[pb.Hint], config: ServerConfig, info: EngineInfo) -> list[ParsedHint]:
+    """Every hint of a batch, parsed; per-hint problems become rejections, never exceptions."""
+    out = []
+    for hint in hints:
+        item = parse_hint(hint, config, info)
+        out.append(ParsedHint(hint, item, None) if isinstance(item, HintSpec) else ParsedHint(hint, None, item))
+    return out
+
+
 def parse_hint(hint: pb.Hint, config: ServerConfig, info: EngineInfo) -> HintSpec | HintResult:
     """A wire Hint -> HintSpec, or a REJECTED result."""
     hint_id = hint.hint_id
@@ -225,7 +256,7 @@ def _expected_reuse(msg: pb.RetainAction | pb.PinAction, ttl_s: float) -> float 
     return min(seconds, ttl_s)
 
 
-def parse_apply_request(request: pb.ApplyHintsRequest, config: ServerConfig, info: EngineInfo) -> list[HintSpec | HintResult]:
+def parse_apply_request(request: pb.ApplyHintsRequest, config: ServerConfig, info: EngineInfo) -> list[ParsedHint]:
     n = len(request.hints)
     if n == 0:
         raise invalid_argument("ApplyHintsRequest.hints is empty", "hints")
@@ -233,7 +264,7 @@ def parse_apply_request(request: pb.ApplyHintsRequest, config: ServerConfig, inf
         raise invalid_argument(
             f"{n} hints exceed max_hints_per_batch={config.max_hints_per_batch}", "hints", Reason.TOO_MANY_HINTS
         )
-    return [parse_hint(h, config, info) for h in request.hints]
+    return parse_hints(request.hints, config, info)
 
 
 def parse_query_selector(request_selector: pb.Selector, has_selector: bool, config: ServerConfig) -> Selector:

@@ -225,7 +225,7 @@ def event_bytes(ev: Event, epoch: str) -> bytes:
             pb.PinBroken(block_hashes=list(p.block_hashes), session_ids=list(p.session_ids), shortfall_blocks=p.shortfall_blocks)
         )
     elif isinstance(p, HintApplied):
-        msg.hint_applied.CopyFrom(pb.HintApplied(hint=p.hint, result=hint_result(p.result)))
+        msg.hint_applied.CopyFrom(pb.HintApplied(hint=p.hint, result=p.message if p.message is not None else hint_result(p.result)))
     elif isinstance(p, OperationCompleted):
         msg.operation_completed.CopyFrom(pb.OperationCompleted(operation=operation(p.operation)))
     elif isinstance(p, AllBlocksCleared):

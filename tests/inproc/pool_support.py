@@ -36,7 +36,6 @@ from engine_integration.inproc import make_request
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.config import ServerConfig
 from kvhint_server.core import KvHintCore
-from kvhint_server.executor import HintExecutor
 from kvhint_server.model import HintResult, RetentionClass
 from kvhint_server.validation import parse_apply_request
 
@@ -100,7 +99,7 @@ class Cache:
             self.adapter = VllmAdapter(self.core, scheduler_like, None)
             self.adapter.attach_pool(install(scheduler_like, self.adapter))
             self.core.attach(self.adapter)
-            self.executor = HintExecutor(self.core)
+            self.executor = self.core.executor
 
     # ------------------------------------------------------------ the scheduler's calls
 
@@ -179,8 +178,8 @@ class Cache:
 
     def apply(self, *hints: pb.Hint) -> list[HintResult]:
         """Validate and apply a batch on this (the engine) thread, as ApplyHints does."""
-        items = parse_apply_request(pb.ApplyHintsRequest(hints=list(hints)), self.core.config, self.core.info)
-        results, _ = self.executor.apply_batch(items, list(hints))
+        parsed = parse_apply_request(pb.ApplyHintsRequest(hints=list(hints)), self.core.config, self.core.info)
+        results = self.executor.apply_batch(parsed).results
         return results
 
 

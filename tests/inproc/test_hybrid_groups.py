@@ -25,7 +25,6 @@ from engine_integration.kv_groups import residency_view
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client import KvHintClient
 from kvhint_server.events import BlocksRemoved, BlocksStored
-from kvhint_server.executor import HintExecutor
 from kvhint_server.model import HintResult, KvCacheGroupKind, Outcome, Tier
 from kvhint_server.validation import parse_apply_request
 
@@ -70,8 +69,8 @@ def run(scheduler: Any, rid: str, prompt: list[int], sid: str | None = None) -> 
 
 def apply(scheduler: Any, *hints: pb.Hint) -> list[HintResult]:
     core = scheduler.kvhint_core
-    items = parse_apply_request(pb.ApplyHintsRequest(hints=list(hints)), core.config, core.info)
-    return HintExecutor(core).apply_batch(items, list(hints))[0]
+    parsed = parse_apply_request(pb.ApplyHintsRequest(hints=list(hints)), core.config, core.info)
+    return core.executor.apply_batch(parsed).results
 
 
 def resume(seed: str) -> list[int]:

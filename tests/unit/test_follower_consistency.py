@@ -29,9 +29,7 @@ from kvhint_unit_support import FakeClock, FakeEngine, tiered_engine_info
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client.follower import EngineTracker, ResidencyIndex
 from kvhint_server import KvHintCore, ServerConfig, wire
-from kvhint_server.executor import HintExecutor
 from kvhint_server.model import RemovalCause, Selector, SelectorKind, Tier
-from kvhint_server.queries import Queries
 from kvhint_server.snapshot import SnapshotCursor
 from kvhint_server.validation import parse_apply_request
 
@@ -66,8 +64,8 @@ class World:
         self.core = KvHintCore(self.config, monotonic=FakeClock())
         self.engine = SyncEngine(self.core)
         self.core.attach(self.engine)
-        self.queries = Queries(self.core, HintExecutor(self.core))
-        self.executor = self.queries.executor
+        self.queries = self.core.queries
+        self.executor = self.core.executor
         self.follower = ResidencyIndex()
         self.tracker = EngineTracker(ENGINE, "addr", self.follower)
         self.fed: int | None = None  # last sequence handed to the follower (None: not subscribed)
@@ -107,8 +105,8 @@ class World:
         self.engine.run(clear)
 
     def hint(self, hint: pb.Hint) -> None:
-        items = parse_apply_request(pb.ApplyHintsRequest(hints=[hint]), self.config, self.core.info)
-        self.engine.run(lambda: self.executor.apply_batch(items, [hint]))
+        parsed = parse_apply_request(pb.ApplyHintsRequest(hints=[hint]), self.config, self.core.info)
+        self.engine.run(lambda: self.executor.apply_batch(parsed))
 
     # ---- the follower's stream
     def _deliver_events(self, upto: int) -> None:

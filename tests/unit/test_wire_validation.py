@@ -32,6 +32,11 @@ from kvhint_server.model import (
 )
 from kvhint_server.validation import parse_apply_request
 
+
+def items_of(request, config, info):
+    """Each hint's validated spec or rejection, in request order."""
+    return [p.item for p in parse_apply_request(request, config, info)]
+
 CONFIG = ServerConfig(
     max_ttl_s=600.0,
     max_hints_per_batch=6,
@@ -259,7 +264,9 @@ def test_every_hint_gets_a_spec_or_a_reasoned_rejection(batch, info):
         assert exc.value.field == "hints"
         assert exc.value.reason is (Reason.TOO_MANY_HINTS if batch else Reason.MALFORMED_REQUEST)
         return
-    items = parse_apply_request(request, CONFIG, info)  # never raises for per-hint problems
+    parsed = parse_apply_request(request, CONFIG, info)  # never raises for per-hint problems
+    assert [p.wire for p in parsed] == list(batch) and all((p.spec is None) != (p.rejection is None) for p in parsed)
+    items = [p.item for p in parsed]
     assert len(items) == len(batch)
     for hint, item in zip(batch, items):
         problems = oracle(hint, info)
@@ -316,12 +323,12 @@ def test_fingerprint_identifies_the_hint_without_its_id(a, b, new_id):
     """Idempotency compares fingerprints: the same hint under another id must
     match, a different hint must not."""
     info = FULL
-    [sa] = parse_apply_request(pb.ApplyHintsRequest(hints=[a]), CONFIG, info)
+    [sa] = items_of(pb.ApplyHintsRequest(hints=[a]), CONFIG, info)
     renamed = pb.Hint()
     renamed.CopyFrom(a)
     renamed.hint_id = new_id[: CONFIG.max_hint_id_length]
-    [sr] = parse_apply_request(pb.ApplyHintsRequest(hints=[renamed]), CONFIG, info)
-    [sb] = parse_apply_request(pb.ApplyHintsRequest(hints=[b]), CONFIG, info)
+    [sr] = items_of(pb.ApplyHintsRequest(hints=[renamed]), CONFIG, info)
+    [sb] = items_of(pb.ApplyHintsRequest(hints=[b]), CONFIG, info)
     if isinstance(sa, HintSpec) and isinstance(sr, HintSpec):
         assert sa.fingerprint == sr.fingerprint
     if isinstance(sa, HintSpec) and isinstance(sb, HintSpec):
@@ -334,7 +341,7 @@ def test_ttl_above_cap_is_granted_at_the_cap_with_the_request_preserved():
         selector=pb.Selector(session=pb.SessionSelector(session_id="s")),
         pin=pb.PinAction(ttl=duration_pb2.Duration(seconds=7200, nanos=500_000_000)),
     )
-    [spec] = parse_apply_request(pb.ApplyHintsRequest(hints=[hint]), CONFIG, LOCAL)
+    [spec] = items_of(pb.ApplyHintsRequest(hints=[hint]), CONFIG, LOCAL)
     assert isinstance(spec, HintSpec)
     assert spec.ttl_s == CONFIG.max_ttl_s and spec.requested_ttl_s == 7200.5
 
@@ -345,7 +352,7 @@ def test_unadvertised_actions_are_rejected_unsupported(action):
     getattr(hint, action).SetInParent()
     if action == "share":
         hint.share.destination = "peer-1:50151"
-    [result] = parse_apply_request(pb.ApplyHintsRequest(hints=[hint]), CONFIG, LOCAL)
+    [result] = items_of(pb.ApplyHintsRequest(hints=[hint]), CONFIG, LOCAL)
     assert isinstance(result, HintResult)
     assert (result.outcome, result.reason) == (Outcome.REJECTED, Reason.UNSUPPORTED)
 
@@ -353,7 +360,7 @@ def test_unadvertised_actions_are_rejected_unsupported(action):
 def test_one_bad_hint_does_not_fail_the_batch():
     good = pb.Hint(selector=pb.Selector(session=pb.SessionSelector(session_id="s")), release=pb.ReleaseAction())
     bad = pb.Hint(hint_id="bad", release=pb.ReleaseAction())  # no selector
-    items = parse_apply_request(pb.ApplyHintsRequest(hints=[good, bad, good]), CONFIG, LOCAL)
+    items = items_of(pb.ApplyHintsRequest(hints=[good, bad, good]), CONFIG, LOCAL)
     assert [type(i) for i in items] == [HintSpec, HintResult, HintSpec]
     assert items[1].reason is Reason.INVALID_HINT
 
