@@ -165,6 +165,10 @@ def child_share_reader(model: str, root: str, out_path: str) -> None:
 # ------------------------------------------------------------------- helpers
 def _env() -> dict:
     env = dict(os.environ)
+    # Children choose their engine mode: the share writer needs vLLM's default (EngineCore in its
+    # own process, whose busy loop finishes the file-tier stores while the writer waits); an
+    # earlier import in this pytest process (bench.step_overhead) may have set in-process mode.
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return env
 
