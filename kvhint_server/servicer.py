@@ -193,13 +193,18 @@ class KvHintServicer:
         scope = hashlib.sha256(prefix.encode()).hexdigest()[:16]
         after = tokens.verify(request.page_token, scope, "a", str, self.config.max_id_length) if request.page_token else None
         size = self._page_size(request.page_size)
-        listed = tenant_guard.narrow_prefix(self._scoped(), prefix)
+        tenant = self._scoped()
+        listed = tenant_guard.narrow_prefix(tenant, prefix)
         if listed is None:  # no session of the caller's namespace can match
             return pb.ListSessionsResponse(as_of_epoch=tokens.epoch, as_of_sequence=self.core.bus.last_sequence)
         page = await self._on_engine(lambda: self.queries.sessions(listed, after, size), context)
         response = pb.ListSessionsResponse(
             sessions=[wire.session_info(s) for s in page.sessions], as_of_epoch=tokens.epoch, as_of_sequence=page.sequence
         )
+        if tenant is not None:
+            for info in response.sessions:  # another tenant's parent is not the caller's to see
+                if info.parent_session_id and not tenant.owns(info.parent_session_id):
+                    info.parent_session_id = ""
         if page.next_after is not None:
             response.next_page_token = tokens.issue(scope, "a", page.next_after)
         return response

@@ -153,6 +153,14 @@ class Tenants:
 # ---------------------------------------------------------------- loading
 
 
+def _claim(path: str, at: str, what: str, values: list[str], seen: dict[str, str], tenant: str) -> None:
+    """Give `values` to `tenant`; one already given to another tenant is an error."""
+    for j, value in enumerate(values):
+        if value in seen:
+            raise _fail(path, f"{at}[{j}]", f"{what} already given to tenant {seen[value]!r}")
+        seen[value] = tenant
+
+
 def _fail(path: str, where: str, problem: str) -> ValueError:
     from .config import ConfigError
 
@@ -218,16 +226,10 @@ def parse_tenants(data: object, path: str = "<inline>", extra_admin_token: str =
         identities = _strings(path, f"{at}.client_identities", entry.get("client_identities"))
         if not tokens and not identities:
             raise _fail(path, f"{at}.tokens", "a tenant needs at least one token or client identity")
-        for j, tok in enumerate(tokens):
-            if tok in seen_tokens:
-                raise _fail(path, f"{at}.tokens[{j}]", f"token already given to tenant {seen_tokens[tok]!r}")
-            seen_tokens[tok] = name
+        _claim(path, f"{at}.tokens", "token", tokens, seen_tokens, name)
         if extra_admin_token and extra_admin_token in tokens:
             raise _fail(path, f"{at}.tokens", "a token equals KVHINT_AUTH_TOKEN (which is the admin token)")
-        for j, ident in enumerate(identities):
-            if ident in seen_ids:
-                raise _fail(path, f"{at}.client_identities[{j}]", f"identity already given to tenant {seen_ids[ident]!r}")
-            seen_ids[ident] = name
+        _claim(path, f"{at}.client_identities", "identity", identities, seen_ids, name)
         pin = _budget(path, f"{at}.pin_budget_blocks", entry.get("pin_budget_blocks"))
         retention = _budget(path, f"{at}.retention_budget_blocks", entry.get("retention_budget_blocks"))
         if role is Role.ADMIN and (pin is not None or retention is not None):

@@ -193,20 +193,17 @@ class TenantGuard:
             self._use = budget_use(self.core, self.tenants)[tenant.name]
         pinned, protected = self._use
         requested = len(hashes)
+        budgets = []
         if spec.action is Action.PIN and tenant.pin_budget_blocks is not None:
-            hashes = self._within(hashes, pinned, tenant.pin_budget_blocks)
-            if len(hashes) < requested:
-                clips.append(Clip(Reason.PIN_BUDGET,
-                                  f"tenant {tenant.name!r} pin budget of {tenant.pin_budget_blocks} blocks: "
-                                  f"pinned {len(hashes)} of {requested}",
-                                  requested_blocks=requested, granted_blocks=len(hashes)))
+            budgets.append((pinned, tenant.pin_budget_blocks, Reason.PIN_BUDGET, "pin", "pinned"))
         if tenant.retention_budget_blocks is not None:
+            budgets.append((protected, tenant.retention_budget_blocks, Reason.RESOURCE_EXHAUSTED, "retention", "protected"))
+        for used, budget, reason, name, verb in budgets:
             before = len(hashes)
-            hashes = self._within(hashes, protected, tenant.retention_budget_blocks)
+            hashes = self._within(hashes, used, budget)
             if len(hashes) < before:
-                clips.append(Clip(Reason.RESOURCE_EXHAUSTED,
-                                  f"tenant {tenant.name!r} retention budget of {tenant.retention_budget_blocks} blocks: "
-                                  f"protected {len(hashes)} of {requested}",
+                clips.append(Clip(reason, f"tenant {tenant.name!r} {name} budget of {budget} blocks: "
+                                          f"{verb} {len(hashes)} of {requested}",
                                   requested_blocks=requested, granted_blocks=len(hashes)))
         protected.update(hashes)
         if spec.action is Action.PIN:

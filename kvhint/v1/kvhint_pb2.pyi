@@ -1599,7 +1599,9 @@ class SessionInfo(_message.Message):
     LAST_ACTIVE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     parent_session_id: _builtins.str
-    """Empty if the session has no parent."""
+    """Empty if the session has no parent, or (tenancy) when the parent is
+    another tenant's session.
+    """
     @_builtins.property
     def frontier_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """Last block of each branch."""

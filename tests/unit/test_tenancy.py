@@ -428,3 +428,14 @@ def test_an_mtls_client_certificate_identifies_its_tenant(tmp_path: Path) -> Non
             assert [s.session_id for s in listed.sessions] == ["a/x", "b/y"]
     finally:
         hx.close()
+
+
+def test_a_parent_in_another_tenants_namespace_is_not_shown(hx: Harness) -> None:
+    hx.engine.store([h(1)], session="a/parent")
+    hx.engine.store([h(1), h(2)], session="b/child", parent_session="a/parent", prefix_hit=True)
+    hx.engine.store([h(3)], session="b/kid", parent_session="b/child")
+    def parents(who) -> dict[str, str]:
+        response = hx.stub.ListSessions(pb.ListSessionsRequest(), metadata=who, timeout=5)
+        return {s.session_id: s.parent_session_id for s in response.sessions}
+    assert parents(B) == {"b/child": "", "b/kid": "b/child"}
+    assert parents(ADMIN)["b/child"] == "a/parent"

@@ -3219,7 +3219,8 @@ type SessionInfo struct {
 	unknownFields protoimpl.UnknownFields
 
 	SessionId string `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
-	// Empty if the session has no parent.
+	// Empty if the session has no parent, or (tenancy) when the parent is
+	// another tenant's session.
 	ParentSessionId string `protobuf:"bytes,2,opt,name=parent_session_id,json=parentSessionId,proto3" json:"parent_session_id,omitempty"`
 	// Last block of each branch.
 	FrontierHashes [][]byte `protobuf:"bytes,3,rep,name=frontier_hashes,json=frontierHashes,proto3" json:"frontier_hashes,omitempty"`
