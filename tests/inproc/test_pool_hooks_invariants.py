@@ -8,8 +8,9 @@ After every step (and a step boundary, `run_pending`), whatever the hints did:
     queue, retained and pinned ones protected;
   * protected blocks still count as free: an allocation of every free block
     is served (protection never makes the pool smaller);
-  * Evict never drops a block a running request uses, and says CLIPPED with
-    BLOCKS_IN_USE exactly when it skipped one.
+  * Evict never drops a block a running request uses, nor one another session
+    pinned, and says CLIPPED with BLOCKS_IN_USE / PINNED_BY_OTHER_SESSION exactly
+    when it skipped one.
 """
 
 from __future__ import annotations
@@ -70,14 +71,19 @@ def apply_hint(cache: Cache, action: str, sid: str, priority: int, ttl: float) -
         cache.apply(release(session(sid)))
     else:
         states = cache.adapter.lookup(cache.executor.resolve(Selector(SelectorKind.SESSION, session_id=sid)))
-        in_use = {h for h, state in states.items() if state.in_use}
         resident = [h for h, state in states.items() if state.tiers & Tier.DEVICE.bit]
+        core, owner = cache.core, Selector(SelectorKind.SESSION, session_id=sid).owner
+        # Blocks another session pinned (a shared prefix) are not this Evict's to drop.
+        pinned_by_other = {h for h in resident if core.ledger.pinned_by_other(h, owner, core.monotonic())}
+        in_use = {h for h, state in states.items() if state.in_use} - pinned_by_other
         [result] = cache.apply(evict(session(sid)))
-        assert all(cache.is_cached(h) for h in in_use), "Evict dropped a block in use"
+        assert all(cache.is_cached(h) for h in in_use | pinned_by_other), "Evict dropped a block in use or pinned by another session"
         if resident:
             skipped = bool(in_use & set(resident))
-            assert (result.outcome is Outcome.CLIPPED and result.reason is Reason.BLOCKS_IN_USE) is skipped, result
-            assert not any(cache.is_cached(h) for h in set(resident) - in_use), "Evict left a free block cached"
+            reasons = {c.reason for c in result.clips}
+            assert (result.outcome is Outcome.CLIPPED and Reason.BLOCKS_IN_USE in reasons) is skipped, result
+            assert (Reason.PINNED_BY_OTHER_SESSION in reasons) is bool(pinned_by_other), result
+            assert not any(cache.is_cached(h) for h in set(resident) - in_use - pinned_by_other), "Evict left a free block cached"
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
