@@ -52,7 +52,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 from . import wire
 from .core import KvHintCore
 from .errors import RpcError, excerpt
-from .events import Event
+from .events import AllBlocksCleared, BlocksRemoved, BlocksStored, Event
 from .model import Action, Clip, HintResult, HintSpec, Reason, Selector, SelectorKind, tiers_of
 from .queries import Residency
 from .tenancy import Tenant, Tenants
@@ -265,10 +265,19 @@ def narrow_prefix(tenant: Tenant | None, prefix: str) -> str | None:
 
 
 class WatchScope:
-    """One tenant's view of the event stream."""
+    """One tenant's view of the event stream (one subscription; its coroutine only).
+
+    An event passes when it names one of the tenant's sessions. A removal passes
+    too when it removes a block this stream delivered as stored (or in its
+    snapshot): removals name at most 16 member sessions, so a widely shared
+    block's removal may name none of the tenant's, and a follower of the
+    tenant's stream must still see it go."""
 
     def __init__(self, tenant: Tenant) -> None:
         self.tenant = tenant
+        # Block hashes this stream reported stored and not yet reported removed
+        # from their last copy (bounded by the blocks the tenant's sessions hold).
+        self._delivered: set[bytes] = set()
 
     def check_filter(self, session_ids: Iterable[str]) -> None:
         for i, s in enumerate(session_ids):
@@ -278,7 +287,21 @@ class WatchScope:
                 )
 
     def matches(self, ev: Event) -> bool:
-        return any(self.tenant.owns(s) for s in ev.sessions)
+        p = ev.payload
+        mine = any(self.tenant.owns(s) for s in ev.sessions)
+        if isinstance(p, BlocksStored):
+            if mine:
+                self._delivered.update(p.block_hashes)
+            return mine
+        if isinstance(p, BlocksRemoved):
+            delivered = self._delivered
+            seen = [h for h in p.block_hashes if h in delivered]
+            if p.last_copy:
+                delivered.difference_update(seen)
+            return mine or bool(seen)
+        if isinstance(p, AllBlocksCleared):
+            return True  # names no session; every follower must drop the tier
+        return mine
 
     def chunk(self, session_id: str) -> bool:
         return bool(session_id) and self.tenant.owns(session_id)
@@ -307,6 +330,7 @@ class WatchScope:
     def block_infos(self, blocks: Sequence[pb.BlockInfo]) -> None:
         for b in blocks:
             _cut(b.session_ids, self.tenant.owns)
+            self._delivered.add(b.block_hash)
 
 
 def _cut(ids, owns) -> None:  # type: ignore[no-untyped-def]

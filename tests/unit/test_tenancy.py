@@ -240,6 +240,30 @@ def test_watch_events_carry_only_own_sessions(hx: Harness) -> None:
     assert error_info(err.value).metadata["field"] == "filter.session_ids[1]"
 
 
+def test_removal_of_a_widely_shared_block_reaches_the_tenant_stream(hx: Harness) -> None:
+    """Removals name at most 16 member sessions; a block B saw stored must still be
+    reported removed on B's stream when the 16 named are all A's."""
+    got_b: list[pb.WatchEventsResponse] = []
+    stop = threading.Event()
+    tb = _watch(hx, B, got_b, stop, start=pb.WatchEventsRequest.START_NOW)
+    hx.wait_subscribers(1)
+    for i in range(200):
+        hx.engine.store([h(1)], session=f"a/{i:03d}", prefix_hit=i > 0)
+    hx.engine.store([h(1)], session="b/y", prefix_hit=True)  # 1 of 201 members; the event names 16
+    hx.engine.store([h(2)], session="a/only")
+    hx.engine.remove([h(2)])  # never B's: not on B's stream
+    hx.engine.remove([h(1)])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any(m.HasField("blocks_removed") for m in got_b):
+        time.sleep(0.02)
+    stop.set()
+    hx.engine.store([h(5)], session="b/end")  # wakes the stream so it sees `stop`
+    tb.join(5)
+    removed = [bytes(x) for m in got_b if m.HasField("blocks_removed") for x in m.blocks_removed.block_hashes]
+    assert removed == [h(1)]
+    assert b"a/" not in b"".join(m.SerializeToString() for m in got_b)
+
+
 # ---------------------------------------------------------------- budgets and metrics
 
 
