@@ -146,6 +146,24 @@ def group_footprint(caps: pb.GetCapabilitiesResponse) -> Callable[[int], tuple[i
     return footprint
 
 
+def every_page(method: str, fetch: Callable[[str], Any], field: str) -> list[Any]:
+    """Every item of a paginated RPC: `fetch(page_token)` returns one response, whose
+    repeated `field` holds the page's items; next_page_token is followed to the end.
+    An RPC error or endless pagination fails the case."""
+    items: list[Any] = []
+    token = ""
+    for _ in range(10_000):
+        try:
+            page = fetch(token)
+        except grpc.RpcError as err:
+            raise CaseFailed(f"{method} failed: {rpc_error_text(err)}") from err
+        items.extend(getattr(page, field))
+        token = page.next_page_token
+        if not token:
+            return items
+    raise CaseFailed(f"{method} pagination did not end after 10000 pages")
+
+
 def make_plan(caps: pb.GetCapabilitiesResponse, options: Options) -> Plan:
     bs = max(1, caps.block_size)
     device = int(caps.num_device_blocks)
@@ -508,21 +526,15 @@ class CaseContext:
 
     def residency(self, selector: pb.Selector, tiers: Iterable[int] = (), page_size: int = 0) -> list[pb.BlockInfo]:
         """Every QueryResidency page, in order."""
-        blocks: list[pb.BlockInfo] = []
-        token = ""
-        for _ in range(10_000):
-            try:
-                page = self.stub.QueryResidency(
-                    pb.QueryResidencyRequest(selector=selector, tiers=list(tiers), page_size=page_size, page_token=token),  # type: ignore[arg-type]
-                    timeout=self.timeout,
-                )
-            except grpc.RpcError as err:
-                raise CaseFailed(f"QueryResidency failed: {rpc_error_text(err)}") from err
-            blocks.extend(page.blocks)
-            token = page.next_page_token
-            if not token:
-                return blocks
-        raise CaseFailed("QueryResidency pagination did not end after 10000 pages")
+        tiers = list(tiers)
+        return every_page(
+            "QueryResidency",
+            lambda token: self.stub.QueryResidency(
+                pb.QueryResidencyRequest(selector=selector, tiers=tiers, page_size=page_size, page_token=token),  # type: ignore[arg-type]
+                timeout=self.timeout,
+            ),
+            "blocks",
+        )
 
     def device_hashes(self, selector: pb.Selector) -> list[bytes]:
         return [b.block_hash for b in self.residency(selector) if pb.TIER_DEVICE in b.tiers]

@@ -151,14 +151,10 @@ class HintExecutor:
 
     def _cap(self, spec: HintSpec, hashes: list[bytes], clips: list[Clip]) -> list[bytes]:
         if spec.max_blocks and len(hashes) > spec.max_blocks:
-            clips.append(
-                Clip(
-                    Reason.MAX_BLOCKS,
-                    f"{len(hashes)} blocks selected, max_blocks={spec.max_blocks}",
-                    requested_blocks=len(hashes),
-                    granted_blocks=spec.max_blocks,
-                )
-            )
+            clips.append(Clip.of_blocks(
+                Reason.MAX_BLOCKS, f"{len(hashes)} blocks selected, max_blocks={spec.max_blocks}",
+                len(hashes), spec.max_blocks,
+            ))
             hashes = hashes[-spec.max_blocks :] if spec.action in _FROM_END else hashes[: spec.max_blocks]
         return hashes
 
@@ -194,14 +190,10 @@ class HintExecutor:
             if len(new) > headroom:
                 allowed = set(new[:headroom])
                 granted = [h for h in hashes if ledger.is_pinned(h) or h in allowed]
-                clips.append(
-                    Clip(
-                        Reason.PIN_BUDGET,
-                        f"pin budget of {ledger.pin_budget_blocks} blocks: pinned {len(granted)} of {len(hashes)}",
-                        requested_blocks=len(hashes),
-                        granted_blocks=len(granted),
-                    )
-                )
+                clips.append(Clip.of_blocks(
+                    Reason.PIN_BUDGET, f"pin budget of {ledger.pin_budget_blocks} blocks: pinned {len(granted)} of {len(hashes)}",
+                    len(hashes), len(granted),
+                ))
                 hashes = granted
         ledger.grant(
             spec.selector.owner,
@@ -263,27 +255,19 @@ class HintExecutor:
         now = core.monotonic()
         protected = [h for h in hashes if core.ledger.pinned_by_other(h, owner, now)]
         if protected:
-            clips.append(
-                Clip(
-                    Reason.PINNED_BY_OTHER_SESSION,
-                    f"{len(protected)} blocks are pinned by another session",
-                    requested_blocks=len(hashes),
-                    granted_blocks=len(hashes) - len(protected),
-                )
-            )
+            clips.append(Clip.of_blocks(
+                Reason.PINNED_BY_OTHER_SESSION, f"{len(protected)} blocks are pinned by another session",
+                len(hashes), len(hashes) - len(protected),
+            ))
             skip = set(protected)
             hashes = [h for h in hashes if h not in skip]
         # Tail first: evicting a prefix block first would strand its descendants.
         report = core.adapter.evict(list(reversed(hashes)))
         if report.in_use:
-            clips.append(
-                Clip(
-                    Reason.BLOCKS_IN_USE,
-                    f"{len(report.in_use)} blocks are in use by running requests",
-                    requested_blocks=len(hashes),
-                    granted_blocks=len(report.evicted),
-                )
-            )
+            clips.append(Clip.of_blocks(
+                Reason.BLOCKS_IN_USE, f"{len(report.in_use)} blocks are in use by running requests",
+                len(hashes), len(report.evicted),
+            ))
         return _result(spec, clips, {Tier.DEVICE: len(report.evicted)})
 
     def _tier_action(self, spec: HintSpec) -> HintResult:

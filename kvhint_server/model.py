@@ -174,6 +174,11 @@ class Clip:
     requested_blocks: int = 0
     granted_blocks: int = 0
 
+    @classmethod
+    def of_blocks(cls, reason: Reason, detail: str, requested: int, granted: int) -> Clip:
+        """A clip of the selected blocks: `granted` of `requested` took effect."""
+        return cls(reason, detail, requested_blocks=requested, granted_blocks=granted)
+
 
 @dataclass(slots=True)
 class HintResult:

@@ -173,14 +173,10 @@ class TenantGuard:
         """Evict/Demote: drop blocks another tenant shares or protects (CLIPPED)."""
         keep = [h for h in hashes if not foreign_block(self.core, self.tenants, self.tenant, h)]
         if len(keep) < len(hashes):
-            clips.append(
-                Clip(
-                    Reason.PERMISSION_DENIED,
-                    f"{len(hashes) - len(keep)} blocks are shared with or protected by another tenant",
-                    requested_blocks=len(hashes),
-                    granted_blocks=len(keep),
-                )
-            )
+            clips.append(Clip.of_blocks(
+                Reason.PERMISSION_DENIED, f"{len(hashes) - len(keep)} blocks are shared with or protected by another tenant",
+                len(hashes), len(keep),
+            ))
         return keep
 
     def clip_budget(self, spec: HintSpec, hashes: list[bytes], clips: list[Clip]) -> list[bytes]:
@@ -202,9 +198,8 @@ class TenantGuard:
             before = len(hashes)
             hashes = self._within(hashes, used, budget)
             if len(hashes) < before:
-                clips.append(Clip(reason, f"tenant {tenant.name!r} {name} budget of {budget} blocks: "
-                                          f"{verb} {len(hashes)} of {requested}",
-                                  requested_blocks=requested, granted_blocks=len(hashes)))
+                clips.append(Clip.of_blocks(reason, f"tenant {tenant.name!r} {name} budget of {budget} blocks: "
+                                                    f"{verb} {len(hashes)} of {requested}", requested, len(hashes)))
         protected.update(hashes)
         if spec.action is Action.PIN:
             pinned.update(hashes)

@@ -22,7 +22,7 @@ from kvhint.v1 import kvhint_pb2_grpc as pbg
 
 from .. import hints as H
 from ..model import CaseFailed, CaseSkipped, Registry, check
-from ..target import BearerToken, CaseContext, rpc_error_text
+from ..target import BearerToken, CaseContext, every_page, rpc_error_text
 
 _DENIED = ((pb.OUTCOME_REJECTED, pb.REASON_PERMISSION_DENIED), (pb.OUTCOME_MISSING, pb.REASON_NOT_RESIDENT))
 
@@ -41,19 +41,12 @@ class Tenant:
             raise CaseFailed(f"tenant {self.name}: ApplyHints failed: {rpc_error_text(err)}") from err
 
     def sessions(self, prefix: str = "") -> list[pb.SessionInfo]:
-        out: list[pb.SessionInfo] = []
-        token = ""
-        for _ in range(10_000):
-            try:
-                page = self.stub.ListSessions(pb.ListSessionsRequest(session_id_prefix=prefix, page_token=token),
-                                              timeout=self.timeout)
-            except grpc.RpcError as err:
-                raise CaseFailed(f"tenant {self.name}: ListSessions failed: {rpc_error_text(err)}") from err
-            out.extend(page.sessions)
-            token = page.next_page_token
-            if not token:
-                return out
-        raise CaseFailed("ListSessions pagination did not end")
+        return every_page(
+            f"tenant {self.name}: ListSessions",
+            lambda token: self.stub.ListSessions(pb.ListSessionsRequest(session_id_prefix=prefix, page_token=token),
+                                                 timeout=self.timeout),
+            "sessions",
+        )
 
 
 @contextlib.contextmanager
