@@ -110,19 +110,13 @@ class VllmAdapter:
 
     def _copies(self, ext: bytes) -> list[Any]:
         """Every cached copy of a logical block, in every group."""
-        digest = self._digest.get(ext) if self._int_hashes else ext
+        digest = self._digest_of(ext)
         if digest is None:
             return []
         cache = vllm_private.cached_block_map(self.pool)
         out: list[Any] = []
         for suffix in self._cacheable_suffixes:
-            entry = cache.get(digest + suffix)
-            if entry is None:
-                continue
-            if isinstance(entry, dict):  # several copies of the hash in this group
-                out.extend(entry.values())
-            else:
-                out.append(entry)
+            out.extend(vllm_private.copies_in(cache.get(digest + suffix)))
         return out
 
     def _held_by_all(self, digest: bytes, groups: tuple[int, ...]) -> bool:
@@ -269,27 +263,19 @@ class VllmAdapter:
     ) -> None:
         hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, block_size)
         ext = self.external
-        int_hashes = self._int_hashes
-        if block_mask is None:
-            fresh = [hashes[i] for i in range(num_cached_blocks, num_full_blocks) if not blocks[i].is_null]
-        else:
-            fresh = [
-                hashes[i]
-                for i in range(num_cached_blocks, num_full_blocks)
-                if not blocks[i].is_null and block_mask[i - num_cached_blocks]
-            ]
-        if int_hashes:  # the external hash is the digest's last 8 bytes (see external())
-            ext_fresh = [h[-8:] for h in fresh]
-            self._digest.update(zip(ext_fresh, fresh))
-        else:
-            ext_fresh = fresh
+        fresh = [
+            hashes[i]
+            for i in range(num_cached_blocks, num_full_blocks)
+            if not blocks[i].is_null and (block_mask is None or block_mask[i - num_cached_blocks])
+        ]
+        if self._int_hashes:
+            self._digest.update((ext(h), h) for h in fresh)
         groups = self.groups
         if group_id not in groups.residency:
             return  # a window-tail copy: resolved through its logical block, not reported
         if len(groups.residency) > 1:  # resident once the last residency group holds it
-            new = [ext(h) for h in fresh if self._held_by_all(h, groups.residency)]
-        else:
-            new = ext_fresh
+            fresh = [h for h in fresh if self._held_by_all(h, groups.residency)]
+        new = [ext(h) for h in fresh]
         self._resident.update(new)
         parent = ext(hashes[num_cached_blocks - 1]) if num_cached_blocks > 0 else None
         coords = request_coords(request, self._max_id)

@@ -99,8 +99,6 @@ class KvHintCore:
         # as ordered sets: a snapshot copies them, and copying in insertion order
         # (≈ allocation order) is several times faster than a set's hash order.
         self.resident: dict[Tier, dict[bytes, None]] = {t: {} for t in Tier}
-        # (tier bit, that tier's resident map): tiers_of runs once per new index node.
-        self._tier_maps = tuple((t.bit, self.resident[t]) for t in Tier)
         self.bus = EventBus(config.event_replay_window, clock=wall)
         self.operations = OperationRegistry(self.bus, config.operation_history)
         self.ledger = RetentionLedger(0, start=monotonic())
@@ -181,7 +179,7 @@ class KvHintCore:
         if self._stopped:
             future.set_exception(EngineStopped("engine is shutting down"))
             return True
-        pending = len(self._tasks) + len(self._slices)
+        pending = self.pending_tasks()
         if bounded and pending >= self.config.max_pending_tasks:
             self.overload.queue_full += 1
             future.set_exception(QueueFull(pending, self.config.max_pending_tasks, queue_retry_after(self._recent_wait)))
@@ -305,9 +303,9 @@ class KvHintCore:
     def tiers_of(self, h: bytes) -> int:
         """Tier bitmask of the published copies of `h`."""
         mask = 0
-        for bit, blocks in self._tier_maps:
+        for t, blocks in self.resident.items():
             if h in blocks:
-                mask |= bit
+                mask |= t.bit
         return mask
 
     def on_removed(
