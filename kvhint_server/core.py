@@ -101,7 +101,7 @@ class KvHintCore:
         self.resident: dict[Tier, dict[bytes, None]] = {t: {} for t in Tier}
         self.bus = EventBus(config.event_replay_window, clock=wall)
         self.operations = OperationRegistry(self.bus, config.operation_history)
-        self.ledger = RetentionLedger(0, start=monotonic())
+        self.ledger = RetentionLedger(0)
         self._adapter: EngineAdapter | None = None
         self._info: EngineInfo | None = None
         # (fn, future, budget cutoffs so far, perf_counter at submit)
@@ -365,7 +365,7 @@ class KvHintCore:
         self.resident[tier].clear()
         sessions = self.index.clear_tier(tier)
         if tier is Tier.DEVICE:
-            self.ledger = RetentionLedger(self.ledger.pin_budget_blocks, start=self.monotonic())
+            self.ledger = RetentionLedger(self.ledger.pin_budget_blocks)
         self.bus.publish(AllBlocksCleared(tier), sessions=sorted(sessions), tier=tier)
 
     def on_pin_broken(self, hashes: Sequence[bytes], shortfall_blocks: int) -> None:

@@ -3,8 +3,8 @@
 Grants are held per (block hash, owner). The owner is the selector's owner key
 (see model.Selector.owner). A block's effective class is the strongest
 unexpired grant: PINNED > RETAINED (highest priority wins) > ORDINARY. A
-grant whose deadline passed counts as absent even before the timer wheel
-reclaims it, so a missed tick never extends protection.
+grant whose deadline passed counts as absent even before the deadline queue
+reclaims it, so a late expiry never extends protection.
 
 A grant may carry an expected reuse time (`reuse_at`, monotonic seconds, at
 most its deadline). A block's expectation is the earliest among its
@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .model import ORDINARY, RetentionClass, RetentionView
-from .timer_wheel import TimerWheel
+from .deadlines import DeadlineQueue
 
 _RETAINED, _PINNED = RetentionClass.RETAINED, RetentionClass.PINNED
 # A block with more grants than this gets heaps (see _Heaps); fewer are scanned.
@@ -105,7 +105,7 @@ def _first_live(heap: list, per_block: dict[str, Grant], now: float) -> tuple | 
     """The first heap entry (..., owner, grant) whose grant is current and unexpired at `now`.
     Entries of replaced or dropped grants are popped for good; entries whose
     grant is current but expired at `now` are set aside and pushed back (a
-    later call may ask about an earlier `now`; the wheel drops them)."""
+    later call may ask about an earlier `now`; expiry drops them)."""
     aside = []
     found = None
     while heap:
@@ -124,14 +124,14 @@ def _first_live(heap: list, per_block: dict[str, Grant], now: float) -> tuple | 
 
 
 class RetentionLedger:
-    def __init__(self, pin_budget_blocks: int, start: float = 0.0) -> None:
+    def __init__(self, pin_budget_blocks: int) -> None:
         self.pin_budget_blocks = pin_budget_blocks
         # block -> owner -> grant. Read-only outside this class; its truthiness
         # is the cheap "any retention in effect?" check on hot paths.
         self.grants: dict[bytes, dict[str, Grant]] = {}
         self._by_owner: dict[str, set[bytes]] = {}
         self._pin_holders: dict[bytes, int] = {}  # block -> number of unexpired pin grants
-        self._wheel: TimerWheel[tuple[bytes, str]] = TimerWheel(start=start)
+        self._deadlines: DeadlineQueue[tuple[bytes, str]] = DeadlineQueue()
         self._heaps: dict[bytes, _Heaps] = {}  # blocks with more than scan_owners grants
         self.scan_owners = _SCAN_OWNERS
 
@@ -182,7 +182,7 @@ class RetentionLedger:
             if pinned:
                 self._pin_holders[h] = self._pin_holders.get(h, 0) + 1
             owned.add(h)
-            self._wheel.schedule((h, owner), deadline)
+            self._deadlines.schedule((h, owner), deadline)
             granted.append(h)
         return granted
 
@@ -263,7 +263,7 @@ class RetentionLedger:
     def expire(self, now: float) -> list[bytes]:
         """Drop grants whose deadline passed. Returns the blocks affected."""
         affected = []
-        for h, owner in self._wheel.advance(now):
+        for h, owner in self._deadlines.advance(now):
             per_block = self.grants.get(h)
             grant = per_block.get(owner) if per_block else None
             if grant is not None and grant.deadline <= now:
@@ -291,7 +291,7 @@ class RetentionLedger:
             if not owned:
                 del self._by_owner[owner]
         if cancel:
-            self._wheel.cancel((h, owner))
+            self._deadlines.cancel((h, owner))
 
     def _unpin(self, h: bytes) -> None:
         n = self._pin_holders.get(h, 0) - 1

@@ -1,8 +1,8 @@
-"""RetentionLedger and TimerWheel.
+"""RetentionLedger and DeadlineQueue.
 
 The ledger decides the free-pool class of every block (docs/design.md §4): PINNED >
 RETAINED (highest priority wins) > ORDINARY, and a grant whose deadline passed
-counts as absent even if no timer tick reclaimed it. The wheel only does
+counts as absent even if no expiry reclaimed it. The deadline queue only does
 proactive cleanup, but it must hand back every due key exactly once however
 irregularly it is advanced.
 """
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvhint_server.model import RetentionClass, RetentionView
 from kvhint_server.retention import RetentionLedger
-from kvhint_server.timer_wheel import TimerWheel
+from kvhint_server.deadlines import DeadlineQueue
 
 BLOCKS = [b"\x01", b"\x02", b"\x03", b"\x04"]
 OWNERS = ["s:a", "s:b", "c:k", "b:"]
@@ -286,58 +286,71 @@ def test_heaped_view_matches_scanned_view(ops, probes):
                 assert heaped.view(h, t) == scanned.view(h, t)
 
 
-# --------------------------------------------------------------------------- timer wheel
+# --------------------------------------------------------------------------- deadline queue
 
 KEYS = list(range(8))
 
-wheel_op = st.one_of(
-    # deadline relative to now: past, inside the current tick, across many wheel turns
+deadline_op = st.one_of(
+    # deadline relative to now: past, imminent, soon, far
     st.tuples(st.just("schedule"), st.sampled_from(KEYS), st.one_of(
         st.floats(-5.0, 0.0), st.floats(0.0, 0.06), st.floats(0.0, 3.0), st.floats(0.0, 200.0),
     )),
     st.tuples(st.just("cancel"), st.sampled_from(KEYS)),
-    # time jumps: none, inside one tick, a few ticks, more than the whole wheel span
+    # time jumps: none, tiny, a few ticks, long
     st.tuples(st.just("advance"), st.one_of(
         st.just(0.0), st.floats(0.0, 0.01), st.floats(0.0, 0.3), st.floats(0.0, 5.0), st.floats(0.0, 500.0),
     )),
 )
 
 
-@pytest.mark.parametrize("tick_s,slots", [(0.05, 1024), (0.05, 8), (0.1, 1), (0.013, 5)])
+@pytest.mark.parametrize("slack", [0, 3, 1024])
 @settings(max_examples=150, deadline=None)
-@given(start=st.floats(0.0, 1e6), ops=st.lists(wheel_op, max_size=60))
-def test_timer_wheel_returns_each_due_key_exactly_once(tick_s, slots, start, ops):
-    wheel: TimerWheel[int] = TimerWheel(tick_s=tick_s, slots=slots, start=start)
+@given(start=st.floats(0.0, 1e6), ops=st.lists(deadline_op, max_size=60))
+def test_deadline_queue_returns_each_due_key_exactly_once(slack, start, ops):
+    queue: DeadlineQueue[int] = DeadlineQueue(compact_slack=slack)
     pending: dict[int, float] = {}
     now = start
     for o in ops:
         if o[0] == "schedule":
             deadline = now + o[2]
-            wheel.schedule(o[1], deadline)
+            queue.schedule(o[1], deadline)
             pending[o[1]] = deadline  # rescheduling replaces the deadline
         elif o[0] == "cancel":
-            wheel.cancel(o[1])
+            queue.cancel(o[1])
             pending.pop(o[1], None)
         else:
             now += o[1]
-            due = wheel.advance(now)
+            due = queue.advance(now)
             want = sorted(k for k, d in pending.items() if d <= now)
             assert len(due) == len(set(due)), "a key was returned twice"
             assert sorted(due) == want, f"advance({now}) returned {sorted(due)}, expected {want}"
+            assert [pending[k] for k in due] == sorted(pending[k] for k in due), "not earliest first"
             for k in want:
                 del pending[k]
-        assert len(wheel) == len(pending)
+        assert len(queue) == len(pending)
+        # Stale entries (cancelled, rescheduled) stay bounded.
+        assert queue.heap_entries() <= 2 * len(pending) + slack + 1
         for k in KEYS:
-            assert (k in wheel) is (k in pending)
-            assert wheel.deadline(k) == pending.get(k)
+            assert (k in queue) is (k in pending)
+            assert queue.deadline(k) == pending.get(k)
     # Whatever is left fires once time passes every deadline.
     final = max([now, *pending.values()]) + 1.0
-    assert sorted(wheel.advance(final)) == sorted(pending)
-    assert wheel.advance(final + 1e4) == [] and len(wheel) == 0
+    assert sorted(queue.advance(final)) == sorted(pending)
+    assert queue.advance(final + 1e4) == [] and len(queue) == 0
 
 
-def test_timer_wheel_rejects_bad_geometry():
+def test_deadline_queue_rescheduling_churn_keeps_the_heap_bounded():
+    """A grant re-applied every turn reschedules its key: the old entries must not pile up
+    until their (far) deadlines pass, and each key fires once, at its last deadline."""
+    queue: DeadlineQueue[int] = DeadlineQueue(compact_slack=16)
+    for turn in range(10_000):
+        queue.schedule(turn % 10, 1e6 + turn)
+    assert len(queue) == 10
+    assert queue.heap_entries() <= 2 * 10 + 16 + 1
+    assert queue.advance(1e6 + 9_994.5) == [0, 1, 2, 3, 4]  # last deadlines 1e6 + 9_990 + k
+    assert queue.advance(2e6) == [5, 6, 7, 8, 9]
+
+
+def test_deadline_queue_rejects_negative_slack():
     with pytest.raises(ValueError):
-        TimerWheel(tick_s=0)
-    with pytest.raises(ValueError):
-        TimerWheel(slots=0)
+        DeadlineQueue(compact_slack=-1)
