@@ -79,19 +79,23 @@ class ClairvoyantSessionPolicy(SessionPolicy):
 
 class LibraryPolicy:
     """`SessionPolicy` on a trace's signals; each call returns the abstract actions sent then.
-    With `true_starts` the predictions are the true resume times (`ClairvoyantSessionPolicy`)."""
+    With `true_starts` the predictions are the true resume times (`ClairvoyantSessionPolicy`).
+    `pause_state`: start the pause model from a `PauseModel.export()` (warm start)."""
 
     def __init__(
         self,
         config: LibraryConfig,
         shared_prefix: Target | None = None,
         true_starts: Mapping[str, Sequence[float]] | None = None,
+        pause_state: Mapping[str, Any] | None = None,
     ) -> None:
         self._now = 0.0
         if true_starts is None:
-            self.policy = SessionPolicy(config, clock=lambda: self._now, id_prefix="b")
+            self.policy = SessionPolicy(config, clock=lambda: self._now, pause_state=pause_state, id_prefix="b")
         else:
-            self.policy = ClairvoyantSessionPolicy(config, true_starts, clock=lambda: self._now, id_prefix="b")
+            self.policy = ClairvoyantSessionPolicy(
+                config, true_starts, clock=lambda: self._now, pause_state=pause_state, id_prefix="b"
+            )
         self.shared_prefix = shared_prefix
         self._sink = _Accepting()
 

@@ -67,7 +67,9 @@ Policies differ only in which free blocks a request's new blocks evict:
   block's expectation is the earliest among its unexpired hints.
 * `simulate_library` -- the same pool driven by `bench.policy.LibraryPolicy`
   (`kvhint_client.policy.SessionPolicy`), which also sees the runtime's own
-  requests (to learn pause durations) and ticks before each request.
+  requests (to learn pause durations) and ticks before each request;
+  `learned_pause_state` is what it learned over a whole trace, which a
+  warm-started run (``pause_state=``) of another trace starts from.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ import bisect
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
@@ -677,18 +679,31 @@ def simulate_library(
     pin_budget_fraction: float = 0.5,
     name: str = "policy",
     clairvoyant: bool = False,
+    pause_state: Mapping[str, Any] | None = None,
 ) -> SimResult:
     """Hint-aware pool driven by `bench.policy.LibraryPolicy` (`kvhint_client.policy`).
     `config`: a `kvhint_client.policy.PolicyConfig` (default: `library_config` of the trace).
     `clairvoyant`: predict every pause by its true end (a diagnostic upper bound for the
-    predictions, `bench.policy.ClairvoyantSessionPolicy`)."""
+    predictions, `bench.policy.ClairvoyantSessionPolicy`). `pause_state`: the policy's pause
+    model starts from it (`learned_pause_state` of another trace: a warm start)."""
     hp = HintedPool(bt, num_gpu_blocks, pin_budget_fraction)
     starts: dict[str, list[float]] | None = None
     if clairvoyant:
         starts = {}
         for r in bt.requests:
             starts.setdefault(r.session_id, []).append(r.t)
-    return drive_policy(hp, LibraryPolicy(config or bt.library_config, bt.shared_prefix_target, starts), name)
+    pol = LibraryPolicy(config or bt.library_config, bt.shared_prefix_target, starts, pause_state)
+    return drive_policy(hp, pol, name)
+
+
+def learned_pause_state(bt: BlockTrace, config: Any = None) -> dict[str, Any]:
+    """What the library policy's pause model has learned after running over the whole of `bt`
+    (`PauseModel.export()`): the state a router that served this traffic carries into the next.
+    The model learns from the signals and requests alone, so the pool it runs against does
+    not change it."""
+    pol = LibraryPolicy(config or bt.library_config, bt.shared_prefix_target)
+    drive_policy(HintedPool(bt, None, 0.5), pol, "training")
+    return pol.policy.model.export()
 
 
 def simulate_tiers(
@@ -699,12 +714,15 @@ def simulate_tiers(
     num_gpu_blocks: int | None = None,
     pin_budget_fraction: float = 0.5,
     name: str | None = None,
+    pause_state: Mapping[str, Any] | None = None,
 ) -> SimResult:
     """The device pool plus a `HostTier` of `host_blocks` (default: as many as the device
     pool's usable blocks). `policy`: ``none`` (vLLM's offloading alone, run f),
     ``reference`` (the earlier reference policy's ``hints+tiers`` variant, run g) or
     ``library`` (`LibraryPolicy` with ``use_tiers``: Demote on a predicted long pause,
-    Prefetch before the predicted resume)."""
+    Prefetch before the predicted resume; `pause_state` as in `simulate_library`)."""
+    if pause_state is not None and policy != "library":
+        raise ValueError("pause_state is for the library policy")
     n = num_gpu_blocks or bt.num_gpu_blocks
     hp = HintedPool(bt, n, pin_budget_fraction, HostTier(host_blocks if host_blocks is not None else n - 1))
     pol: ReferencePolicy | LibraryPolicy | _NoHints
@@ -713,7 +731,7 @@ def simulate_tiers(
     elif policy == "reference":
         pol = ReferencePolicy(policy_variant("hints+tiers", bt.policy_config), bt.shared_prefix_target)
     elif policy == "library":
-        pol = LibraryPolicy(replace(bt.library_config, use_tiers=True), bt.shared_prefix_target)
+        pol = LibraryPolicy(replace(bt.library_config, use_tiers=True), bt.shared_prefix_target, pause_state=pause_state)
     else:
         raise ValueError(f"unknown tier policy {policy!r}")
     return drive_policy(hp, pol, name or f"tiers+{policy}")
@@ -763,13 +781,15 @@ RUN_LABELS = {
     "hints": "(b0) reference policy, no Release",
     "hints+release": "(b) reference policy + Release",
     "policy": "(c) kvhint_client.policy",
+    "policy+warm": "(c) kvhint_client.policy, warm start",
     "belady": "(d) Belady-MIN (offline)",
     "infinite": "(e) infinite cache (offline)",
     "tiers+none": "(f) host tier = device pool, no hints",
     "tiers+reference": "(g0) host tier, reference policy + tiers",
     "tiers+library": "(g) host tier, kvhint_client.policy + tiers",
+    "tiers+library+warm": "(g) host tier, kvhint_client.policy + tiers, warm start",
 }
-DEVICE_RUNS = ("lru", "hints", "hints+release", "policy", "belady")
+DEVICE_RUNS = ("lru", "hints", "hints+release", "policy", "policy+warm", "belady")
 
 
 @dataclass

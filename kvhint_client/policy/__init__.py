@@ -15,9 +15,11 @@
 `SessionPolicy` (policy.py) decides, `PauseModel` (estimator.py) learns pause durations,
 the sinks (sinks.py) send, and `OpenAITrafficAdapter` (openai_adapter.py) derives the
 signals from chat-completions traffic for routers that see nothing else.
+`policy.model.export()` / `SessionPolicy(pause_state=...)` carry learned pause
+durations from one policy instance to the next (warm start).
 """
 
-from .estimator import LogNormalPrior, PauseModel
+from .estimator import PAUSE_STATE_FORMAT, PAUSE_STATE_VERSION, LogNormalPrior, PauseModel
 from .openai_adapter import OpenAITrafficAdapter, parse_sse_line
 from .policy import PolicyConfig, SessionPolicy
 from .signals import (
@@ -35,6 +37,8 @@ from .signals import (
 from .sinks import AsyncClientSink, AsyncHintSink, ClientSink, FleetSink, HintSink, RecordingSink, TokenBucket
 
 __all__ = [
+    "PAUSE_STATE_FORMAT",
+    "PAUSE_STATE_VERSION",
     "AsyncClientSink",
     "AsyncHintSink",
     "ChildJoined",

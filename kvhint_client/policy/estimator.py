@@ -33,6 +33,17 @@ Two predictions of a pause that has lasted `e` seconds:
   index becomes about a minute). This is the Gittins index of the remaining
   pause; caches call its inverse hit density.
 
+The learned state (every key's recent gaps, oldest first) can be exported and
+loaded (`PauseModel.export`, `PauseModel.load`): a router that restarts, or a
+new replica, starts from what an earlier one learned instead of from the prior.
+The state is plain JSON (`PAUSE_STATE_FORMAT`, version `PAUSE_STATE_VERSION`):
+
+    {"format": "kvhint.pause_model", "version": 1,
+     "keys": [{"key": ["declared", "long"], "samples": [31.5, 12.0, ...]}, ...]}
+
+Only the observations travel: the prior, `window`, `prior_weight` and
+`min_samples` are the loading model's own configuration.
+
 Not thread-safe; owned by one `SessionPolicy`.
 """
 
@@ -41,11 +52,16 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
+from typing import Any
 
 _STD = NormalDist()
+
+#: `PauseModel.export`'s "format" and "version" fields; `PauseModel.load` accepts exactly these.
+PAUSE_STATE_FORMAT = "kvhint.pause_model"
+PAUSE_STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -167,6 +183,31 @@ class PauseModel:
                 sample = self._samples[key] = _Sample(self.window)
             sample.add(seconds)
 
+    def export(self) -> dict[str, Any]:
+        """The learned state as a JSON-serialisable dict (module doc): per key, its most recent
+        observations (at most `window`), oldest first. `load` of it into a model with the same
+        configuration gives identical predictions, now and after further observations."""
+        return {
+            "format": PAUSE_STATE_FORMAT,
+            "version": PAUSE_STATE_VERSION,
+            "keys": [{"key": list(key), "samples": list(sample.recent)} for key, sample in self._samples.items()],
+        }
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        """Replace the learned state with `state` (what `export` returned, possibly from a
+        model with another `window`: a key with more samples keeps its most recent `window`).
+
+        Raises ValueError, leaving the model unchanged, when `state` is not a version
+        `PAUSE_STATE_VERSION` export: another format or version, a key that is not a non-empty
+        list of strings or appears twice, or a sample that is not a finite number >= 0."""
+        parsed = _parse_state(state)
+        samples: dict[tuple[str, ...], _Sample] = {}
+        for key, values in parsed:
+            sample = samples[key] = _Sample(self.window)
+            for x in values[-self.window :]:
+                sample.add(x)
+        self._samples = samples
+
     def count(self, key: tuple[str, ...]) -> int:
         sample = self._samples.get(key)
         return len(sample) if sample else 0
@@ -210,3 +251,38 @@ class PauseModel:
         if target >= 1.0 - 1e-12:
             return max(0.0, _blend_quantile(sample, p, weight, 1 - 1e-9) - elapsed)
         return max(0.0, _blend_quantile(sample, p, weight, target) - elapsed)
+
+
+def _parse_state(state: Mapping[str, Any]) -> list[tuple[tuple[str, ...], list[float]]]:
+    """`PauseModel.load`'s validation: the (key, samples) pairs of a well-formed state, or ValueError."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"pause state must be a mapping (PauseModel.export()), got {type(state).__name__}")
+    if state.get("format") != PAUSE_STATE_FORMAT:
+        raise ValueError(f"pause state format must be {PAUSE_STATE_FORMAT!r}, got {state.get('format')!r}")
+    version = state.get("version")
+    if type(version) is not int or version != PAUSE_STATE_VERSION:
+        raise ValueError(f"unsupported pause state version {version!r} (this model reads version {PAUSE_STATE_VERSION})")
+    entries = state.get("keys")
+    if not isinstance(entries, list):
+        raise ValueError(f"pause state 'keys' must be a list, got {type(entries).__name__}")
+    out: list[tuple[tuple[str, ...], list[float]]] = []
+    seen: set[tuple[str, ...]] = set()
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or set(entry) != {"key", "samples"}:
+            raise ValueError(f"pause state keys[{i}] must be a mapping with exactly 'key' and 'samples'")
+        raw_key, raw_samples = entry["key"], entry["samples"]
+        if not isinstance(raw_key, (list, tuple)) or not raw_key or not all(isinstance(k, str) for k in raw_key):
+            raise ValueError(f"pause state keys[{i}].key must be a non-empty list of strings, got {raw_key!r}")
+        key = tuple(raw_key)
+        if key in seen:
+            raise ValueError(f"pause state key {list(key)!r} appears more than once")
+        seen.add(key)
+        if not isinstance(raw_samples, (list, tuple)) or not raw_samples:
+            raise ValueError(f"pause state keys[{i}].samples must be a non-empty list of seconds")
+        values: list[float] = []
+        for x in raw_samples:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+                raise ValueError(f"pause state key {list(key)!r}: every sample must be a finite number >= 0, got {x!r}")
+            values.append(float(x))
+        out.append((key, values))
+    return out

@@ -37,6 +37,11 @@ cold (nothing resident, no refreshes until it runs again), REJECTED
 UNSUPPORTED turns the feature off (expected reuse -> priority bands, tiers ->
 Retain), CLIPPED PIN_BUDGET stops pinning until a pin ends.
 
+Warm start: what the pause model learned (`policy.model.export()`, plain
+JSON) can seed a new policy (`SessionPolicy(config, pause_state=state)`), so a
+restarted router or a new replica predicts from the traffic an earlier one saw
+instead of from the prior.
+
 Not thread-safe: call it from one thread or one event loop.
 """
 
@@ -48,7 +53,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from kvhint.v1 import kvhint_pb2 as pb
 
@@ -155,7 +160,11 @@ _KIND_ORDER = {"release": 0, "keep": 1, "demote": 2, "prefetch": 3}
 
 
 class SessionPolicy:
-    """See the module doc. `clock` gives "now" for signals and calls without a time."""
+    """See the module doc. `clock` gives "now" for signals and calls without a time.
+
+    `model`: the pause model to use (default: a new one from `config`). `pause_state`: start the
+    new model from a `PauseModel.export()` of an earlier one (warm start; ValueError when it is
+    malformed, see `PauseModel.load`); not together with `model`."""
 
     def __init__(
         self,
@@ -163,13 +172,18 @@ class SessionPolicy:
         *,
         clock: Callable[[], float] = time.monotonic,
         model: PauseModel | None = None,
+        pause_state: Mapping[str, Any] | None = None,
         id_prefix: str | None = None,
     ) -> None:
         self.config = c = config or PolicyConfig()
         self.clock = clock
         if c.ranking not in ("index", "quantile"):
             raise ValueError(f"PolicyConfig.ranking must be 'index' or 'quantile', got {c.ranking!r}")
+        if model is not None and pause_state is not None:
+            raise ValueError("pass a model or a pause_state to start it from, not both (use model.load(state))")
         self.model = model or PauseModel(c.prior, window=c.window, prior_weight=c.prior_weight, min_samples=c.min_samples)
+        if pause_state is not None:
+            self.model.load(pause_state)
         self.bucket = TokenBucket(c.max_hints_per_s, c.burst)
         self.sessions: dict[str, _Session] = {}
         self.templates: dict[str, tuple[Target, float]] = {}  # id -> (target, refresh at)

@@ -18,6 +18,7 @@ from bench.simulate import (
     HintedPool,
     HostTier,
     compile_trace,
+    learned_pause_state,
     simulate_infinite,
     simulate_library,
     simulate_lru,
@@ -25,6 +26,7 @@ from bench.simulate import (
 )
 from bench.trace import Request, Seg, Trace, TraceHeader, sort_events
 from kvhint_client import continuation, session
+from kvhint_client.policy import PauseModel
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -94,6 +96,24 @@ def test_library_policy_never_recomputes_more_than_lru(seed: int) -> None:
     res = simulate_library(bt)
     assert res.recomputed_tokens <= simulate_lru(bt).recomputed_tokens
     assert res.extra["hints_sent"] > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_warm_started_library_policy_never_recomputes_more_than_lru(seed: int) -> None:
+    """Warm: the pause model starts from what the policy learned on another seed's trace."""
+    bt = compile_trace(generate_trace(PRESETS["fast"], seed, preset="fast"))
+    state = learned_pause_state(compile_trace(generate_trace(PRESETS["fast"], seed + 100, preset="fast")))
+    assert any(entry["key"] == ["all"] for entry in state["keys"])  # it learned the other trace's pauses
+    res = simulate_library(bt, pause_state=state)
+    assert res.recomputed_tokens <= simulate_lru(bt).recomputed_tokens
+
+
+def test_warm_start_from_an_empty_state_is_the_cold_run() -> None:
+    bt = compile_trace(generate_trace(PRESETS["fast"], 0, preset="fast"))
+    empty = PauseModel().export()
+    assert simulate_library(bt, pause_state=empty).cached_tokens == simulate_library(bt).cached_tokens
+    warm_tiers = simulate_tiers(bt, "library", pause_state=empty)
+    assert warm_tiers.cached_tokens == simulate_tiers(bt, "library").cached_tokens
 
 
 def test_library_hints_translate_to_simulator_actions() -> None:
