@@ -12,7 +12,10 @@ Contract:
     RESOURCE_EXHAUSTED (ErrorInfo reason REASON_RESOURCE_EXHAUSTED, metadata
     cause=rate_limited) with a google.rpc.RetryInfo saying when the same call
     would be admitted; it changes nothing. A batch larger than the burst can
-    never be admitted and says so (no RetryInfo: split the batch).
+    never be admitted and says so (no RetryInfo: split the batch). With
+    tenancy, a tenant's own `rate_limit_hints_per_s` / `rate_limit_burst`
+    (tenants file) replace the default for its bucket, and apply even when
+    the default is unlimited.
   * The engine-thread queue holds at most KVHINT_MAX_PENDING_TASKS tasks from
     RPCs (KvHintCore.submit/submit_slice with bounded=True). Past it the
     submit fails with QueueFull, the RPC RESOURCE_EXHAUSTED (cause=queue_full)
@@ -117,16 +120,31 @@ class TokenBucket:
         self.tokens = min(self.burst, self.tokens + cost)
 
 
-class RateLimiter:
-    """Token buckets per principal (thread-safe)."""
+@dataclass(frozen=True)
+class Limit:
+    """A token bucket's shape: `rate` tokens per second, at most `burst` held."""
 
-    def __init__(self, rate: float, burst: int = 0, clock: Callable[[], float] = time.monotonic,
+    rate: float
+    burst: int
+
+    @classmethod
+    def of(cls, rate: float, burst: int = 0) -> Limit:
+        """Burst 0: one second's worth, at least one token."""
+        if not rate > 0 or math.isinf(rate):
+            raise ValueError("rate must be a finite number > 0")
+        return cls(rate, burst if burst > 0 else max(1, math.ceil(rate)))
+
+
+class RateLimiter:
+    """Token buckets per principal (thread-safe).
+
+    Each principal's bucket has the shape passed with its first call (`own`,
+    e.g. a tenant's limit from the tenants file) or else the default one;
+    a principal with neither is not limited."""
+
+    def __init__(self, rate: float | None, burst: int = 0, clock: Callable[[], float] = time.monotonic,
                  max_principals: int = MAX_PRINCIPALS) -> None:
-        if rate <= 0:
-            raise ValueError("rate must be > 0")
-        self.rate = rate
-        # Burst 0: one second's worth, at least one token.
-        self.burst = burst if burst > 0 else max(1, math.ceil(rate))
+        self.default: Limit | None = None if rate is None else Limit.of(rate, burst)
         self._clock = clock
         self._max = max_principals
         self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
@@ -134,19 +152,29 @@ class RateLimiter:
 
     @classmethod
     def from_config(cls, config: Any, clock: Callable[[], float] = time.monotonic) -> RateLimiter | None:
-        """The limiter the config asks for; None when unlimited."""
-        if config.rate_limit_hints_per_s <= 0:
+        """The limiter the config asks for: the default rate, and any tenant's own
+        (`Tenant.rate_limit`); None when nobody is limited."""
+        tenants = getattr(config, "tenants", None)
+        own = tenants is not None and any(t.rate_limit is not None for t in tenants.tenants)
+        if config.rate_limit_hints_per_s <= 0 and not own:
             return None
-        return cls(config.rate_limit_hints_per_s, config.rate_limit_burst, clock)
+        rate = config.rate_limit_hints_per_s if config.rate_limit_hints_per_s > 0 else None
+        return cls(rate, config.rate_limit_burst, clock)
 
-    def take(self, principal: str, cost: float) -> float:
+    def limit_for(self, own: Limit | None) -> Limit | None:
+        return own if own is not None else self.default
+
+    def take(self, principal: str, cost: float, own: Limit | None = None) -> float:
         """0.0 if `principal` may spend `cost` now (and it is spent), else the
         seconds to wait (math.inf: never, cost > burst)."""
+        limit = self.limit_for(own)
+        if limit is None:
+            return 0.0
         now = self._clock()
         with self._lock:
             bucket = self._buckets.get(principal)
             if bucket is None:
-                bucket = self._buckets[principal] = TokenBucket(self.rate, self.burst, now)
+                bucket = self._buckets[principal] = TokenBucket(limit.rate, limit.burst, now)
                 if len(self._buckets) > self._max:
                     self._buckets.popitem(last=False)
             else:

@@ -87,14 +87,16 @@ class KvHintServicer:
         # token or certificate it uses); otherwise the caller's credential or peer.
         tenant = current_principal() if self.tenants is not None else None
         principal = "tenant:" + tenant.name if tenant is not None else principal_of(context)
-        wait = self.rate_limiter.take(principal, cost)
+        own = tenant.rate_limit if tenant is not None else None
+        wait = self.rate_limiter.take(principal, cost, own)
         if wait > 0:
             self.core.overload.rate_limited += 1
-            limiter = self.rate_limiter
-            if cost > limiter.burst:
-                message = f"rate limited: a call costing {cost} exceeds the burst of {limiter.burst}; split it"
+            limit = self.rate_limiter.limit_for(own)
+            assert limit is not None  # a bucket refused
+            if cost > limit.burst:
+                message = f"rate limited: a call costing {cost} exceeds the burst of {limit.burst}; split it"
             else:
-                message = f"rate limited ({limiter.rate:g}/s, burst {limiter.burst}): retry in {wait:.3f}s"
+                message = f"rate limited ({limit.rate:g}/s, burst {limit.burst}): retry in {wait:.3f}s"
             raise resource_exhausted(message, CAUSE_RATE_LIMITED, wait)
         return principal
 

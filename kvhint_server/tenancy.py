@@ -11,7 +11,8 @@ Contract
     {"tenants": [
       {"name": "team-a", "role": "tenant", "session_prefix": "team-a/",
        "tokens": ["<secret>"], "client_identities": ["team-a.clients.example"],
-       "pin_budget_blocks": 200, "retention_budget_blocks": 2000},
+       "pin_budget_blocks": 200, "retention_budget_blocks": 2000,
+       "rate_limit_hints_per_s": 500, "rate_limit_burst": 1000},
       {"name": "ops", "role": "admin", "tokens": ["<secret>"]}
     ]}
 
@@ -22,7 +23,11 @@ Contract
   mTLS client certificate names (subject CN or a DNS/URI SAN), unique across
   tenants; they need KVHINT_TLS_CLIENT_CA_FILE. A tenant needs at least one
   token or identity. *_budget_blocks: non-negative integers, absent or null =
-  unlimited. Unknown keys are errors (typos must not silently disable a limit).
+  unlimited. rate_limit_hints_per_s (a number > 0) and rate_limit_burst (an
+  integer >= 1, needs the rate; default one second's worth): the tenant's own
+  token bucket, replacing KVHINT_RATE_LIMIT_HINTS_PER_S / _BURST for it (and
+  applying even when those are unlimited); absent or null = the default.
+  Unknown keys are errors (typos must not silently disable a limit).
 * Ownership: a session id or continuation id belongs to tenant T iff it starts
   with T's session_prefix. An admin owns everything. Retention owner keys
   ("s:<session>", "c:<continuation>", "b:<scope>", see model.Selector.owner)
@@ -50,13 +55,17 @@ from typing import Any
 
 import grpc
 
+from .overload import Limit
+
 ENV = "KVHINT_TENANTS_FILE"
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _REFLECTION_PREFIX = "/grpc.reflection."
 _KEYS = frozenset(
-    {"name", "role", "session_prefix", "tokens", "client_identities", "pin_budget_blocks", "retention_budget_blocks"}
+    {"name", "role", "session_prefix", "tokens", "client_identities", "pin_budget_blocks", "retention_budget_blocks",
+     "rate_limit_hints_per_s", "rate_limit_burst"}
 )
 MAX_BUDGET = 2**31 - 1
+MAX_RATE = 1e9  # hints per second, as KVHINT_RATE_LIMIT_HINTS_PER_S
 
 
 class Role(str, enum.Enum):
@@ -75,6 +84,8 @@ class Tenant:
     # cover at once; None: unlimited.
     pin_budget_blocks: int | None = None
     retention_budget_blocks: int | None = None
+    # The tenant's own rate limit (overload.py); None: the default.
+    rate_limit: Limit | None = None
 
     @property
     def admin(self) -> bool:
@@ -179,6 +190,18 @@ def _budget(path: str, where: str, value: object) -> int | None:
     return value
 
 
+def _rate_limit(path: str, at: str, rate: object, burst: object) -> Limit | None:
+    if rate is None:
+        if burst is not None:
+            raise _fail(path, f"{at}.rate_limit_burst", "needs rate_limit_hints_per_s in the same entry")
+        return None
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= MAX_RATE:
+        raise _fail(path, f"{at}.rate_limit_hints_per_s", f"expected a number in (0, {MAX_RATE:g}] or null, got {rate!r}")
+    if burst is not None and (isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= MAX_BUDGET):
+        raise _fail(path, f"{at}.rate_limit_burst", f"expected an integer in 1..{MAX_BUDGET} or null, got {burst!r}")
+    return Limit.of(float(rate), burst or 0)
+
+
 def _strings(path: str, where: str, value: object) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -235,7 +258,8 @@ def parse_tenants(data: object, path: str = "<inline>", extra_admin_token: str =
         if role is Role.ADMIN and (pin is not None or retention is not None):
             raise _fail(path, f"{at}.pin_budget_blocks" if pin is not None else f"{at}.retention_budget_blocks",
                         "budgets apply to tenants, not admins")
-        tenant = Tenant(name, role, prefix, tokens, identities, pin, retention)
+        rate_limit = _rate_limit(path, at, entry.get("rate_limit_hints_per_s"), entry.get("rate_limit_burst"))
+        tenant = Tenant(name, role, prefix, tokens, identities, pin, retention, rate_limit)
         for other in tenants:
             if other.admin or tenant.admin:
                 continue

@@ -278,7 +278,7 @@ def test_a_token_bucket_never_admits_more_than_rate_times_t_plus_burst(rate, bur
 def test_rate_limiter_refund_and_default_burst():
     clock = [0.0]
     limiter = RateLimiter(2.5, 0, clock=lambda: clock[0])
-    assert limiter.burst == 3
+    assert limiter.default is not None and limiter.default.burst == 3
     assert limiter.take("p", 3) == 0
     assert limiter.take("p", 1) > 0
     limiter.give_back("p", 1)

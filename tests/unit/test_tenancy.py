@@ -382,6 +382,14 @@ def test_random_batches_of_team_b_never_change_team_a(tmp_path: Path) -> None:
         ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["t"]},
                       {"name": "x", "session_prefix": "y/", "tokens": ["u"]}]}, "tenants[1].name"),
         ({"tenants": [{"name": "x", "session_prefix": "x/", "client_identities": ["cn"]}]}, "KVHINT_TLS_CLIENT_CA_FILE"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["t"], "rate_limit_hints_per_s": 0}]},
+         "tenants[0].rate_limit_hints_per_s"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["t"], "rate_limit_hints_per_s": "fast"}]},
+         "tenants[0].rate_limit_hints_per_s"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["t"], "rate_limit_hints_per_s": 5,
+                       "rate_limit_burst": 0}]}, "tenants[0].rate_limit_burst"),
+        ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["t"], "rate_limit_burst": 10}]},
+         "tenants[0].rate_limit_burst"),
     ],
 )
 def test_a_bad_tenants_file_fails_fast_naming_the_field(tmp_path: Path, doc: object, field: str) -> None:
@@ -463,3 +471,35 @@ def test_a_parent_in_another_tenants_namespace_is_not_shown(hx: Harness) -> None
         return {s.session_id: s.parent_session_id for s in response.sessions}
     assert parents(B) == {"b/child": "", "b/kid": "b/child"}
     assert parents(ADMIN)["b/child"] == "a/parent"
+
+
+def test_a_tenants_own_rate_limit_replaces_the_default(tmp_path: Path) -> None:
+    """Team A's own bucket (rate_limit_hints_per_s / rate_limit_burst in the tenants file) holds
+    even though the engine-wide default is unlimited; team B and the admin, without one, are not
+    limited. With a default set, a tenant's own burst replaces it (team C sends more at once)."""
+    doc = json.loads(json.dumps(TENANTS))
+    doc["tenants"][0].update(rate_limit_hints_per_s=0.01, rate_limit_burst=2)
+    doc["tenants"].append({"name": "team-c", "session_prefix": "c/", "tokens": ["tok-c"],
+                           "rate_limit_hints_per_s": 1000, "rate_limit_burst": 6})
+    path = write(tmp_path, doc)
+    C = (("authorization", "Bearer tok-c"),)
+    harness = Harness(local_engine_info(num_device_blocks=64), tenants_file=path)
+    try:
+        assert len(apply(harness, A, retain("a/s1", 30), retain("a/s2", 30))) == 2
+        with pytest.raises(grpc.RpcError) as exc:
+            apply(harness, A, retain("a/s3", 30))
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "burst 2" in (exc.value.details() or ""), exc.value.details()
+        for _ in range(5):  # no bucket of their own, no default: unlimited
+            assert len(apply(harness, B, *(retain(f"b/s{i}", 30) for i in range(4)))) == 4
+            assert len(apply(harness, ADMIN, *(retain(f"x/s{i}", 30) for i in range(4)))) == 4
+    finally:
+        harness.close()
+    limited = Harness(local_engine_info(num_device_blocks=64), tenants_file=path, rate_limit_hints_per_s=1000, rate_limit_burst=3)
+    try:
+        assert len(apply(limited, C, *(retain(f"c/s{i}", 30) for i in range(6)))) == 6  # its own burst of 6
+        with pytest.raises(grpc.RpcError) as exc:
+            apply(limited, B, *(retain(f"b/s{i}", 30) for i in range(4)))  # the default burst of 3
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "burst of 3" in (exc.value.details() or "")
+    finally:
+        limited.close()
