@@ -91,7 +91,9 @@ CALLBACKS = {  # adapter callback -> blocks it handles, from its arguments
 def attribution(pair: Pair, steps: int) -> dict[str, dict[str, float]]:
     """CPU time of the adapter's residency callbacks (the index, retention and event bookkeeping
     behind every admission and removal) in `steps` steps of the KvHint side alone, timed per call
-    on the engine thread: us per call, blocks per call, us per block."""
+    on the engine thread: us per call, blocks per call, us per block, and a least-squares fit of
+    a call's time as fixed + per-block cost (from sums kept per call: n, blocks, blocks^2, time,
+    blocks x time), which says whether calls or blocks drive the cost."""
     side, wl = pair.kv, pair.workload
     adapter = side.sched.kvhint_adapter
     stats: dict[str, list[int]] = {}
@@ -100,7 +102,7 @@ def attribution(pair: Pair, steps: int) -> dict[str, dict[str, float]]:
         fn = getattr(adapter, name, None)
         if fn is None:
             continue
-        acc = stats[name] = [0, 0, 0]  # ns, calls, blocks
+        acc = stats[name] = [0, 0, 0, 0, 0]  # ns, calls, blocks, blocks^2, blocks x ns
         originals[name] = fn
 
         def timed(*a: Any, _fn: Any = fn, _acc: list[int] = acc, _blocks: Any = blocks_of, **k: Any) -> Any:
@@ -108,9 +110,13 @@ def attribution(pair: Pair, steps: int) -> dict[str, dict[str, float]]:
             try:
                 return _fn(*a, **k)
             finally:
-                _acc[0] += thread_ns() - t
+                ns = thread_ns() - t
+                b = _blocks(a)
+                _acc[0] += ns
                 _acc[1] += 1
-                _acc[2] += _blocks(a)
+                _acc[2] += b
+                _acc[3] += b * b
+                _acc[4] += b * ns
 
         setattr(adapter, name, timed)
     try:
@@ -122,9 +128,19 @@ def attribution(pair: Pair, steps: int) -> dict[str, dict[str, float]]:
         for name in originals:
             delattr(adapter, name)  # back to the class's method
     return {
-        name: {"calls": c, "blocks": b, "us_per_call": ns / 1e3 / max(1, c), "us_per_block": ns / 1e3 / max(1, b), "ms": ns / 1e6}
-        for name, (ns, c, b) in stats.items()
+        name: {"calls": c, "blocks": b, "us_per_call": ns / 1e3 / max(1, c), "us_per_block": ns / 1e3 / max(1, b), "ms": ns / 1e6,
+               **_call_fit(c, b, b2, ns, bns)}
+        for name, (ns, c, b, b2, bns) in stats.items()
     }
+
+
+def _call_fit(n: int, sx: float, sxx: float, sy: float, sxy: float) -> dict[str, float]:
+    """Least squares y = fixed + per_block * x over n calls, from the sums (y in ns)."""
+    det = n * sxx - sx * sx
+    if n < 2 or det <= 0:
+        return {}
+    per_block = (n * sxy - sx * sy) / det
+    return {"fit_us_fixed": (sy - per_block * sx) / n / 1e3, "fit_us_per_block": per_block / 1e3}
 
 
 # ---------------------------------------------------------------- ApplyHints apply time

@@ -169,6 +169,21 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
             f"| {r['label']} | {' | '.join(cells)} | {a['quiet_steps']} | {_f(q['stock_median_ms'] * 1e3, 0)} | "
             f"{_f(a['quiet_overhead_us'], 1)} | {_f(q['median_ratio'], 3)}x |"
         )
+    fits = [(r, r.get("attribution", {})) for r in runs]
+    if any("fit_us_fixed" in x for _, at in fits for x in at.values()):
+        lines += [
+            "",
+            "Callback cost per call as fixed + per block (least squares over every call of the steady steps):",
+            "",
+            "| run | admission: us per call + us per block | removal: us per call + us per block |",
+            "|---|---|---|",
+        ]
+        for r, at in fits:
+            cells = []
+            for name in ("on_blocks_cached", "on_keys_removed"):
+                x = at.get(name, {})
+                cells.append(f"{x['fit_us_fixed']:.1f} + {x['fit_us_per_block']:.2f} x blocks" if "fit_us_fixed" in x else "-")
+            lines.append(f"| {r['label']} | {' | '.join(cells)} |")
     lines += [
         "",
         "## Memory of the KvHint structures (deep sys.getsizeof, after the steady phase)",
