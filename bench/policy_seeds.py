@@ -1,31 +1,43 @@
 """Cold against warm, and the ranking rules, over more seeds than `bench.policy_report`.
 
-    python -m bench.policy_seeds [--seeds 10]
+    python -m bench.policy_seeds [--seeds 10]   # writes bench/results/policy/seeds.{md,json}
 
 `bench.policy_report` runs three seeds per preset; the per-trace share of Belady's savings moves
 by 0.05-0.09 between cold and warm runs of the same trace, so three seeds cannot tell which is
 better. This runs `--seeds` traces per preset (heldout from seed 1001, the others from 0; warm
 trained on seed + 100 as in `bench.policy_report`) for a few `PolicyConfig` variants and prints,
 per preset, the mean share cold / warm and the mean paired difference warm - cold with its
-standard error. Nothing is written; docs/design-notes.md quotes its output.
+standard error, into bench/results/policy/seeds.md (tables generated from seeds.json);
+docs/design-notes.md quotes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 from bench.generate import PRESETS, generate_trace
 from bench.policy_report import FIRST_SEED, WARM_SEED_OFFSET
+from bench.report import command_line
 from bench.simulate import compile_trace, learned_pause_state, simulate_belady, simulate_library, simulate_lru
+
+OUT = "bench/results/policy/seeds"
 
 PRESET_NAMES = ("default", "heldout", "coding", "research")
 VARIANTS: dict[str, dict[str, object]] = {
     "quantile 0.7 (default)": {},
     "index": {"ranking": "index"},
     "quantile 0.6": {"quantile": 0.6},
+    "quantile 0.65": {"quantile": 0.65},
+    "quantile 0.75": {"quantile": 0.75},
     "quantile 0.8": {"quantile": 0.8},
+    "prior weight 1": {"prior_weight": 1.0},
+    "prior weight 4": {"prior_weight": 4.0},
+    "index, prior weight 4": {"ranking": "index", "prior_weight": 4.0},
 }
 
 
@@ -40,24 +52,50 @@ def main(argv: list[str] | None = None) -> int:
         for seed in range(first, first + a.seeds):
             bt = compile_trace(generate_trace(PRESETS[preset], seed, preset=preset))
             state = learned_pause_state(compile_trace(generate_trace(PRESETS[preset], seed + WARM_SEED_OFFSET, preset=preset)))
-            traces.append((preset, bt, state, simulate_lru(bt).recomputed_tokens, simulate_belady(bt).recomputed_tokens))
-    print(f"{a.seeds} seeds per preset; mean share of Belady's savings cold / warm, warm - cold (standard error)")
+            traces.append((preset, seed, bt, state, simulate_lru(bt).recomputed_tokens, simulate_belady(bt).recomputed_tokens))
+    rows: list[dict[str, Any]] = []
     for label, kw in VARIANTS.items():
-        shares: dict[str, list[tuple[float, float]]] = {p: [] for p in PRESET_NAMES}
-        for preset, bt, state, lru, bel in traces:
+        for preset, seed, bt, state, lru, bel in traces:
             cfg = replace(bt.library_config, **kw)
             cold, warm = (simulate_library(bt, cfg, pause_state=s).recomputed_tokens for s in (None, state))
-            shares[preset].append(((lru - cold) / (lru - bel), (lru - warm) / (lru - bel)))
-        cells = []
-        for preset, rows in shares.items():
-            diff = [w - c for c, w in rows]
-            se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else float("nan")
-            cells.append(f"{preset} {statistics.mean(c for c, _ in rows):.3f} / {statistics.mean(w for _, w in rows):.3f}"
-                         f" ({statistics.mean(diff):+.3f} +- {se:.3f})")
-        every = [x for rows in shares.values() for x in rows]
-        print(f"{label}: " + "; ".join(cells)
-              + f"; all {statistics.mean(c for c, _ in every):.3f} / {statistics.mean(w for _, w in every):.3f}")
+            rows.append({"variant": label, "preset": preset, "seed": seed, "lru": lru, "belady": bel,
+                         "cold": cold, "warm": warm})
+    raw = {"command": command_line("bench.policy_seeds", argv), "seeds": a.seeds, "variants": VARIANTS, "rows": rows}
+    Path(OUT).parent.mkdir(parents=True, exist_ok=True)
+    Path(OUT + ".json").write_text(json.dumps(raw, indent=1) + "\n")
+    text = markdown(raw)
+    Path(OUT + ".md").write_text(text)
+    print(text)
     return 0
+
+
+def markdown(raw: dict[str, Any]) -> str:
+    """seeds.md from seeds.json: per variant and preset, mean share of Belady's savings over LRU,
+    cold / warm, and the paired warm - cold with its standard error."""
+    lines = [
+        "# Session policy over more seeds: cold against warm, and the ranking choices",
+        "",
+        f"Command: `{raw['command']}`  ",
+        f"{raw['seeds']} seeds per preset (heldout from 1001, the others from 0); warm: the pause model trained on seed + "
+        f"{WARM_SEED_OFFSET} of the same preset. Cells: mean share of Belady's savings over LRU, cold / warm, then the mean "
+        "paired difference warm - cold (+- its standard error). Sequential simulator (`bench.simulate`).",
+        "",
+        "| variant | " + " | ".join(PRESET_NAMES) + " | all presets, cold / warm |",
+        "|---|" + "---|" * (len(PRESET_NAMES) + 1),
+    ]
+    for label in raw["variants"]:
+        cells, every = [], []
+        for preset in PRESET_NAMES:
+            pairs = [((r["lru"] - r["cold"]) / (r["lru"] - r["belady"]), (r["lru"] - r["warm"]) / (r["lru"] - r["belady"]))
+                     for r in raw["rows"] if r["variant"] == label and r["preset"] == preset]
+            every += pairs
+            diff = [w - c for c, w in pairs]
+            se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else float("nan")
+            cells.append(f"{statistics.mean(c for c, _ in pairs):.3f} / {statistics.mean(w for _, w in pairs):.3f} "
+                         f"({statistics.mean(diff):+.3f} +- {se:.3f})")
+        lines.append(f"| {label} | " + " | ".join(cells)
+                     + f" | {statistics.mean(c for c, _ in every):.3f} / {statistics.mean(w for _, w in every):.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
