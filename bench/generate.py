@@ -309,6 +309,31 @@ def _tool_call(rng: random.Random, p: TraceParams) -> tuple[str | None, float, s
     return name, dur, cls
 
 
+def oracle_pause_state(params: TraceParams, samples: int = 256, seed: int = 0) -> dict[str, Any]:
+    """A `PauseModel.export()` state drawn from the generator's own pause distribution: up to
+    `samples` tool-call durations per key the policy learns under (`("declared", class)` as the
+    signal declares it, mispredictions included, and `("tool", name)`), as if a router had
+    already seen that many pauses of exactly this workload. A diagnostic of how far better
+    learning could go; it knows the generator, so it is not causal."""
+    from kvhint_client.policy import PAUSE_STATE_FORMAT, PAUSE_STATE_VERSION
+
+    rng = random.Random(f"oracle-{seed}")
+    keys: dict[tuple[str, ...], list[float]] = {}
+    for _ in range(samples * 200):
+        name, dur, true_cls = _tool_call(rng, params)
+        declared = true_cls
+        if rng.random() < params.mispredict_prob:
+            declared = "short" if true_cls == "long" else "long"
+        for key in (("declared", declared), *((("tool", name),) if name else ())):
+            got = keys.setdefault(key, [])
+            if len(got) < samples:
+                got.append(dur)
+        if len(keys) >= 2 and all(len(v) >= samples for v in keys.values()):
+            break
+    return {"format": PAUSE_STATE_FORMAT, "version": PAUSE_STATE_VERSION,
+            "keys": [{"key": list(k), "samples": v} for k, v in keys.items()]}
+
+
 def generate_trace(params: TraceParams, seed: int, *, preset: str | None = None) -> Trace:
     """Generate a trace. Deterministic in (params, seed)."""
     from bench.simulate import compile_trace, peak_live_blocks

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.policy_seeds import OUT, PRESET_NAMES, VARIANTS, markdown
+from bench.generate import PRESETS, oracle_pause_state
+from bench.policy_seeds import ORACLE_VARIANTS, OUT, PRESET_NAMES, VARIANTS, markdown
+from kvhint_client.policy import PauseModel
 
 
 def test_committed_seeds_table_comes_from_its_raw_results() -> None:
@@ -14,4 +16,21 @@ def test_committed_seeds_table_comes_from_its_raw_results() -> None:
     # Every variant ran on every preset and seed, cold and warm.
     assert set(raw["variants"]) == set(VARIANTS)
     keys = {(r["variant"], r["preset"], r["seed"]) for r in raw["rows"]}
-    assert len(keys) == len(raw["rows"]) == len(VARIANTS) * len(PRESET_NAMES) * raw["seeds"]
+    assert len(keys) == len(raw["rows"]) == (len(VARIANTS) + len(ORACLE_VARIANTS)) * len(PRESET_NAMES) * raw["seeds"]
+
+
+def test_the_oracle_state_is_the_generators_own_mixture() -> None:
+    """The ceiling's pause state loads into the policy's model, and each declared class holds the
+    generator's mixture: mostly its own range, plus the mispredicted calls of the other class."""
+    params = PRESETS["default"]
+    state = oracle_pause_state(params, samples=256)
+    PauseModel().load(state)  # a valid export
+    by_key = {tuple(k["key"]): k["samples"] for k in state["keys"]}
+    assert set(by_key) == {("declared", "short"), ("declared", "long")}
+    for cls, (lo, hi), other in (("short", params.short_pause_s, params.long_pause_s),
+                                 ("long", params.long_pause_s, params.short_pause_s)):
+        xs = by_key[("declared", cls)]
+        assert len(xs) == 256
+        own = sum(lo <= x <= hi for x in xs)
+        flipped = sum(other[0] <= x <= other[1] for x in xs)
+        assert own + flipped == 256 and own > 128 and flipped > 0, (cls, own, flipped)
