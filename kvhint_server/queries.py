@@ -9,7 +9,7 @@ reflects exactly the events with sequence <= the returned sequence.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,10 +61,14 @@ class Queries:
     def __init__(self, core: KvHintCore) -> None:
         self.core = core
 
-    def block_views(self, hashes: Sequence[bytes], cache: dict[bytes, BlockView] | None = None) -> list[BlockView]:
+    def block_views(
+        self, hashes: Sequence[bytes], cache: dict[bytes, BlockView] | None = None, owned: Callable[[str], bool] | None = None
+    ) -> list[BlockView]:
         """Views of the blocks that are tracked or resident (others are left
         out), in the given order. `cache` (views computed earlier in the same
-        engine step) is read and filled."""
+        engine step) is read and filled. `owned`: the retention shown is what
+        the grants of the owners it accepts give (a tenant's view), not the
+        effective class."""
         core = self.core
         index = core.index
         if cache:
@@ -89,7 +93,7 @@ class Queries:
                 position=node.position if node is not None else (state.position if state else None),
                 tiers=tiers,
                 in_use=bool(state and state.in_use),
-                retention=core.ledger.view(h, now),
+                retention=core.ledger.view(h, now) if owned is None else core.ledger.view_of(h, now, owned),
                 # O(cap), not a sort of a widely shared block's member set.
                 sessions=tuple(sorted(index.members(h, MAX_MEMBERS_REPORTED))) if node is not None else (),
             )

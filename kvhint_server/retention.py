@@ -32,7 +32,7 @@ Not thread-safe: the engine thread owns it.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .model import ORDINARY, RetentionClass, RetentionView
@@ -121,6 +121,28 @@ def _first_live(heap: list, per_block: dict[str, Grant], now: float) -> tuple | 
     for entry in aside:
         heapq.heappush(heap, entry)
     return found
+
+
+def _strongest(grants: Iterable[Grant], now: float) -> RetentionView:
+    """The strongest unexpired grant among `grants` (and their earliest expected reuse)."""
+    best: RetentionView = ORDINARY
+    reuse_at: float | None = None
+    for g in grants:
+        if g.deadline <= now:
+            continue
+        if g.reuse_at is not None and (reuse_at is None or g.reuse_at < reuse_at):
+            reuse_at = g.reuse_at
+        if g.pinned:
+            if best.cls is not RetentionClass.PINNED or (best.expires_at or 0) < g.expires_at:
+                best = RetentionView(RetentionClass.PINNED, 0, g.expires_at)
+        elif best.cls is RetentionClass.ORDINARY or (
+            best.cls is RetentionClass.RETAINED
+            and (g.priority, g.expires_at) > (best.priority, best.expires_at or 0.0)
+        ):
+            best = RetentionView(RetentionClass.RETAINED, g.priority, g.expires_at)
+    if reuse_at is not None and best.cls is not RetentionClass.ORDINARY:
+        best = RetentionView(best.cls, best.priority, best.expires_at, reuse_at)
+    return best
 
 
 class RetentionLedger:
@@ -241,24 +263,15 @@ class RetentionLedger:
         heaps = self._heaps.get(h)
         if heaps is not None:
             return heaps.view(per_block, now)
-        best: RetentionView = ORDINARY
-        reuse_at: float | None = None
-        for g in per_block.values():
-            if g.deadline <= now:
-                continue
-            if g.reuse_at is not None and (reuse_at is None or g.reuse_at < reuse_at):
-                reuse_at = g.reuse_at
-            if g.pinned:
-                if best.cls is not RetentionClass.PINNED or (best.expires_at or 0) < g.expires_at:
-                    best = RetentionView(RetentionClass.PINNED, 0, g.expires_at)
-            elif best.cls is RetentionClass.ORDINARY or (
-                best.cls is RetentionClass.RETAINED
-                and (g.priority, g.expires_at) > (best.priority, best.expires_at or 0.0)
-            ):
-                best = RetentionView(RetentionClass.RETAINED, g.priority, g.expires_at)
-        if reuse_at is not None and best.cls is not RetentionClass.ORDINARY:
-            best = RetentionView(best.cls, best.priority, best.expires_at, reuse_at)
-        return best
+        return _strongest(per_block.values(), now)
+
+    def view_of(self, h: bytes, now: float, owned: Callable[[str], bool]) -> RetentionView:
+        """The class `h` has from the grants of the owners `owned` accepts alone (a tenant's
+        view of a shared block: other tenants' grants are not shown). O(grants on h)."""
+        per_block = self.grants.get(h)
+        if not per_block:
+            return ORDINARY
+        return _strongest((g for o, g in per_block.items() if owned(o)), now)
 
     def expire(self, now: float) -> list[bytes]:
         """Drop grants whose deadline passed. Returns the blocks affected."""

@@ -224,7 +224,7 @@ class KvHintServicer:
         self._rate_limit(context, 1)
         assert self.hub is not None
         tenant = self._scoped()
-        scope = tenant_guard.WatchScope(tenant) if tenant is not None else None
+        scope = tenant_guard.WatchScope(tenant, self.tenants) if tenant is not None and self.tenants is not None else None
         if scope is not None:
             scope.check_filter(request.filter.session_ids)
         try:

@@ -39,6 +39,7 @@ skipped: the events that removed them came first.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .model import Tier
@@ -72,9 +73,10 @@ class SnapshotCursor:
     deadline bounds a step). Tests use it to force many small pieces.
     """
 
-    def __init__(self, queries: Queries, max_items: int | None = None) -> None:
+    def __init__(self, queries: Queries, max_items: int | None = None, owned: Callable[[str], bool] | None = None) -> None:
         self._queries = queries
         self._max_items = max_items
+        self._owned = owned  # a tenant's view of retention (Queries.block_views)
         self._blocks: list[bytes] = []
         self._sessions: list[str] | None = None  # taken when the residency phase ends
         self._next_block = 0
@@ -117,7 +119,7 @@ class SnapshotCursor:
             batch = [h for h in blocks[self._next_block : end] if tiers_of(h)]  # still resident
             budget -= end - self._next_block
             self._next_block = end
-            views.extend(self._queries.block_views(batch))
+            views.extend(self._queries.block_views(batch, owned=self._owned))
             if time.perf_counter() >= deadline:
                 budget = 0
         if views:
@@ -140,4 +142,4 @@ class SnapshotCursor:
             self._next_session += 1
             budget -= 1
             if session in index.sessions:  # forgotten since: its events said so
-                chunks.append((session, self._queries.block_views(index.resolve_session(session), cache)))
+                chunks.append((session, self._queries.block_views(index.resolve_session(session), cache, self._owned)))

@@ -230,13 +230,20 @@ def check_query_selector(tenant: Tenant | None, selector: Selector) -> None:
 
 
 def scope_residency(core: KvHintCore, tenants: Tenants, tenant: Tenant, residency: Residency) -> Residency:
-    """Engine thread: only the tenant's blocks, with only its session ids."""
+    """Engine thread: only the tenant's blocks, with only its session ids and the protection
+    its own grants give them (another tenant's pin on a shared block is not shown)."""
     views = []
     totals: dict = {}
+    now = core.monotonic()
+
+    def mine(owner: str) -> bool:
+        return _owner_is(tenants, owner, tenant)
+
     for v in residency.blocks:
         if not own_block(core, tenants, tenant, v.block_hash):
             continue
-        views.append(dataclasses.replace(v, sessions=tuple(s for s in v.sessions if tenant.owns(s))))
+        views.append(dataclasses.replace(v, sessions=tuple(s for s in v.sessions if tenant.owns(s)),
+                                         retention=core.ledger.view_of(v.block_hash, now, mine)))
     wanted = 0
     for t in residency.totals:
         wanted |= t.bit
@@ -268,8 +275,9 @@ class WatchScope:
     block's removal may name none of the tenant's, and a follower of the
     tenant's stream must still see it go."""
 
-    def __init__(self, tenant: Tenant) -> None:
+    def __init__(self, tenant: Tenant, tenants: Tenants) -> None:
         self.tenant = tenant
+        self._tenants = tenants
         # Block hashes this stream reported stored and not yet reported removed
         # from their last copy (bounded by the blocks the tenant's sessions hold).
         self._delivered: set[bytes] = set()
@@ -280,6 +288,10 @@ class WatchScope:
                 raise permission_denied(
                     f"{excerpt(s)} is outside tenant {self.tenant.name!r}'s namespace", f"filter.session_ids[{i}]"
                 )
+
+    def owned(self, owner: str) -> bool:
+        """Whether a retention owner key is the tenant's (its snapshot shows only those grants)."""
+        return _owner_is(self._tenants, owner, self.tenant)
 
     def matches(self, ev: Event) -> bool:
         p = ev.payload

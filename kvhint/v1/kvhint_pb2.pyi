@@ -1421,7 +1421,10 @@ class BlockInfo(_message.Message):
 
     @_builtins.property
     def retention(self) -> Global___RetentionState:
-        """Effective protection of the device copy."""
+        """Effective protection of the device copy. With tenancy, a tenant sees the
+        protection its own grants give the block: another tenant's Pin or Retain
+        on a block they share is not shown (admins see the effective class).
+        """
 
     @_builtins.property
     def session_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:

@@ -503,3 +503,46 @@ def test_a_tenants_own_rate_limit_replaces_the_default(tmp_path: Path) -> None:
         assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "burst of 3" in (exc.value.details() or "")
     finally:
         limited.close()
+
+
+def test_a_tenant_sees_only_its_own_protection_of_a_shared_block(hx: Harness) -> None:
+    """Team A pins a prefix team B shares: B's QueryResidency shows the block, with the class B's
+    own grants give it (none: ordinary; after B's Retain: retained, not A's pin), so B cannot tell
+    that A pinned it. The admin sees the effective class."""
+    hx.engine.store([h(1), h(2)], session="a/x")
+    hx.engine.store([h(1), h(2)], session="b/y", prefix_hit=True)
+    assert outcome(apply(hx, A, pin("a/x", 60))[0])[0] == "OUTCOME_ACCEPTED"
+
+    def classes(who, session: str) -> set[int]:
+        return {b.retention.retention_class for b in device_of(hx, who, session_sel(session))}
+
+    assert classes(A, "a/x") == {pb.RetentionState.CLASS_PINNED}
+    assert classes(ADMIN, "b/y") == {pb.RetentionState.CLASS_PINNED}
+    assert classes(B, "b/y") == {pb.RetentionState.CLASS_ORDINARY}
+    assert outcome(apply(hx, B, retain("b/y", 60, priority=7))[0])[0] == "OUTCOME_ACCEPTED"
+    seen = device_of(hx, B, session_sel("b/y"))
+    assert {b.retention.retention_class for b in seen} == {pb.RetentionState.CLASS_RETAINED}
+    assert {b.retention.priority for b in seen} == {7}
+
+
+def test_a_tenants_snapshot_shows_only_its_own_protection(hx: Harness) -> None:
+    """The same rule in WatchEvents' snapshot: B's snapshot lists the shared blocks as ordinary
+    though A pinned them."""
+    hx.engine.store([h(1), h(2)], session="a/x")
+    hx.engine.store([h(1), h(2)], session="b/y", prefix_hit=True)
+    assert outcome(apply(hx, A, pin("a/x", 60))[0])[0] == "OUTCOME_ACCEPTED"
+
+    def snapshot_classes(who) -> dict[bytes, int]:
+        out: dict[bytes, int] = {}
+        stream = hx.stub.WatchEvents(pb.WatchEventsRequest(start=pb.WatchEventsRequest.START_SNAPSHOT), metadata=who, timeout=10)
+        for msg in stream:
+            if msg.WhichOneof("payload") == "snapshot_chunk":
+                for b in msg.snapshot_chunk.blocks:
+                    out[b.block_hash] = b.retention.retention_class
+            if msg.WhichOneof("payload") == "snapshot_end":
+                stream.cancel()
+                break
+        return out
+
+    assert snapshot_classes(B) == {h(1): pb.RetentionState.CLASS_ORDINARY, h(2): pb.RetentionState.CLASS_ORDINARY}
+    assert set(snapshot_classes(A).values()) == {pb.RetentionState.CLASS_PINNED}

@@ -2890,7 +2890,9 @@ type BlockInfo struct {
 	Tiers []Tier `protobuf:"varint,5,rep,packed,name=tiers,proto3,enum=kvhint.v1.Tier" json:"tiers,omitempty"`
 	// True if a running request holds the device copy.
 	InUse bool `protobuf:"varint,6,opt,name=in_use,json=inUse,proto3" json:"in_use,omitempty"`
-	// Effective protection of the device copy.
+	// Effective protection of the device copy. With tenancy, a tenant sees the
+	// protection its own grants give the block: another tenant's Pin or Retain
+	// on a block they share is not shown (admins see the effective class).
 	Retention *RetentionState `protobuf:"bytes,7,opt,name=retention,proto3" json:"retention,omitempty"`
 	// Sessions the block belongs to, at most 16 of them (the same cap as
 	// SessionCoordinates.member_session_ids), in no particular order.
