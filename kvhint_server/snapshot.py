@@ -73,10 +73,19 @@ class SnapshotCursor:
     deadline bounds a step). Tests use it to force many small pieces.
     """
 
-    def __init__(self, queries: Queries, max_items: int | None = None, owned: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        queries: Queries,
+        max_items: int | None = None,
+        owned: Callable[[str], bool] | None = None,
+        sessions: Callable[[str], bool] | None = None,
+    ) -> None:
         self._queries = queries
         self._max_items = max_items
         self._owned = owned  # a tenant's view of retention (Queries.block_views)
+        # A tenant's snapshot: only the sessions this accepts, and no residency phase
+        # (session-less block chunks are not a tenant's to see).
+        self._session_filter = sessions
         self._blocks: list[bytes] = []
         self._sessions: list[str] | None = None  # taken when the residency phase ends
         self._next_block = 0
@@ -84,6 +93,12 @@ class SnapshotCursor:
 
     def begin(self) -> SnapshotStart:
         core = self._queries.core
+        keep = self._session_filter
+        if keep is not None:  # a tenant: its sessions now, and the distinct blocks they hold
+            index = core.index
+            self._sessions = [s for s in index.sessions if keep(s)]
+            held: set[bytes] = set().union(*(index.sessions[s].blocks for s in self._sessions))
+            return SnapshotStart(core.bus.last_sequence, len(self._sessions), len(held))
         device = core.resident[Tier.DEVICE]
         lower = [held for t, held in core.resident.items() if t is not Tier.DEVICE and held]
         self._blocks = list(device)  # a C-level copy; the set union is for the (smaller) lower tiers

@@ -157,7 +157,11 @@ class WatchHub:
         Ends without it after a Resync (the events between pieces were
         dropped from the replay window, or the server is shutting down)."""
         core, bus = self._core, self._bus
-        snap = SnapshotCursor(self._queries, self.snapshot_max_items, scope.owned if scope is not None else None)
+        snap = (
+            SnapshotCursor(self._queries, self.snapshot_max_items)
+            if scope is None
+            else SnapshotCursor(self._queries, self.snapshot_max_items, scope.owned, scope.tenant.owns)
+        )
         began = time.perf_counter()
         start = await asyncio.wrap_future(core.submit(snap.begin, bounded=True))  # QueueFull: nothing sent yet
         sent = start.sequence

@@ -2479,9 +2479,14 @@ class SnapshotBegin(_message.Message):
     NUM_SESSIONS_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     num_sessions: _builtins.int
-    """Sessions at the snapshot's start (those that end meanwhile get no chunk)."""
+    """Sessions at the snapshot's start (those that end meanwhile get no chunk).
+    With tenancy, a tenant's snapshot counts only its own sessions.
+    """
     num_blocks: _builtins.int
-    """Resident blocks at the snapshot's start."""
+    """Resident blocks at the snapshot's start. With tenancy, a tenant's
+    snapshot counts the distinct blocks its sessions hold (it gets no
+    session-less residency chunk).
+    """
     def __init__(
         self,
         *,

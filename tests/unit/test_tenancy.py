@@ -546,3 +546,29 @@ def test_a_tenants_snapshot_shows_only_its_own_protection(hx: Harness) -> None:
 
     assert snapshot_classes(B) == {h(1): pb.RetentionState.CLASS_ORDINARY, h(2): pb.RetentionState.CLASS_ORDINARY}
     assert set(snapshot_classes(A).values()) == {pb.RetentionState.CLASS_PINNED}
+
+
+def test_a_tenants_snapshot_counts_only_its_own_sessions_and_blocks(hx: Harness) -> None:
+    """SnapshotBegin tells a tenant how many of its sessions and their blocks follow, not how
+    many the engine holds; the admin's counts are engine-wide."""
+    hx.engine.store([h(1), h(2)], session="a/x")
+    hx.engine.store([h(3)], session="a/z")
+    hx.engine.store([h(1), h(2), h(4)], session="b/y", prefix_hit=True)
+
+    def begin(who) -> tuple[int, int, set[str]]:
+        stream = hx.stub.WatchEvents(pb.WatchEventsRequest(start=pb.WatchEventsRequest.START_SNAPSHOT), metadata=who, timeout=10)
+        counts, chunks = (0, 0), set()
+        for msg in stream:
+            which = msg.WhichOneof("payload")
+            if which == "snapshot_begin":
+                counts = (msg.snapshot_begin.num_sessions, msg.snapshot_begin.num_blocks)
+            elif which == "snapshot_chunk":
+                chunks.add(msg.snapshot_chunk.session_id)
+            elif which == "snapshot_end":
+                stream.cancel()
+                break
+        return (*counts, chunks)
+
+    assert begin(B) == (1, 3, {"b/y"})
+    assert begin(A) == (2, 3, {"a/x", "a/z"})
+    assert begin(ADMIN)[:2] == (3, 4)

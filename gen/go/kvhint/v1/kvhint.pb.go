@@ -4865,8 +4865,11 @@ type SnapshotBegin struct {
 	unknownFields protoimpl.UnknownFields
 
 	// Sessions at the snapshot's start (those that end meanwhile get no chunk).
+	// With tenancy, a tenant's snapshot counts only its own sessions.
 	NumSessions uint32 `protobuf:"varint,1,opt,name=num_sessions,json=numSessions,proto3" json:"num_sessions,omitempty"`
-	// Resident blocks at the snapshot's start.
+	// Resident blocks at the snapshot's start. With tenancy, a tenant's
+	// snapshot counts the distinct blocks its sessions hold (it gets no
+	// session-less residency chunk).
 	NumBlocks uint32 `protobuf:"varint,2,opt,name=num_blocks,json=numBlocks,proto3" json:"num_blocks,omitempty"`
 }
 
