@@ -154,8 +154,7 @@ class RateLimiter:
     def from_config(cls, config: Any, clock: Callable[[], float] = time.monotonic) -> RateLimiter | None:
         """The limiter the config asks for: the default rate, and any tenant's own
         (`Tenant.rate_limit`); None when nobody is limited."""
-        tenants = getattr(config, "tenants", None)
-        own = tenants is not None and any(t.rate_limit is not None for t in tenants.tenants)
+        own = config.tenants is not None and any(t.rate_limit is not None for t in config.tenants.tenants)
         if config.rate_limit_hints_per_s <= 0 and not own:
             return None
         rate = config.rate_limit_hints_per_s if config.rate_limit_hints_per_s > 0 else None

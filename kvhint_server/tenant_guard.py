@@ -43,7 +43,7 @@ runs on the engine thread.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 
@@ -74,6 +74,11 @@ def selector_field(selector: Selector) -> tuple[str, str]:
 
 def _owner_is(tenants: Tenants, owner: str, tenant: Tenant) -> bool:
     return tenants.tenant_of_owner(owner) is tenant
+
+
+def grants_of(tenants: Tenants, tenant: Tenant) -> Callable[[str], bool]:
+    """Whether a retention owner key is `tenant`'s: what a tenant's view of retention keeps."""
+    return lambda owner: _owner_is(tenants, owner, tenant)
 
 
 def own_block(core: KvHintCore, tenants: Tenants, tenant: Tenant, h: bytes) -> bool:
@@ -235,10 +240,7 @@ def scope_residency(core: KvHintCore, tenants: Tenants, tenant: Tenant, residenc
     views = []
     totals: dict = {}
     now = core.monotonic()
-
-    def mine(owner: str) -> bool:
-        return _owner_is(tenants, owner, tenant)
-
+    mine = grants_of(tenants, tenant)
     for v in residency.blocks:
         if not own_block(core, tenants, tenant, v.block_hash):
             continue
@@ -277,7 +279,8 @@ class WatchScope:
 
     def __init__(self, tenant: Tenant, tenants: Tenants) -> None:
         self.tenant = tenant
-        self._tenants = tenants
+        # Retention owner keys that are the tenant's (its snapshot shows only those grants).
+        self.owned = grants_of(tenants, tenant)
         # Block hashes this stream reported stored and not yet reported removed
         # from their last copy (bounded by the blocks the tenant's sessions hold).
         self._delivered: set[bytes] = set()
@@ -288,10 +291,6 @@ class WatchScope:
                 raise permission_denied(
                     f"{excerpt(s)} is outside tenant {self.tenant.name!r}'s namespace", f"filter.session_ids[{i}]"
                 )
-
-    def owned(self, owner: str) -> bool:
-        """Whether a retention owner key is the tenant's (its snapshot shows only those grants)."""
-        return _owner_is(self._tenants, owner, self.tenant)
 
     def matches(self, ev: Event) -> bool:
         p = ev.payload
@@ -309,9 +308,6 @@ class WatchScope:
         if isinstance(p, AllBlocksCleared):
             return True  # names no session; every follower must drop the tier
         return mine
-
-    def chunk(self, session_id: str) -> bool:
-        return bool(session_id) and self.tenant.owns(session_id)
 
     def event_bytes(self, ev: Event, epoch: str) -> bytes:
         """The event as this tenant may see it: foreign session ids cut out."""
