@@ -687,11 +687,7 @@ def simulate_library(
     predictions, `bench.policy.ClairvoyantSessionPolicy`). `pause_state`: the policy's pause
     model starts from it (`learned_pause_state` of another trace: a warm start)."""
     hp = HintedPool(bt, num_gpu_blocks, pin_budget_fraction)
-    starts: dict[str, list[float]] | None = None
-    if clairvoyant:
-        starts = {}
-        for r in bt.requests:
-            starts.setdefault(r.session_id, []).append(r.t)
+    starts = _session_starts(bt) if clairvoyant else None
     pol = LibraryPolicy(config or bt.library_config, bt.shared_prefix_target, starts, pause_state)
     return drive_policy(hp, pol, name)
 
@@ -706,6 +702,14 @@ def learned_pause_state(bt: BlockTrace, config: Any = None) -> dict[str, Any]:
     return pol.policy.model.export()
 
 
+def _session_starts(bt: BlockTrace) -> dict[str, list[float]]:
+    """Each session's request start times (the clairvoyant policy's true resume times)."""
+    starts: dict[str, list[float]] = {}
+    for r in bt.requests:
+        starts.setdefault(r.session_id, []).append(r.t)
+    return starts
+
+
 def simulate_tiers(
     bt: BlockTrace,
     policy: str = "none",
@@ -715,14 +719,16 @@ def simulate_tiers(
     pin_budget_fraction: float = 0.5,
     name: str | None = None,
     pause_state: Mapping[str, Any] | None = None,
+    clairvoyant: bool = False,
 ) -> SimResult:
     """The device pool plus a `HostTier` of `host_blocks` (default: as many as the device
     pool's usable blocks). `policy`: ``none`` (vLLM's offloading alone, run f),
     ``reference`` (the earlier reference policy's ``hints+tiers`` variant, run g) or
     ``library`` (`LibraryPolicy` with ``use_tiers``: Demote on a predicted long pause,
-    Prefetch before the predicted resume; `pause_state` as in `simulate_library`)."""
-    if pause_state is not None and policy != "library":
-        raise ValueError("pause_state is for the library policy")
+    Prefetch before the predicted resume; `pause_state` and `clairvoyant` as in
+    `simulate_library`)."""
+    if (pause_state is not None or clairvoyant) and policy != "library":
+        raise ValueError("pause_state and clairvoyant are for the library policy")
     n = num_gpu_blocks or bt.num_gpu_blocks
     hp = HintedPool(bt, n, pin_budget_fraction, HostTier(host_blocks if host_blocks is not None else n - 1))
     pol: ReferencePolicy | LibraryPolicy | _NoHints
@@ -731,7 +737,8 @@ def simulate_tiers(
     elif policy == "reference":
         pol = ReferencePolicy(policy_variant("hints+tiers", bt.policy_config), bt.shared_prefix_target)
     elif policy == "library":
-        pol = LibraryPolicy(replace(bt.library_config, use_tiers=True), bt.shared_prefix_target, pause_state=pause_state)
+        pol = LibraryPolicy(replace(bt.library_config, use_tiers=True), bt.shared_prefix_target,
+                            _session_starts(bt) if clairvoyant else None, pause_state)
     else:
         raise ValueError(f"unknown tier policy {policy!r}")
     return drive_policy(hp, pol, name or f"tiers+{policy}")

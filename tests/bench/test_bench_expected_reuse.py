@@ -90,6 +90,19 @@ def test_tier_runs_are_bounded_by_the_infinite_cache(tr: Trace) -> None:
     assert simulate_tiers(bt, "none").recomputed_tokens <= simulate_lru(bt).recomputed_tokens
 
 
+def test_tier_ceiling_diagnostic_uses_true_resume_times() -> None:
+    """The clairvoyant tier run (results.md's tier ceiling) is the library policy told each
+    session's true request times; it is for the library policy only."""
+    bt = compile_trace(generate_trace(PRESETS["fast"], 0, preset="fast"))
+    inf = simulate_infinite(bt)
+    ceiling = simulate_tiers(bt, "library", clairvoyant=True)
+    assert all(a <= b for a, b in zip(ceiling.cached_tokens, inf.cached_tokens))
+    assert ceiling.recomputed_tokens <= simulate_tiers(bt, "none").recomputed_tokens
+    assert ceiling.cached_tokens != simulate_tiers(bt, "library").cached_tokens  # the predictions changed
+    with pytest.raises(ValueError, match="library policy"):
+        simulate_tiers(bt, "none", clairvoyant=True)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_library_policy_never_recomputes_more_than_lru(seed: int) -> None:
     bt = compile_trace(generate_trace(PRESETS["fast"], seed, preset="fast"))
