@@ -24,23 +24,40 @@ from .scale_workload import HintPlan, Turn, tokens
 # ---------------------------------------------------------------- memory
 
 
-def deep_size(roots: Iterable[Any], exclude: tuple[type, ...] = (), stop: Iterable[Any] = ()) -> int:
-    """Bytes of every object reachable from `roots` (sys.getsizeof, each object once), not
-    following into classes, modules, functions, methods, instances of `exclude` or the `stop`
-    objects (objects owned by someone else: vLLM's KVCacheBlocks that the protected classes refer
-    to, the core or pool a clock or callback is bound to)."""
-    skip = (type, type(sys), type(deep_size), type(len), types.MethodType, *exclude)
+def deep_stats(roots: Iterable[Any], exclude: tuple[type, ...] = (), stop: Iterable[Any] = ()) -> tuple[int, int]:
+    """(bytes, GC-tracked objects) of every object reachable from `roots` (sys.getsizeof, each
+    object once), not following into classes, modules, functions, methods, instances of `exclude`
+    or the `stop` objects (objects owned by someone else: vLLM's KVCacheBlocks that the protected
+    classes refer to, the core or pool a clock or callback is bound to). Tracked objects are the
+    ones the cyclic garbage collector traverses (gc.is_tracked)."""
+    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, *exclude)
     seen: set[int] = {id(x) for x in stop}
     stack = list(roots)
-    total = 0
+    total = tracked = 0
     while stack:
         obj = stack.pop()
         if id(obj) in seen or isinstance(obj, skip):
             continue
         seen.add(id(obj))
         total += sys.getsizeof(obj)
+        tracked += gc.is_tracked(obj)
         stack.extend(gc.get_referents(obj))
-    return total
+    return total, tracked
+
+
+def full_collection() -> dict[str, float]:
+    """A full collection of this process's heap, the startup heap included (unfrozen for it, then
+    frozen again): tracked objects and the fastest of three collections (ms)."""
+    gc.unfreeze()
+    gc.collect()
+    objects = len(gc.get_objects())
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        gc.collect()
+        times.append(time.perf_counter() - t)
+    gc.freeze()
+    return {"gc_objects": objects, "gc_full_ms": round(min(times) * 1e3, 1)}
 
 
 def memory(side: Side) -> dict[str, int]:
@@ -58,6 +75,12 @@ def memory(side: Side) -> dict[str, int]:
     gc.collect()
     index = core.index
     sessions = len(index.sessions)
+    owners = (core, adapter, pool, sched)
+    index_bytes, index_gc = deep_stats([index.nodes, index.sessions, index.children_of, index.continuations,
+                                        index._continuations_at], stop=owners)
+    map_bytes, map_gc = deep_stats(_adapter_maps(adapter), exclude=(KVCacheBlock,), stop=owners)
+    retention_bytes, retention_gc = deep_stats([core.ledger, pool._kvh_protected], exclude=(KVCacheBlock,), stop=owners)
+    bus_bytes, bus_gc = deep_stats([core.bus._ring])
     return {
         "cached_blocks": len(pool.cached_block_hash_to_block),
         "index_nodes": len(index.nodes),
@@ -65,11 +88,15 @@ def memory(side: Side) -> dict[str, int]:
         "sessions": sessions,
         "memberships": sum(len(s.blocks) for s in index.sessions.values()),
         "retained_blocks": len(core.ledger.grants),
-        "index_bytes": deep_size([index.nodes, index.sessions, index.children_of, index.continuations, index._continuations_at],
-                                 stop=(core, adapter, pool, sched)),
-        "hash_map_bytes": deep_size(_adapter_maps(adapter), exclude=(KVCacheBlock,), stop=(core, adapter, pool, sched)),
-        "retention_bytes": deep_size([core.ledger, pool._kvh_protected], exclude=(KVCacheBlock,), stop=(core, adapter, pool, sched)),
-        "bus_bytes": deep_size([core.bus._ring]),
+        "index_bytes": index_bytes,
+        "hash_map_bytes": map_bytes,
+        "retention_bytes": retention_bytes,
+        "bus_bytes": bus_bytes,
+        # Objects of these structures that every full collection traverses, and one full
+        # collection of the whole process (both schedulers and the workload).
+        "kvhint_gc_objects": index_gc + map_gc + retention_gc + bus_gc,
+        "index_gc_objects": index_gc,
+        **full_collection(),
     }
 
 

@@ -191,6 +191,7 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         "| run | cached blocks | index nodes | sessions | memberships | index bytes | hash map bytes | retention bytes (retained blocks) | (index + map) / cached block | index / session | retention / retained block | event ring |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    gc_rows = []
     for r in runs:
         m = r.get("memory")
         if not m:
@@ -202,6 +203,27 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
             f"{m['index_bytes'] / max(1, m['sessions']):.0f} | "
             f"{_f(m['retention_bytes'] / m['retained_blocks'] if m['retained_blocks'] else float('nan'), 0)} | {m['bus_bytes']} |"
         )
+        if "kvhint_gc_objects" in m:
+            per_object_us = m["gc_full_ms"] * 1e3 / max(1, m["gc_objects"])
+            gc_rows.append(
+                f"| {r['label']} | {m['kvhint_gc_objects']} ({m['index_gc_objects']}) | "
+                f"{m['kvhint_gc_objects'] / max(1, m['cached_blocks']):.2f} | {m['gc_objects']} | {m['gc_full_ms']:.0f} | "
+                f"{per_object_us:.2f} | {m['kvhint_gc_objects'] * per_object_us / 1e3:.0f} |"
+            )
+    if gc_rows:
+        lines += [
+            "",
+            "Garbage collection: Python's cyclic collector traverses every tracked container at each full "
+            "(generation 2) collection. vLLM freezes its start-up heap (gc.freeze), so its pool is not traversed; "
+            "KvHint's structures are built while serving and are. Full collection: one gc.collect() of this whole "
+            "process (both schedulers, the workload, start-up heap unfrozen for it), fastest of three. KvHint's share "
+            "is estimated as its tracked objects x the process's time per tracked object.",
+            "",
+            "| run | KvHint GC-tracked objects (index) | per cached block | process tracked objects | full collection ms "
+            "| us per tracked object | KvHint's share of a full collection, est. ms |",
+            "|---|---|---|---|---|---|---|",
+            *gc_rows,
+        ]
     fit = _memory_fit(runs)
     if fit:
         lines += ["", f"Linear fit over the runs without hints: bytes = {fit[0]:.0f} x cached blocks + {fit[1]:.0f} x sessions "

@@ -37,6 +37,13 @@ if TYPE_CHECKING:
     from .adapter import VllmAdapter
 
 
+# Stock methods the hot overrides call directly (cheaper than super() on every block).
+_emit_removed = BlockPool._emit_block_removed_events
+_maybe_evict = BlockPool._maybe_evict_cached_block
+_get_new_blocks = BlockPool.get_new_blocks
+_free_blocks = BlockPool.free_blocks
+
+
 class KvHintBlockPool(BlockPool):
     _kvh: VllmAdapter
     _kvh_protected: ProtectedFreeBlocks
@@ -66,9 +73,10 @@ class KvHintBlockPool(BlockPool):
         self._kvh.on_blocks_cached(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
 
     def _emit_block_removed_events(self, block_hashes):  # type: ignore[no-untyped-def]
-        super()._emit_block_removed_events(block_hashes)
-        if self._kvh_pending is not None:
-            self._kvh_pending.append((block_hashes, self._kvh_cause))
+        _emit_removed(self, block_hashes)
+        pending = self._kvh_pending
+        if pending is not None:
+            pending.append((block_hashes, self._kvh_cause))
         else:
             self._kvh.on_keys_removed(block_hashes, self._kvh_cause)
 
@@ -78,14 +86,15 @@ class KvHintBlockPool(BlockPool):
             # A protected free block losing its hash (connector invalidation):
             # it is an ordinary free block again.
             self.free_block_queue.prepend_n([block])
-        if block.block_id in self._kvh_broken:
-            self._kvh_broken.discard(block.block_id)
+        broken = self._kvh_broken
+        if broken and block.block_id in broken:
+            broken.discard(block.block_id)
             previous, self._kvh_cause = self._kvh_cause, RemovalCause.PIN_BROKEN
             try:
-                return super()._maybe_evict_cached_block(block)
+                return _maybe_evict(self, block)
             finally:
                 self._kvh_cause = previous
-        return super()._maybe_evict_cached_block(block)
+        return _maybe_evict(self, block)
 
     def reset_prefix_cache(self) -> bool:
         protected = self._kvh_protected
@@ -112,7 +121,7 @@ class KvHintBlockPool(BlockPool):
                 self._kvh_reclaim(shortfall)
         self._kvh_pending = []
         try:
-            return super().get_new_blocks(num_blocks)
+            return _get_new_blocks(self, num_blocks)
         finally:
             pending, self._kvh_pending = self._kvh_pending, None
             if pending:
@@ -150,7 +159,7 @@ class KvHintBlockPool(BlockPool):
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         if not self._kvh.retention_active():
-            super().free_blocks(ordered_blocks)
+            _free_blocks(self, ordered_blocks)
             return
         blocks = list(ordered_blocks)
         super().free_blocks(blocks)

@@ -272,7 +272,10 @@ class KvHintCore:
             return
         self.resident[tier].update(dict.fromkeys(hashes))
         if coords:
-            self.index.record_chain(hashes, first_position, parent, tier, coords, self.wall(), self.tiers_of)
+            # A new node starts with the tiers its block already has copies on; with no copies
+            # on any other tier (an engine without lower tiers) that is this tier alone.
+            others = any(blocks for t, blocks in self.resident.items() if t is not tier)
+            self.index.record_chain(hashes, first_position, parent, tier, coords, self.wall(), self.tiers_of if others else None)
             members = self.index.members(hashes[-1], first=coords.session_id)
             coordinates = Coordinates(coords.session_id or "", coords.continuation_id or "", members)
         else:
@@ -323,7 +326,8 @@ class KvHintCore:
             return
         block_size = self.info.block_size
         ledger = self.ledger
-        device = tier is Tier.DEVICE
+        # Removals only drop grants (none are added meanwhile), so the check holds for the batch.
+        drop_grants = ledger.drop_block if tier is Tier.DEVICE and ledger.grants else None
         nodes = self.index.nodes
         mark_removed = self.index.mark_removed
         resident = self.resident[tier]
@@ -332,21 +336,24 @@ class KvHintCore:
         # (run key, removal of the run's first block, hashes, prefix tokens)
         runs: list[tuple[object, Removal | None, list[bytes], list[int]]] = []
         last_key: object = None
+        run_hashes: list[bytes] = []
+        run_tokens: list[int] = []
         for h in hashes:
             removal = mark_removed(h, tier) if h in nodes else None
-            if device and ledger.grants:
-                ledger.drop_block(h)
+            if drop_grants is not None:
+                drop_grants(h)
             if removal is None:
                 key: object = remaining_tiers(h) == 0 if remaining_tiers else True
                 tokens = 0
             else:
-                key = (removal.admit_session, removal.admit_continuation, removal.sessions, removal.last_copy)
+                key = removal[2:]  # (last_copy, admit_session, admit_continuation, sessions)
                 tokens = (removal.position + 1) * block_size
             if runs and key == last_key:
-                runs[-1][2].append(h)
-                runs[-1][3].append(tokens)
+                run_hashes.append(h)
+                run_tokens.append(tokens)
             else:
-                runs.append((key, removal, [h], [tokens]))
+                run_hashes, run_tokens = [h], [tokens]
+                runs.append((key, removal, run_hashes, run_tokens))
                 last_key = key
         for key, removal, run, prefix_tokens in runs:
             if removal is None:

@@ -99,6 +99,13 @@ class SessionState:
         return len(self.blocks)
 
 
+def _reported(sessions: set[str], first: str | None, limit: int) -> tuple[str, ...]:
+    """At most `limit` of `sessions` in O(limit); `first` leads when it is one of them."""
+    if len(sessions) <= 1 or first is None or first not in sessions:
+        return tuple(islice(sessions, limit))
+    return (first, *islice((s for s in sessions if s != first), limit - 1))
+
+
 class SessionPrefixIndex:
     def __init__(self) -> None:
         self.nodes: dict[bytes, Node] = {}
@@ -139,15 +146,18 @@ class SessionPrefixIndex:
         state = self._session(session, coords.parent_session_id, now) if session else None
         prev = parent
         bit = 1 << tier
+        nodes = self.nodes
+        continuation = coords.continuation_id
         for offset, h in enumerate(hashes):
-            node = self.nodes.get(h)
+            node = nodes.get(h)
             if node is None:
                 existing = other_tiers(h) if other_tiers is not None else 0
-                node = Node(prev, first_position + offset, existing, 0, set(), session, coords.continuation_id)
-                self.nodes[h] = node
-                if prev is not None and (parent_node := self.nodes.get(prev)) is not None:
+                node = Node(prev, first_position + offset, existing | bit, 0, set(), session, continuation)
+                nodes[h] = node
+                if prev is not None and (parent_node := nodes.get(prev)) is not None:
                     parent_node.children += 1
-            node.tiers |= bit
+            else:
+                node.tiers |= bit
             if state is not None and session not in node.sessions:
                 node.sessions.add(session)  # type: ignore[arg-type]
                 state.blocks.add(h)
@@ -178,26 +188,31 @@ class SessionPrefixIndex:
         if node is None:
             return None
         bit = 1 << tier
-        had_copy = bool(node.tiers & bit)
-        node.tiers &= ~bit
+        tiers = node.tiers
+        had_copy = tiers & bit
+        node.tiers = tiers = tiers & ~bit
+        members = node.sessions
+        admit = node.admit_session
         removal = Removal(
             h,
             node.position,
-            node.tiers == 0,
-            node.admit_session,
+            tiers == 0,
+            admit,
             node.admit_continuation,
-            self.members(h, first=node.admit_session),
+            # = self.members(h, first=admit), with the common one-member case inlined
+            tuple(members) if len(members) <= 1 else _reported(members, admit, MAX_MEMBERS_REPORTED),
         )
-        if node.tiers or not had_copy:
+        if tiers or not had_copy:
             return removal  # another copy remains, or there was none to lose
-        members, node.sessions = node.sessions, set()
         expired = []
-        sessions = self.sessions
-        for member in members:
-            state = sessions[member]
-            state.blocks.discard(h)
-            if not state.blocks:
-                expired.append(member)
+        if members:
+            sessions = self.sessions
+            for member in members:
+                blocks = sessions[member].blocks
+                blocks.discard(h)
+                if not blocks:
+                    expired.append(member)
+            members.clear()  # the last copy takes the members with it (Removal keeps a tuple)
         if node.children == 0:
             self._delete_upwards(h)
         for member in expired:
@@ -333,10 +348,7 @@ class SessionPrefixIndex:
         node = self.nodes.get(h)
         if node is None:
             return ()
-        sessions = node.sessions
-        if first is None or first not in sessions:
-            return tuple(islice(sessions, limit))
-        return (first, *islice((s for s in sessions if s != first), limit - 1))
+        return _reported(node.sessions, first, limit)
 
     # ------------------------------------------------------------------ internals
 
@@ -357,17 +369,15 @@ class SessionPrefixIndex:
         nodes = self.nodes
         return sorted(blocks, key=lambda h: (nodes[h].position, h) if h in nodes else (1 << 62, h))
 
-    def _held(self, h: bytes, node: Node) -> bool:
-        """A resident node stays while a session or a continuation holds it."""
-        return bool(node.tiers) and (bool(node.sessions) or h in self._continuations_at)
-
     def _delete_upwards(self, h: bytes | None) -> None:
         """Delete `h` unless it has children or is held, then its parent likewise."""
+        nodes, continuations_at = self.nodes, self._continuations_at
         while h is not None:
-            node = self.nodes.get(h)
-            if node is None or node.children > 0 or self._held(h, node):
+            node = nodes.get(h)
+            # A resident node stays while a session or a continuation holds it.
+            if node is None or node.children > 0 or (node.tiers and (node.sessions or h in continuations_at)):
                 return
-            del self.nodes[h]
+            del nodes[h]
             for member in node.sessions:  # none: an unheld node has no members
                 state = self.sessions.get(member)
                 if state is not None:

@@ -32,6 +32,7 @@ def test_every_run_writes_its_units_and_the_report_its_sections(out: Path) -> No
     for section in ("## Scheduler CPU per step", "## Costs per block", "## Memory of the KvHint structures",
                     "## ApplyHints apply time", "## Event bus", "## Targets"):
         assert section in text
+    assert "KvHint's share of a full collection" in text
     assert (out / "scale_loglog.png").stat().st_size > 0
 
 
@@ -57,6 +58,9 @@ def test_the_workload_churns_a_full_pool_and_quiet_steps_change_nothing(out: Pat
         assert 0 < mem["cached_blocks"] <= run["shape"]["pool_blocks"]
         assert 0 < mem["sessions"] <= run["shape"]["sessions"] + len(raw.get("apply_sweep", {}).get("rows", []))
         assert mem["index_bytes"] > 0 and mem["hash_map_bytes"] > 0
+        # The garbage collector's view: KvHint's tracked objects are part of the process's.
+        assert 0 < mem["index_gc_objects"] <= mem["kvhint_gc_objects"] < mem["gc_objects"]
+        assert mem["gc_full_ms"] > 0
 
 
 def test_hints_are_applied_at_the_configured_rate(out: Path) -> None:

@@ -1,0 +1,36 @@
+"""`bench.scale_ablation` on a small shape: each variant is measured on its own stock/KvHint pair
+and the no-op'd piece really is out of the KvHint side's path. Timings are not asserted."""
+
+from __future__ import annotations
+
+from bench import scale_ablation
+from bench.scale_driver import Pair
+from bench.scale_workload import Shape
+
+SMALL = Shape(2048, 50, steps=4, warmup_steps=2, system_tokens=256, first_context_tokens=64, max_tokens=16,
+              arrivals_per_step=4, max_model_len=1024, max_num_seqs=64)
+
+
+def test_every_variant_gives_a_row_and_the_table_lists_them() -> None:
+    raw = {"command": "python -m bench.scale_ablation", "shape": SMALL.label,
+           "rows": [scale_ablation.measure(SMALL, name) for name in ("full", "hooks only")]}
+    assert [r["variant"] for r in raw["rows"]] == ["full", "hooks only"]
+    for row in raw["rows"]:
+        assert row["steps"] == SMALL.steps and row["stock_ms_per_step"] > 0 and row["median_ratio"] > 0
+    text = scale_ablation.markdown(raw)
+    assert "| full |" in text and "| hooks only |" in text
+
+
+def test_hooks_only_leaves_the_index_and_the_event_stream_alone() -> None:
+    pair = Pair(SMALL)
+    try:
+        pair.fill()
+        core = pair.kv.core
+        nodes, last = len(core.index.nodes), core.bus.last_sequence
+        assert nodes > 0
+        scale_ablation.VARIANTS["hooks only"][0](pair)
+        pair.steps(3, "steady")
+        assert core.bus.last_sequence == last  # nothing was stored or removed through the callbacks
+        assert pair.counter.take() == (0, 0)
+    finally:
+        pair.close()
