@@ -317,7 +317,7 @@ class VllmAdapter:
 
     def _is_member(self, ext: bytes, session: str) -> bool:
         node = self.core.index.node(ext)
-        return node is not None and session in node.sessions
+        return node is not None and node.has_member(session)
 
     def on_keys_removed(self, keys: list[bytes], cause: RemovalCause) -> None:
         """Hash keys (digest + 4-byte group id) were popped from the pool's map;

@@ -3,7 +3,7 @@
 Logical topology kept synchronously with cache activity (docs/design.md §3):
   * node[h]: parent link, chain position, resident tiers (bitmask), member
     sessions, child count, and the admitting session/continuation.
-  * blocks_of[session] / node.sessions: many-to-many membership.
+  * blocks_of[session] / node.members: many-to-many membership.
   * frontiers(session): the last resident block of each branch, computed on
     demand from membership and residency (so it is never stale: an evicted
     tail "retreats" to the nearest resident ancestor by construction).
@@ -63,15 +63,41 @@ class LeaveCause(enum.IntEnum):
 LeaveListener = Callable[[str, tuple[bytes, ...], LeaveCause], None]
 
 
+# A node's members: None (no member), the one member's id, or a set of two or more (a set
+# may shrink back to one or none). Most blocks belong to one session, and a str, unlike a
+# set, is not an object Python's cyclic garbage collector traverses at every full
+# collection: the index is built while the engine serves, after vLLM froze its start-up heap.
+Members = str | set[str] | None
+
+
 @dataclass(slots=True)
 class Node:
     parent: bytes | None
     position: int
     tiers: int = 0
     children: int = 0
-    sessions: set[str] = field(default_factory=set)
+    members: Members = None
     admit_session: str | None = None
     admit_continuation: str | None = None
+
+    @property
+    def sessions(self) -> frozenset[str]:
+        """The member sessions (a copy: for readers outside the hot paths)."""
+        return frozenset(_iter(self.members))
+
+    def has_member(self, session: str) -> bool:
+        m = self.members
+        return m == session if m.__class__ is str else (m is not None and session in m)
+
+
+def _iter(m: Members) -> Iterable[str]:
+    if m is None:
+        return ()
+    return (m,) if m.__class__ is str else m  # type: ignore[return-value]
+
+
+def _held_by_member(m: Members) -> bool:
+    return m is not None and (m.__class__ is str or bool(m))
 
 
 class Removal(NamedTuple):
@@ -99,11 +125,15 @@ class SessionState:
         return len(self.blocks)
 
 
-def _reported(sessions: set[str], first: str | None, limit: int) -> tuple[str, ...]:
-    """At most `limit` of `sessions` in O(limit); `first` leads when it is one of them."""
-    if len(sessions) <= 1 or first is None or first not in sessions:
-        return tuple(islice(sessions, limit))
-    return (first, *islice((s for s in sessions if s != first), limit - 1))
+def _reported(members: Members, first: str | None, limit: int) -> tuple[str, ...]:
+    """At most `limit` of `members` in O(limit); `first` leads when it is one of them."""
+    if members is None:
+        return ()
+    if members.__class__ is str:
+        return (members,)  # type: ignore[return-value]
+    if len(members) <= 1 or first is None or first not in members:
+        return tuple(islice(members, limit))
+    return (first, *islice((s for s in members if s != first), limit - 1))
 
 
 class SessionPrefixIndex:
@@ -152,15 +182,24 @@ class SessionPrefixIndex:
             node = nodes.get(h)
             if node is None:
                 existing = other_tiers(h) if other_tiers is not None else 0
-                node = Node(prev, first_position + offset, existing | bit, 0, set(), session, continuation)
+                node = Node(prev, first_position + offset, existing | bit, 0, None, session, continuation)
                 nodes[h] = node
                 if prev is not None and (parent_node := nodes.get(prev)) is not None:
                     parent_node.children += 1
             else:
                 node.tiers |= bit
-            if state is not None and session not in node.sessions:
-                node.sessions.add(session)  # type: ignore[arg-type]
-                state.blocks.add(h)
+            if state is not None:
+                m = node.members
+                if m is None:
+                    node.members = session
+                    state.blocks.add(h)
+                elif m.__class__ is str:
+                    if m != session:
+                        node.members = {m, session}  # type: ignore[set-item]
+                        state.blocks.add(h)
+                elif session not in m:  # type: ignore[operator]
+                    m.add(session)  # type: ignore[union-attr, arg-type]
+                    state.blocks.add(h)
             prev = h
         last = hashes[-1]
         if state is not None and coords.continuation_id and coords.continuation_id not in state.continuations:
@@ -191,7 +230,7 @@ class SessionPrefixIndex:
         tiers = node.tiers
         had_copy = tiers & bit
         node.tiers = tiers = tiers & ~bit
-        members = node.sessions
+        members = node.members
         admit = node.admit_session
         removal = Removal(
             h,
@@ -200,19 +239,19 @@ class SessionPrefixIndex:
             admit,
             node.admit_continuation,
             # = self.members(h, first=admit), with the common one-member case inlined
-            tuple(members) if len(members) <= 1 else _reported(members, admit, MAX_MEMBERS_REPORTED),
+            (members,) if members.__class__ is str else _reported(members, admit, MAX_MEMBERS_REPORTED),  # type: ignore[arg-type]
         )
         if tiers or not had_copy:
             return removal  # another copy remains, or there was none to lose
         expired = []
-        if members:
+        if members is not None:
+            node.members = None  # the last copy takes the members with it
             sessions = self.sessions
-            for member in members:
+            for member in _iter(members):
                 blocks = sessions[member].blocks
                 blocks.discard(h)
                 if not blocks:
                     expired.append(member)
-            members.clear()  # the last copy takes the members with it (Removal keeps a tuple)
         if node.children == 0:
             self._delete_upwards(h)
         for member in expired:
@@ -227,7 +266,7 @@ class SessionPrefixIndex:
         for h in [h for h, n in self.nodes.items() if n.tiers & bit]:
             node = self.nodes.get(h)
             if node is not None:
-                affected |= node.sessions
+                affected.update(_iter(node.members))
                 self.mark_removed(h, tier)
         return affected
 
@@ -244,7 +283,11 @@ class SessionPrefixIndex:
             node = self.nodes.get(h)
             if node is None:
                 continue
-            node.sessions.discard(session)
+            m = node.members
+            if m == session:
+                node.members = None
+            elif m is not None and m.__class__ is not str:
+                m.discard(session)  # type: ignore[union-attr]
         holders = self._continuation_holders
         for c in state.continuations:
             n = holders.get(c, 0) - 1
@@ -256,7 +299,7 @@ class SessionPrefixIndex:
                 self._unpoint_continuation(c)
         for h in state.blocks:
             node = self.nodes.get(h)
-            if node is not None and not node.sessions and node.children == 0:
+            if node is not None and not _held_by_member(node.members) and node.children == 0:
                 self._delete_upwards(h)
         if state.parent is not None:
             siblings = self.children_of.get(state.parent)
@@ -340,7 +383,7 @@ class SessionPrefixIndex:
     def resident_sessions_of(self, h: bytes) -> tuple[str, ...]:
         """Every member of `h` (O(members): for hints, not for per-event paths)."""
         node = self.nodes.get(h)
-        return tuple(node.sessions) if node is not None else ()
+        return tuple(_iter(node.members)) if node is not None else ()
 
     def members(self, h: bytes, limit: int = MAX_MEMBERS_REPORTED, first: str | None = None) -> tuple[str, ...]:
         """At most `limit` members of `h`, in O(limit), whatever the member
@@ -348,7 +391,7 @@ class SessionPrefixIndex:
         node = self.nodes.get(h)
         if node is None:
             return ()
-        return _reported(node.sessions, first, limit)
+        return _reported(node.members, first, limit)
 
     # ------------------------------------------------------------------ internals
 
@@ -375,10 +418,10 @@ class SessionPrefixIndex:
         while h is not None:
             node = nodes.get(h)
             # A resident node stays while a session or a continuation holds it.
-            if node is None or node.children > 0 or (node.tiers and (node.sessions or h in continuations_at)):
+            if node is None or node.children > 0 or (node.tiers and (_held_by_member(node.members) or h in continuations_at)):
                 return
             del nodes[h]
-            for member in node.sessions:  # none: an unheld node has no members
+            for member in _iter(node.members):  # none: an unheld node has no members
                 state = self.sessions.get(member)
                 if state is not None:
                     state.blocks.discard(h)
