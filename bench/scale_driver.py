@@ -19,7 +19,10 @@ read from the KvHint side's event bus after the unit (outside the timed region).
 from __future__ import annotations
 
 import gc
+import itertools
+import os
 import random
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -30,6 +33,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 from .scale_workload import HintPlan, Shape, Turn, Workload, tokens
 
 FILL_CHUNK = 16  # direct admissions per recorded fill unit
+_ENDPOINTS = itertools.count()  # vLLM KV-event endpoints of this process
 
 # The CPU timers (ns).
 thread_ns = time.thread_time_ns
@@ -57,13 +61,16 @@ class Unit:
 class Side:
     """One scheduler and the CPU time of its scheduler-side work."""
 
-    def __init__(self, shape: Shape, kvhint: bool, name: str) -> None:
+    def __init__(self, shape: Shape, kvhint: bool, name: str, kv_events: bool = False) -> None:
         from engine_integration import inproc
 
         self.inproc = inproc
         self.shape = shape
         self.name = name
         self.kvhint = kvhint
+        self.kv_events_endpoint = (
+            f"ipc://{tempfile.gettempdir()}/kvhint-scale-{os.getpid()}-{next(_ENDPOINTS)}" if kv_events else None
+        )
         self.sched = inproc.make_scheduler(
             num_blocks=shape.pool_blocks,
             block_size=shape.block_size,
@@ -71,6 +78,9 @@ class Side:
             max_num_seqs=shape.max_num_seqs,
             max_num_batched_tokens=shape.max_num_batched_tokens,
             max_model_len=shape.max_model_len,
+            # vLLM's ZMQ publisher binds it; with no subscriber PUB drops the batches after
+            # building and serializing them, which is the engine process's work either way.
+            kv_events_endpoint=self.kv_events_endpoint,
         )
         self.core = getattr(self.sched, "kvhint_core", None)
         self.cpu_ns = 0
@@ -240,7 +250,7 @@ class Pair:
     def __init__(self, shape: Shape, aa: bool = False, sample: Callable[[str, int], int] | None = None) -> None:
         self.shape = shape
         self.aa = aa
-        self.stock = Side(shape, False, "stock")
+        self.stock = Side(shape, False, "stock", kv_events=shape.stock_kv_events)
         self.kv = Side(shape, not aa, "stock-b" if aa else "kvhint")
         self.rng = random.Random(shape.seed + 1)
         self.counter = BusCounter(self.kv.core) if self.kv.core is not None else None

@@ -49,11 +49,15 @@ class Shape:
     hints_per_step: int = 0
     step_seconds: float = 0.02  # simulated GPU step: 50 steps/s (hint rate and TTLs use it)
     seed: int = 0
+    # The stock side publishes vLLM's own KV cache events (ZMQ), as a router that follows
+    # them needs; the KvHint side does not (its WatchEvents stream replaces them).
+    stock_kv_events: bool = False
 
     @property
     def label(self) -> str:
         hints = f", {self.hints_per_step / self.step_seconds:.0f} hints/s" if self.hints_per_step else ""
-        return f"{self.pool_blocks} blocks, {self.sessions} sessions{hints}"
+        events = ", against stock with vLLM's KV events on" if self.stock_kv_events else ""
+        return f"{self.pool_blocks} blocks, {self.sessions} sessions{hints}{events}"
 
 
 def tokens(seed: object, n: int) -> list[int]:

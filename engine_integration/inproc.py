@@ -110,8 +110,11 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     data_parallel_rank: int = 0,
     data_parallel_size: int = 1,
+    kv_events_endpoint: str | None = None,
 ) -> VllmConfig:
-    """A VllmConfig for the generated tiny model (local directory, never a hub name)."""
+    """A VllmConfig for the generated tiny model (local directory, never a hub name).
+    `kv_events_endpoint`: turn on vLLM's own KV cache events, published by its ZMQ publisher
+    there (an ipc:// or tcp://*:port address, which it binds)."""
     max_model_len = max_model_len or min(max_num_batched_tokens, 4096)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -138,6 +141,10 @@ def make_vllm_config(
         config.parallel_config.data_parallel_index = data_parallel_rank
         config.parallel_config.reconfigure_for_independent_dp_rank()
     config.cache_config.num_gpu_blocks = num_blocks
+    if kv_events_endpoint is not None:
+        from vllm.config import KVEventsConfig
+
+        config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events_endpoint)
     return config
 
 
@@ -169,6 +176,7 @@ def make_scheduler(
     data_parallel_rank: int = 0,
     data_parallel_size: int = 1,
     grpc_address: str = "127.0.0.1:0",
+    kv_events_endpoint: str | None = None,
 ) -> Scheduler:
     """Build the scheduler (see the module doc). Close it with `close(scheduler)`."""
     vllm_config = make_vllm_config(
@@ -181,6 +189,7 @@ def make_scheduler(
         enable_prefix_caching=enable_prefix_caching,
         data_parallel_rank=data_parallel_rank,
         data_parallel_size=data_parallel_size,
+        kv_events_endpoint=kv_events_endpoint,
     )
     kv_cache_config = make_kv_cache_config(num_blocks, block_size, hybrid=hybrid, sliding_window=sliding_window)
     if kvhint:

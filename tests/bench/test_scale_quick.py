@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from bench import scale
+from bench.scale_driver import Side
 from bench.scale_report import read_units
+from bench.scale_workload import Shape, Turn, tokens
 
-RUNS = ("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_hints", "aa_p8192_s200")
+RUNS = ("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_hints", "p8192_s200_vs_events", "aa_p8192_s200")
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +56,8 @@ def test_the_workload_churns_a_full_pool_and_quiet_steps_change_nothing(out: Pat
         quiet = [u for u in units if u["phase"] == "quiet"]
         assert quiet and all(u["admitted"] == 0 and u["evicted"] == 0 for u in quiet), run["name"]
         assert all(u["stock_ns"] > 0 and u["kv_ns"] > 0 for u in steady + quiet)
+        if run["shape"]["stock_kv_events"]:
+            continue  # the KvHint side of its twin run; no memory probe
         mem = run["memory"]
         assert 0 < mem["cached_blocks"] <= run["shape"]["pool_blocks"]
         assert 0 < mem["sessions"] <= run["shape"]["sessions"] + len(raw.get("apply_sweep", {}).get("rows", []))
@@ -86,3 +90,30 @@ def test_apply_sweep_selects_what_it_asks_for_and_the_bus_loses_nothing(out: Pat
         assert source["events"] > 0
         assert source["lost"] == 0 and source["resyncs"] == 0
         assert source["delivered_min"] == source["events"]
+
+
+def test_the_events_baseline_publishes_vllms_kv_events() -> None:
+    """The stock side of the `_vs_events` run runs vLLM's own ZMQ KV-event publisher: a
+    subscriber on its endpoint receives the batches of a step that stores blocks."""
+    import zmq
+
+    shape = Shape(512, 4, steps=1, system_tokens=64, first_context_tokens=32, max_model_len=512, max_num_seqs=8,
+                  stock_kv_events=True)
+    side = Side(shape, False, "stock", kv_events=True)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        assert type(side.sched.kv_event_publisher).__name__ == "ZmqEventPublisher"
+        sub.connect(side.kv_events_endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        received: list[list[bytes]] = []
+        for i in range(20):  # the subscription needs a moment to reach the publisher
+            side.step([Turn(f"r{i}", tokens(i, 100), "", "", 2)])
+            if sub.poll(100):
+                received.append(sub.recv_multipart())
+                break
+        assert received and received[0][-1], "no KV event batch reached the subscriber"
+    finally:
+        sub.close(0)
+        ctx.term()
+        side.close()
