@@ -23,7 +23,9 @@ against blocks selected and the event bus with 8 WatchEvents subscribers. An A/A
 against stock) gives the method's noise floor. One more run compares KvHint with a stock
 scheduler that publishes vLLM's own KV cache events (its ZMQ publisher, as a KV-aware router
 that follows them runs it): the baseline of a router that would follow KvHint's WatchEvents
-instead. The targets are checked against plain stock only.
+instead. The targets are checked against plain stock only. One run uses vLLM's
+AsyncScheduler on both sides (the GPU default; KvHintScheduler then builds KvHintAsyncScheduler),
+stepped as EngineCore.step_with_batch_queue does (engine_integration.inproc).
 
 Raw data (raw.json, one units_*.csv per run) and the generated RESULTS.md + scale_loglog.png go
 to --out. Targets (issue 12): <= 1.03x scheduler CPU with 10k sessions and no hints; memory
@@ -79,6 +81,7 @@ def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
     runs += [Run(f"p{mid}_s{s}", Shape(mid, s, **base)) for s in sessions[:-1]]
     runs.append(Run(f"p{mid}_s{most}_hints", Shape(mid, most, hints_per_step=hints, **base)))
     runs.append(Run(f"p{mid}_s{most}_vs_events", Shape(mid, most, stock_kv_events=True, **base)))
+    runs.append(Run(f"p{mid}_s{most}_async", Shape(mid, most, async_scheduling=True, **base)))
     runs.append(Run(f"aa_p{mid}_s{most}", Shape(mid, most, **base), aa=True))
     return runs, {"sweep": sweep, "event_steps": event_steps, "event_count": event_count, "attribution_steps": 10 if quick else 60,
                   "owners": (1, 10, 50) if quick else (1, 10, 100, 1000)}
@@ -98,6 +101,7 @@ def execute(run: Run, extras: dict[str, Any], out_dir: Path, raw: dict[str, Any]
             "aa": run.aa,
             "shape": dataclasses.asdict(run.shape),
             "fill": fill,
+            "schedulers": [type(pair.stock.sched).__name__, type(pair.kv.sched).__name__],
             "units_csv": f"units_{run.name}.csv",
         }
         if not run.aa and not run.shape.stock_kv_events:  # (the events run's KvHint side is the same as its twin's)

@@ -75,6 +75,7 @@ class Side:
             num_blocks=shape.pool_blocks,
             block_size=shape.block_size,
             kvhint=kvhint,
+            async_scheduling=shape.async_scheduling,
             max_num_seqs=shape.max_num_seqs,
             max_num_batched_tokens=shape.max_num_batched_tokens,
             max_model_len=shape.max_model_len,

@@ -342,7 +342,8 @@ def plot(raw: dict[str, Any], analyses: dict[str, dict[str, Any]], path: Path) -
         import matplotlib.ticker
     except ImportError:
         return False
-    runs = [r for r in raw["runs"] if "costs" in analyses[r["name"]] and not r["shape"].get("stock_kv_events")]
+    runs = [r for r in raw["runs"] if "costs" in analyses[r["name"]] and not r["shape"].get("stock_kv_events")
+            and not r["shape"].get("async_scheduling")]  # one point per pool and session count
     if not runs:
         return False
     most = max(r["shape"]["sessions"] for r in runs)

@@ -52,12 +52,15 @@ class Shape:
     # The stock side publishes vLLM's own KV cache events (ZMQ), as a router that follows
     # them needs; the KvHint side does not (its WatchEvents stream replaces them).
     stock_kv_events: bool = False
+    # Both sides run vLLM's AsyncScheduler (the GPU default) instead of the Scheduler.
+    async_scheduling: bool = False
 
     @property
     def label(self) -> str:
         hints = f", {self.hints_per_step / self.step_seconds:.0f} hints/s" if self.hints_per_step else ""
         events = ", against stock with vLLM's KV events on" if self.stock_kv_events else ""
-        return f"{self.pool_blocks} blocks, {self.sessions} sessions{hints}{events}"
+        mode = ", async scheduling" if self.async_scheduling else ""
+        return f"{self.pool_blocks} blocks, {self.sessions} sessions{hints}{events}{mode}"
 
 
 def tokens(seed: object, n: int) -> list[int]:

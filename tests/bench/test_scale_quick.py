@@ -14,7 +14,8 @@ from bench.scale_driver import Side
 from bench.scale_report import read_units
 from bench.scale_workload import Shape, Turn, tokens
 
-RUNS = ("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_hints", "p8192_s200_vs_events", "aa_p8192_s200")
+RUNS = ("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_hints", "p8192_s200_vs_events", "p8192_s200_async",
+        "aa_p8192_s200")
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +31,15 @@ def test_every_run_writes_its_units_and_the_report_its_sections(out: Path) -> No
     for run in raw["runs"]:
         phases = {u["phase"] for u in read_units(out / run["units_csv"])}
         assert {"fill", "steady", "quiet"} <= phases, run["name"]
+    classes = {r["name"]: r["schedulers"] for r in raw["runs"]}
+    assert classes["p8192_s200_async"] == ["AsyncScheduler", "KvHintAsyncScheduler"]
+    assert classes["p8192_s200"] == ["Scheduler", "KvHintScheduler"]
     text = (out / "RESULTS.md").read_text()
     for section in ("## Scheduler CPU per step", "## Costs per block", "## Memory of the KvHint structures",
                     "## ApplyHints apply time", "## Event bus", "## Targets"):
         assert section in text
     assert "KvHint's share of a full collection" in text
+    assert "async scheduling" in text
     assert (out / "scale_loglog.png").stat().st_size > 0
 
 
