@@ -1,6 +1,7 @@
 """Cold against warm, and the ranking rules, over more seeds than `bench.policy_report`.
 
     python -m bench.policy_seeds [--seeds 10]   # writes bench/results/policy/seeds.{md,json}
+    python -m bench.policy_seeds --report-only  # seeds.md again from seeds.json
 
 `bench.policy_report` runs three seeds per preset; the per-trace share of Belady's savings moves
 by 0.05-0.09 between cold and warm runs of the same trace, so three seeds cannot tell which is
@@ -55,7 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.policy_seeds", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--report-only", action="store_true", help="regenerate seeds.md from seeds.json")
     a = ap.parse_args(argv)
+    if a.report_only:
+        text = markdown(json.loads(Path(OUT + ".json").read_text()))
+        Path(OUT + ".md").write_text(text)
+        print(text)
+        return 0
     traces = []
     for preset in PRESET_NAMES:
         first = FIRST_SEED.get(preset, 0)
@@ -110,6 +117,16 @@ def markdown(raw: dict[str, Any]) -> str:
                          f"({statistics.mean(diff):+.3f} +- {se:.3f})")
         lines.append(f"| {label} | " + " | ".join(cells)
                      + f" | {statistics.mean(c for c, _ in every):.3f} / {statistics.mean(w for _, w in every):.3f} |")
+    default = [r for r in raw["rows"] if r["variant"] == "quantile 0.7 (default)"]
+    if default:
+        lines += ["", "Never more than LRU (issue 13's goal, on every trace here), the default setting:"]
+        for run in ("cold", "warm"):
+            worst = max(default, key=lambda r: r[run] / r["lru"])
+            over = sum(r[run] > r["lru"] for r in default)
+            lines.append(
+                f"* {run}: recomputed tokens at most {worst[run] / worst['lru']:.3f}x LRU's ({worst['preset']} seed "
+                f"{worst['seed']}), more than LRU on {over} of {len(default)} traces: {'met' if not over else 'missed'}."
+            )
     lines += [
         "",
         "Prediction ceiling, not causal: the policy started from the generator's own pause distribution "

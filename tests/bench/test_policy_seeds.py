@@ -34,3 +34,13 @@ def test_the_oracle_state_is_the_generators_own_mixture() -> None:
         own = sum(lo <= x <= hi for x in xs)
         flipped = sum(other[0] <= x <= other[1] for x in xs)
         assert own + flipped == 256 and own > 128 and flipped > 0, (cls, own, flipped)
+
+
+def test_the_never_worse_than_lru_line_names_a_trace_that_is() -> None:
+    rows = [{"variant": "quantile 0.7 (default)", "preset": p, "seed": s, "lru": 100, "belady": 50, "cold": 80, "warm": 90}
+            for p in PRESET_NAMES for s in (0, 1)]
+    rows[3]["warm"] = 104  # one trace where the warm policy recomputes more than LRU
+    raw = {"command": "x", "seeds": 2, "variants": {"quantile 0.7 (default)": {}}, "oracle_variants": {}, "rows": rows}
+    text = markdown(raw)
+    assert "* cold: recomputed tokens at most 0.800x LRU's (default seed 0), more than LRU on 0 of 8 traces: met." in text
+    assert f"* warm: recomputed tokens at most 1.040x LRU's ({rows[3]['preset']} seed {rows[3]['seed']}), more than LRU on 1 of 8 traces: missed." in text
