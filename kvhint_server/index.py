@@ -410,7 +410,9 @@ class SessionPrefixIndex:
 
     def _chain_order(self, blocks: Iterable[bytes]) -> list[bytes]:
         nodes = self.nodes
-        return sorted(blocks, key=lambda h: (nodes[h].position, h) if h in nodes else (1 << 62, h))
+        keyed = [((n.position, h) if (n := nodes.get(h)) is not None else (1 << 62, h)) for h in blocks]
+        keyed.sort()
+        return [h for _, h in keyed]
 
     def _delete_upwards(self, h: bytes | None) -> None:
         """Delete `h` unless it has children or is held, then its parent likewise."""

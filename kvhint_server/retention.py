@@ -32,6 +32,7 @@ Not thread-safe: the engine thread owns it.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ class Grant:
     deadline: float  # monotonic seconds
     expires_at: float  # wall-clock seconds (for reporting)
     reuse_at: float | None = None  # monotonic seconds; None: no expectation
+    call: int = 0  # the grant() call that made it (its blocks share one deadline entry)
 
 
 class _Heaps:
@@ -153,7 +155,12 @@ class RetentionLedger:
         self.grants: dict[bytes, dict[str, Grant]] = {}
         self._by_owner: dict[str, set[bytes]] = {}
         self._pin_holders: dict[bytes, int] = {}  # block -> number of unexpired pin grants
-        self._deadlines: DeadlineQueue[tuple[bytes, str]] = DeadlineQueue()
+        # One deadline entry per grant() call, not per block: call id -> [owner, its distinct
+        # blocks, how many of them still hold this call's grant]. A call leaves the queue when
+        # its last block's grant is replaced or dropped, or when its deadline passes.
+        self._deadlines: DeadlineQueue[int] = DeadlineQueue()
+        self._calls: dict[int, list] = {}
+        self._call_ids = itertools.count(1)
         self._heaps: dict[bytes, _Heaps] = {}  # blocks with more than scan_owners grants
         self.scan_owners = _SCAN_OWNERS
 
@@ -184,14 +191,18 @@ class RetentionLedger:
         granted = []
         if reuse_at is not None:
             reuse_at = min(reuse_at, deadline)
-        new = Grant(pinned, priority, deadline, expires_at, reuse_at)
+        call = next(self._call_ids)
+        new = Grant(pinned, priority, deadline, expires_at, reuse_at, call)
         owned = self._by_owner.setdefault(owner, set())
         heaps_of = self._heaps
+        blocks: dict[bytes, None] = {}
         for h in hashes:
             per_block = self.grants.setdefault(h, {})
             old = per_block.get(owner)
-            if old is not None and old.pinned:
-                self._unpin(h)
+            if old is not None and old is not new:
+                if old.pinned:
+                    self._unpin(h)
+                self._release_call(old.call)
             per_block[owner] = new
             heaps = heaps_of.get(h)
             if heaps is not None:
@@ -201,12 +212,26 @@ class RetentionLedger:
                     heaps.add(owner, new)
             elif len(per_block) > self.scan_owners:
                 heaps_of[h] = _Heaps(per_block)
-            if pinned:
+            if pinned and old is not new:
                 self._pin_holders[h] = self._pin_holders.get(h, 0) + 1
             owned.add(h)
-            self._deadlines.schedule((h, owner), deadline)
+            blocks[h] = None
             granted.append(h)
+        if blocks:
+            self._calls[call] = [owner, list(blocks), len(blocks)]
+            self._deadlines.schedule(call, deadline)
         return granted
+
+    def _release_call(self, call: int) -> None:
+        """One block of `call` no longer holds its grant; the call leaves the deadline queue
+        with its last one."""
+        entry = self._calls.get(call)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] <= 0:
+            del self._calls[call]
+            self._deadlines.cancel(call)
 
     def release(self, owner: str, hashes: Iterable[bytes] | None = None) -> list[bytes]:
         """Drop `owner`'s grants (on `hashes`, or all). Returns the blocks affected."""
@@ -276,12 +301,17 @@ class RetentionLedger:
     def expire(self, now: float) -> list[bytes]:
         """Drop grants whose deadline passed. Returns the blocks affected."""
         affected = []
-        for h, owner in self._deadlines.advance(now):
-            per_block = self.grants.get(h)
-            grant = per_block.get(owner) if per_block else None
-            if grant is not None and grant.deadline <= now:
-                self._drop(h, owner, cancel=False)
-                affected.append(h)
+        for call in self._deadlines.advance(now):
+            entry = self._calls.pop(call, None)
+            if entry is None:
+                continue
+            owner, blocks, _ = entry
+            for h in blocks:
+                per_block = self.grants.get(h)
+                grant = per_block.get(owner) if per_block else None
+                if grant is not None and grant.call == call and grant.deadline <= now:
+                    self._drop(h, owner, cancel=False)
+                    affected.append(h)
         return affected
 
     def _drop(self, h: bytes, owner: str, cancel: bool = True) -> None:
@@ -304,7 +334,7 @@ class RetentionLedger:
             if not owned:
                 del self._by_owner[owner]
         if cancel:
-            self._deadlines.cancel((h, owner))
+            self._release_call(grant.call)
 
     def _unpin(self, h: bytes) -> None:
         n = self._pin_holders.get(h, 0) - 1

@@ -210,6 +210,9 @@ def test_ledger_matches_model(ops):
             pinned = {h for (h, _), (p, _, _) in grants.items() if p}
             assert ledger.pinned_blocks == len(pinned)
             assert ledger.pin_headroom() == max(0, 3 - len(pinned))
+        # One deadline entry per grant() call with a block still holding its grant: replaced,
+        # released and dropped grants take their call out of the queue with its last block.
+        assert len(ledger._calls) == len(ledger._deadlines) <= len(grants)
         # Views always follow deadlines, expire() or not.
         for h in BLOCKS:
             v = ledger.view(h, now)
