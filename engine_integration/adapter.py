@@ -325,34 +325,19 @@ class VllmAdapter:
         group lost its last copy."""
         cache = vllm_private.cached_block_map(self.pool)
         resident = self._resident
+        ext_of, residency, single = self.external, self._residency_suffixes, self.groups.single
         gone = []
         # A key popped twice in one batch (two copies in a group) left with its
         # last copy: report it there, in vLLM's order.
-        if len(keys) > 1:
-            keys = list(reversed(dict.fromkeys(reversed(keys))))
-        if self._int_hashes and self.groups.single:
-            # Dense model, integer hashes (the common case): the key's only group is the
-            # residency group, and the wire hash is the digest's last 8 bytes.
-            digests = self._digest
-            for key in keys:
-                if key in cache:
-                    continue  # another copy in the same group
-                ext = key[-12:-4]
-                if ext in resident:
-                    resident.discard(ext)
-                    gone.append(ext)
-                digests.pop(ext, None)
-        else:
-            ext_of, residency, single = self.external, self._residency_suffixes, self.groups.single
-            for key in keys:
-                if key in cache:
-                    continue  # another copy in the same group
-                ext = ext_of(key[:-4])
-                if key[-4:] in residency and ext in resident:
-                    resident.discard(ext)
-                    gone.append(ext)
-                if self._int_hashes and (single or not self._copies(ext)):
-                    self._digest.pop(ext, None)
+        for key in reversed(dict.fromkeys(reversed(keys))):
+            if key in cache:
+                continue  # another copy in the same group
+            ext = ext_of(key[:-4])
+            if key[-4:] in residency and ext in resident:
+                resident.discard(ext)
+                gone.append(ext)
+            if self._int_hashes and (single or not self._copies(ext)):
+                self._digest.pop(ext, None)
         if not gone:
             return
         tiers = self.tiers

@@ -162,7 +162,7 @@ class KvHintBlockPool(BlockPool):
             _free_blocks(self, ordered_blocks)
             return
         blocks = list(ordered_blocks)
-        super().free_blocks(blocks)
+        _free_blocks(self, blocks)
         for block in blocks:
             if block.ref_cnt == 0 and block.block_hash is not None and block.pool in (None, self):
                 self.kvh_refile_block(block)

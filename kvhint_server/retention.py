@@ -54,6 +54,18 @@ class Grant:
     call: int = 0  # the grant() call that made it (its blocks share one deadline entry)
 
 
+class _Call:
+    """The blocks one grant() call granted (they share its deadline entry), and how many of
+    them still hold its grant."""
+
+    __slots__ = ("owner", "blocks", "live")
+
+    def __init__(self, owner: str, blocks: list[bytes]) -> None:
+        self.owner = owner
+        self.blocks = blocks
+        self.live = len(blocks)
+
+
 class _Heaps:
     """The grants of one widely shared block, strongest first and earliest
     expectation first. Entries hold the Grant object; an entry is live while
@@ -155,11 +167,10 @@ class RetentionLedger:
         self.grants: dict[bytes, dict[str, Grant]] = {}
         self._by_owner: dict[str, set[bytes]] = {}
         self._pin_holders: dict[bytes, int] = {}  # block -> number of unexpired pin grants
-        # One deadline entry per grant() call, not per block: call id -> [owner, its distinct
-        # blocks, how many of them still hold this call's grant]. A call leaves the queue when
-        # its last block's grant is replaced or dropped, or when its deadline passes.
+        # One deadline entry per grant() call, not per block. A call leaves the queue when its
+        # last block's grant is replaced or dropped, or when its deadline passes.
         self._deadlines: DeadlineQueue[int] = DeadlineQueue()
-        self._calls: dict[int, list] = {}
+        self._calls: dict[int, _Call] = {}
         self._call_ids = itertools.count(1)
         self._heaps: dict[bytes, _Heaps] = {}  # blocks with more than scan_owners grants
         self.scan_owners = _SCAN_OWNERS
@@ -218,7 +229,7 @@ class RetentionLedger:
             blocks[h] = None
             granted.append(h)
         if blocks:
-            self._calls[call] = [owner, list(blocks), len(blocks)]
+            self._calls[call] = _Call(owner, list(blocks))
             self._deadlines.schedule(call, deadline)
         return granted
 
@@ -228,8 +239,8 @@ class RetentionLedger:
         entry = self._calls.get(call)
         if entry is None:
             return
-        entry[2] -= 1
-        if entry[2] <= 0:
+        entry.live -= 1
+        if entry.live <= 0:
             del self._calls[call]
             self._deadlines.cancel(call)
 
@@ -305,8 +316,8 @@ class RetentionLedger:
             entry = self._calls.pop(call, None)
             if entry is None:
                 continue
-            owner, blocks, _ = entry
-            for h in blocks:
+            owner = entry.owner
+            for h in entry.blocks:
                 per_block = self.grants.get(h)
                 grant = per_block.get(owner) if per_block else None
                 if grant is not None and grant.call == call and grant.deadline <= now:
