@@ -330,12 +330,17 @@ Chooser = Callable[[BlockPoolModel, int, BlockRequest], list[int]]
 class HostTier:
     """A host-memory tier of `capacity` blocks, kept the way vLLM's OffloadingConnector keeps
     its CPU tier: every newly computed full block is stored (most recent first kept), a block
-    loaded back is touched, and the least recently used block is dropped when full."""
+    loaded back is touched, and the least recently used block is dropped when full.
+
+    `order` (set by `HintedPool` for `simulate_tiers(host_retention=True)`; None: LRU) is a
+    diagnostic of host-tier retention, which kvhint.v1 engines do not offer: given the host's
+    blocks from least to most recently used, it returns them in the order the tier drops them."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.lru: OrderedDict[int, None] = OrderedDict()
         self.loaded_blocks = 0
+        self.order: Callable[[list[int]], list[int]] | None = None
 
     def __contains__(self, h: int) -> bool:
         return h in self.lru
@@ -344,8 +349,15 @@ class HostTier:
         for h in hashes:
             self.lru[h] = None
             self.lru.move_to_end(h)
-        while len(self.lru) > self.capacity:
-            self.lru.popitem(last=False)
+        over = len(self.lru) - self.capacity
+        if over <= 0:
+            return
+        if self.order is None:
+            for _ in range(over):
+                self.lru.popitem(last=False)
+            return
+        for h in self.order(list(self.lru))[:over]:
+            del self.lru[h]
 
 
 def _run_request(pool: BlockPoolModel, req: BlockRequest, choose: Chooser, host: HostTier | None = None) -> tuple[int, int]:
@@ -560,7 +572,9 @@ class HintedPool:
             raise TypeError(a)
 
     # ---- eviction order
-    def choose(self, pool: BlockPoolModel, n: int, req: BlockRequest) -> list[int]:
+    def _protection(self) -> tuple[set[int], dict[int, int], dict[int, float]]:
+        """(pinned blocks, retained block -> highest priority, block -> earliest expected reuse)
+        of the unexpired hints."""
         now = self.now
         pinned: set[int] = set()
         retained: dict[int, int] = {}
@@ -575,6 +589,38 @@ class HintedPool:
                     if retained.get(h, -(10**9)) < st.priority:
                         retained[h] = st.priority
                 _note_reuse(reuse, st)
+        return pinned, retained, reuse
+
+    def host_order(self, blocks: list[int]) -> list[int]:
+        """Host-tier retention (a diagnostic; `HostTier.order`): the host's blocks (least
+        recently used first) in the order the tier drops them. The device pool's classes, with
+        one addition: a protected block's host copy matters only once its device copy is gone,
+        so protected blocks the device still holds go first among them. Order: blocks only
+        released sessions own, ordinary blocks (LRU), protected blocks with a device copy
+        (LRU), retained blocks by priority and furthest expected reuse (passed: LRU), pinned."""
+        now = self.now
+        pinned, retained, reuse = self._protection()
+        rel = self.released
+        keyed: list[tuple[tuple[Any, ...], int]] = []
+        for pos, h in enumerate(blocks):
+            if h in pinned or h in retained:
+                if self.pool.resident(h):
+                    key: tuple[Any, ...] = (2, 0, 0, 0.0, pos)
+                else:
+                    at = reuse.get(h)
+                    order = (0, 0.0) if at is None or at <= now else (1, -at)
+                    key = (4, 0, *order, pos) if h in pinned else (3, retained[h], *order, pos)
+            else:
+                owners = self.owners.get(h, ())
+                released = bool(owners) and all(o in rel for o in owners)
+                key = (0 if released else 1, 0, 0, 0.0, pos)
+            keyed.append((key, h))
+        keyed.sort(key=lambda kh: kh[0])
+        return [h for _, h in keyed]
+
+    def choose(self, pool: BlockPoolModel, n: int, req: BlockRequest) -> list[int]:
+        now = self.now
+        pinned, retained, reuse = self._protection()
         rel = self.released
         keyed = []
         for pos, b in enumerate(pool.free):
@@ -720,17 +766,22 @@ def simulate_tiers(
     name: str | None = None,
     pause_state: Mapping[str, Any] | None = None,
     clairvoyant: bool = False,
+    host_retention: bool = False,
 ) -> SimResult:
     """The device pool plus a `HostTier` of `host_blocks` (default: as many as the device
     pool's usable blocks). `policy`: ``none`` (vLLM's offloading alone, run f),
     ``reference`` (the earlier reference policy's ``hints+tiers`` variant, run g) or
     ``library`` (`LibraryPolicy` with ``use_tiers``: Demote on a predicted long pause,
     Prefetch before the predicted resume; `pause_state` and `clairvoyant` as in
-    `simulate_library`)."""
+    `simulate_library`). `host_retention`: the host tier drops blocks in
+    `HintedPool.host_order` instead of LRU (a diagnostic of a feature engines do not offer)."""
     if (pause_state is not None or clairvoyant) and policy != "library":
         raise ValueError("pause_state and clairvoyant are for the library policy")
     n = num_gpu_blocks or bt.num_gpu_blocks
-    hp = HintedPool(bt, n, pin_budget_fraction, HostTier(host_blocks if host_blocks is not None else n - 1))
+    host = HostTier(host_blocks if host_blocks is not None else n - 1)
+    hp = HintedPool(bt, n, pin_budget_fraction, host)
+    if host_retention:
+        host.order = hp.host_order
     pol: ReferencePolicy | LibraryPolicy | _NoHints
     if policy == "none":
         pol = _NoHints()

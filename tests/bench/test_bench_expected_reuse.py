@@ -78,14 +78,36 @@ def test_host_tier_loads_what_it_holds_and_keeps_its_capacity() -> None:
     assert 3 not in host and 2 in host
 
 
+def test_host_retention_diagnostic_drops_by_the_hints_classes() -> None:
+    """`simulate_tiers(host_retention=True)`'s host order: released, ordinary, protected blocks the
+    device still holds, retained host-only blocks by furthest expected reuse, pinned last."""
+    hp = _three_sessions()
+    a, b, c = (hp.chain_of[n] for n in "abc")
+    host = HostTier(3)
+    host.order = hp.host_order
+    hp.apply(Retain(Target.session("a"), 1, 100.0, 50.0), 3.0)
+    hp.apply(Retain(Target.session("b"), 1, 100.0, 5.0), 3.0)
+    hp.apply(Release(Target.session("c")), 3.0)
+    hp.pool.take(hp.choose(hp.pool, len(hp.pool.free), None))  # type: ignore[arg-type]  # all leave the device
+    assert not any(hp.pool.resident(h) for h in a + b + c)
+    host.store(a + b + c)  # three over: released c, then a's older block (a is expected back last)
+    assert [h in host for h in a + b + c] == [False, True, True, True, False, False]
+    host.store([999])  # an ordinary block goes before retained ones
+    assert 999 not in host and all(h in host for h in a[1:] + b)
+    lru = HostTier(3)
+    lru.store(a + b + c)  # without an order: least recently stored first
+    assert [h in lru for h in a + b + c] == [False, False, False, True, True, True]
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tiny_traces())
 def test_tier_runs_are_bounded_by_the_infinite_cache(tr: Trace) -> None:
     bt = compile_trace(tr)
     inf = simulate_infinite(bt)
     for policy in ("none", "reference", "library"):
-        res = simulate_tiers(bt, policy)
-        assert all(a <= b for a, b in zip(res.cached_tokens, inf.cached_tokens))
+        for host_retention in (False, True):
+            res = simulate_tiers(bt, policy, host_retention=host_retention)
+            assert all(a <= b for a, b in zip(res.cached_tokens, inf.cached_tokens))
     # A host tier holds what the device lost: no hints with a tier never recompute more than LRU.
     assert simulate_tiers(bt, "none").recomputed_tokens <= simulate_lru(bt).recomputed_tokens
 
