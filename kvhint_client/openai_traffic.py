@@ -24,6 +24,9 @@ class Completion:
     text: str
     ttft_s: float
     latency_s: float
+    #: Per generated token, the top candidates' logprobs, highest first (empty unless the
+    #: request asked for them: `extra_body={"logprobs": k}`).
+    top_logprobs: tuple[tuple[float, ...], ...] = ()
 
 
 class CompletionError(RuntimeError):
@@ -76,6 +79,7 @@ def complete(
     ttft = None
     text: list[str] = []
     tokens: list[int] = []
+    top: list[tuple[float, ...]] = []
     usage: dict[str, object] = {}
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -92,6 +96,8 @@ def complete(
                         ttft = time.perf_counter() - start
                     text.append(choice.get("text") or "")
                     tokens.extend(choice.get("token_ids") or [])
+                    for step in (choice.get("logprobs") or {}).get("top_logprobs") or []:
+                        top.append(tuple(sorted((step or {}).values(), reverse=True)))
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except urllib.error.HTTPError as err:
@@ -105,6 +111,7 @@ def complete(
         text="".join(text),
         ttft_s=ttft if ttft is not None else latency,
         latency_s=latency,
+        top_logprobs=tuple(top),
     )
 
 

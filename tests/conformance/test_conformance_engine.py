@@ -150,3 +150,30 @@ def test_an_unmet_requirement_fails_its_case_and_skips_the_dependents(served: Se
     assert "--max-pressure-prompts is 2" in lines(text, "FAILED")[S + "requirements/pressure-feasible"]
     assert lines(text, "SKIPPED")[S + "retention/pinned-session-survives-pressure"].startswith("requirement 'pressure' not met")
     assert re.search(r"^FAIL: 4 passed, 1 failed, 1 skipped", text, re.M), text
+
+
+def test_pins_never_fail_tells_a_numerical_tie_from_a_wrong_token(served: ServedEngine) -> None:
+    """retention/pins-never-fail-allocations compares greedy tokens run in different batches; where they
+    first differ it asks the engine for the unpinned run's top-2 logprobs and accepts only a tie
+    (conformance.cases.retention.first_divergence_is_a_tie). Against the real engine: the logprobs
+    arrive for every token, the unchanged tokens pass, and a token changed where the two best
+    candidates are further apart than TIE_NATS fails, naming the token."""
+    from types import SimpleNamespace
+
+    from conformance.cases.retention import TIE_NATS, first_divergence_is_a_tie
+    from kvhint_client.openai_traffic import complete
+
+    prompt = [3 + (7 * i) % 4000 for i in range(200)]
+    greedy = complete(served.http_url, prompt, max_tokens=16)
+    ref = complete(served.http_url, prompt, max_tokens=16, extra_body={"logprobs": 2, "return_tokens_as_token_ids": True})
+    assert ref.token_ids == greedy.token_ids and len(ref.token_ids) == 16
+    assert len(ref.top_logprobs) == 16 and all(len(t) == 2 and t[0] >= t[1] for t in ref.top_logprobs)
+    ctx = SimpleNamespace(complete=lambda p, **kw: complete(served.http_url, p, **kw))
+    assert first_divergence_is_a_tie(ctx, prompt, greedy.token_ids) is None  # type: ignore[arg-type]
+    gaps = [t[0] - t[1] for t in ref.top_logprobs]
+    d = next(k for k, g in enumerate(gaps) if g > TIE_NATS)
+    changed = list(greedy.token_ids)
+    changed[d] = changed[d] + 1
+    verdict = first_divergence_is_a_tie(ctx, prompt, tuple(changed))  # type: ignore[arg-type]
+    assert verdict is not None and f"token {d}" in verdict, verdict
+    assert first_divergence_is_a_tie(ctx, prompt, greedy.token_ids[:8]) is not None  # type: ignore[arg-type]
