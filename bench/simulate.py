@@ -332,9 +332,10 @@ class HostTier:
     its CPU tier: every newly computed full block is stored (most recent first kept), a block
     loaded back is touched, and the least recently used block is dropped when full.
 
-    `order` (set by `HintedPool` for `simulate_tiers(host_retention=True)`; None: LRU) is a
-    diagnostic of host-tier retention, which kvhint.v1 engines do not offer: given the host's
-    blocks from least to most recently used, it returns them in the order the tier drops them."""
+    `order` (set by `HintedPool` for `simulate_tiers(host_retention=True)`; None: LRU) models a
+    host tier that honours retention (the engine's default host policy, kvhint.v1
+    TierInfo.honours_retention): given the host's blocks from least to most recently used, it
+    returns them in the order the tier drops them."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -592,28 +593,23 @@ class HintedPool:
         return pinned, retained, reuse
 
     def host_order(self, blocks: list[int]) -> list[int]:
-        """Host-tier retention (a diagnostic; `HostTier.order`): the host's blocks (least
-        recently used first) in the order the tier drops them. The device pool's classes, with
-        one addition: a protected block's host copy matters only once its device copy is gone,
-        so protected blocks the device still holds go first among them. Order: blocks only
-        released sessions own, ordinary blocks (LRU), protected blocks with a device copy
-        (LRU), retained blocks by priority and furthest expected reuse (passed: LRU), pinned."""
+        """The host tier's eviction order when it honours retention (`HostTier.order`; the
+        engine's `engine_integration.tiers.host_policy`, kvhint.v1 TierInfo.honours_retention):
+        the host's blocks (least recently used first) in the order the tier drops them.
+        Unprotected blocks (LRU), then protected blocks the device still holds (LRU), then
+        retained blocks by priority and furthest expected reuse (passed: LRU), pinned last."""
         now = self.now
         pinned, retained, reuse = self._protection()
-        rel = self.released
         keyed: list[tuple[tuple[Any, ...], int]] = []
         for pos, h in enumerate(blocks):
-            if h in pinned or h in retained:
-                if self.pool.resident(h):
-                    key: tuple[Any, ...] = (2, 0, 0, 0.0, pos)
-                else:
-                    at = reuse.get(h)
-                    order = (0, 0.0) if at is None or at <= now else (1, -at)
-                    key = (4, 0, *order, pos) if h in pinned else (3, retained[h], *order, pos)
+            if h not in pinned and h not in retained:
+                key: tuple[Any, ...] = (0, 0, 0, 0.0, pos)
+            elif self.pool.resident(h):
+                key = (1, 0, 0, 0.0, pos)
             else:
-                owners = self.owners.get(h, ())
-                released = bool(owners) and all(o in rel for o in owners)
-                key = (0 if released else 1, 0, 0, 0.0, pos)
+                at = reuse.get(h)
+                order = (0, 0.0) if at is None or at <= now else (1, -at)
+                key = (3, 0, *order, pos) if h in pinned else (2, retained[h], *order, pos)
             keyed.append((key, h))
         keyed.sort(key=lambda kh: kh[0])
         return [h for _, h in keyed]
@@ -766,7 +762,7 @@ def simulate_tiers(
     name: str | None = None,
     pause_state: Mapping[str, Any] | None = None,
     clairvoyant: bool = False,
-    host_retention: bool = False,
+    host_retention: bool = True,
 ) -> SimResult:
     """The device pool plus a `HostTier` of `host_blocks` (default: as many as the device
     pool's usable blocks). `policy`: ``none`` (vLLM's offloading alone, run f),
@@ -774,7 +770,8 @@ def simulate_tiers(
     ``library`` (`LibraryPolicy` with ``use_tiers``: Demote on a predicted long pause,
     Prefetch before the predicted resume; `pause_state` and `clairvoyant` as in
     `simulate_library`). `host_retention`: the host tier drops blocks in
-    `HintedPool.host_order` instead of LRU (a diagnostic of a feature engines do not offer)."""
+    `HintedPool.host_order` (the engine's default host policy); False: in LRU order, as vLLM's
+    own host policy does (`--kvhint-tiers ...,host-eviction=lru`)."""
     if (pause_state is not None or clairvoyant) and policy != "library":
         raise ValueError("pause_state and clairvoyant are for the library policy")
     n = num_gpu_blocks or bt.num_gpu_blocks

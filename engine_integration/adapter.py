@@ -131,6 +131,10 @@ class VllmAdapter:
         digest = self._digest_of(ext)
         return digest if digest is not None and self._copies(ext) else None
 
+    def device_resident(self, ext: bytes) -> bool:
+        """The device pool holds the logical block (reported resident: BlocksStored, not yet removed)."""
+        return ext in self._resident
+
     def device_copies(self, ext: bytes) -> list[Any]:
         """Every device copy of a logical block, in every KV-cache group."""
         return self._copies(ext)

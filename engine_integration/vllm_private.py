@@ -9,6 +9,7 @@ otherwise.
   EngineCore._handle_shutdown                     teardown at the busy loop's exit
   OffloadingManager.take_events / reset_cache / shutdown   wrapped (monkey-patched)
   TieringOffloadingManager._jobs / _req_state     file-tier transfers in flight
+  CPUOffloadingManager._policy                    the host tier's CachePolicy instance
 """
 
 from __future__ import annotations
@@ -124,6 +125,11 @@ def shutdown_once(manager: Any) -> Callable[[], bool]:
 
     manager.shutdown = shutdown
     return lambda: state["down"]
+
+
+def host_cache_policy(primary: Any) -> Any:
+    """`CPUOffloadingManager._policy`: the CachePolicy the host tier evicts with (None when absent)."""
+    return getattr(primary, "_policy", None)
 
 
 def inflight_file_writes(manager: Any) -> set[Any]:

@@ -255,6 +255,8 @@ class TierInfo:
     medium: str
     capacity_blocks: int = 0
     shared: bool = False
+    # A lower tier whose eviction Retain and Pin order (kvhint.v1 TierInfo.honours_retention).
+    honours_retention: bool = False
 
 
 class KvCacheGroupKind(enum.IntEnum):

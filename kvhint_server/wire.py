@@ -137,7 +137,8 @@ def capabilities(info: EngineInfo, config: ServerConfig, epoch: str, pin_budget_
             for a in info.actions
         ],
         tiers=[
-            pb.TierInfo(tier=int(t.tier), medium=t.medium, capacity_blocks=t.capacity_blocks, shared=t.shared)
+            pb.TierInfo(tier=int(t.tier), medium=t.medium, capacity_blocks=t.capacity_blocks, shared=t.shared,
+                        honours_retention=t.honours_retention)
             for t in info.tiers
         ],
         limits=pb.Limits(

@@ -20,6 +20,10 @@ import mmap
 from typing import Any
 
 SPEC_MODULE = "engine_integration.tiers.cpu_spec"
+# The host tier's eviction policy that honours Retain and Pin (host_policy.KvHintHostPolicy), by name:
+# vLLM's CachePolicyFactory imports it in the engine (this module imports nothing from vLLM).
+HOST_POLICY_NAME = "KvHintHostPolicy"
+HOST_POLICY_MODULE = "engine_integration.tiers.host_policy"
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
                 "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1}
 
@@ -67,7 +71,7 @@ def tier_kv_transfer_config(
     file_events: bool = True,
     file_threads: int = 4,
     file_ephemeral: bool = False,
-    eviction_policy: str = "lru",
+    eviction_policy: str = "kvhint",
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """kv_transfer_config enabling a host tier of `host_blocks` blocks (or `host_bytes`
@@ -80,6 +84,9 @@ def tier_kv_transfer_config(
     shutdown; leave it off for a file tier shared across engines or restarts.
     Residency events need `kv_events_config.enable_kv_cache_events` (publisher "null"
     is fine); `self_describing_events` adds token ids / parent hash to CPU events.
+    `eviction_policy`: the host tier's; "kvhint" (`host_policy.KvHintHostPolicy`: LRU, with
+    the copies Retain and Pin protect dropped last, TierInfo.honours_retention) or one of
+    vLLM's ("lru", "arc"), with which hints protect device copies only.
     """
     if (host_blocks is None) == (host_bytes is None):
         raise ValueError("give exactly one of host_blocks / host_bytes")
@@ -92,7 +99,10 @@ def tier_kv_transfer_config(
             raise ValueError("block_size is needed to size host_blocks from model")
         bytes_per_block = kv_bytes_per_block(model, block_size, dtype)
 
-    ec: dict[str, Any] = {"eviction_policy": eviction_policy}
+    if eviction_policy == "kvhint":
+        ec: dict[str, Any] = {"eviction_policy": HOST_POLICY_NAME, "cache_policy_module_path": HOST_POLICY_MODULE}
+    else:
+        ec = {"eviction_policy": eviction_policy}
     if host_bytes is not None:
         ec["cpu_bytes_to_use"] = int(host_bytes)
     elif platform == "cpu":
@@ -137,11 +147,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--self-describing-events", action="store_true")
+    p.add_argument("--eviction-policy", default="kvhint",
+                   help="the host tier's: kvhint (honours Retain and Pin; default), lru or arc (vLLM's)")
     a = p.parse_args(argv)
     print(json.dumps(tier_kv_transfer_config(
         a.host_blocks, a.host_bytes, a.file_root, a.platform, bytes_per_block=a.bytes_per_block,
         model=a.model, block_size=a.block_size, dtype=a.dtype,
-        self_describing_events=a.self_describing_events)))
+        self_describing_events=a.self_describing_events, eviction_policy=a.eviction_policy)))
 
 
 if __name__ == "__main__":

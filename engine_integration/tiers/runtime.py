@@ -11,6 +11,8 @@ block hashes and calls `VllmAdapter.start_tier_task`, which lands in
                              connector manager's events), lower-tier lookups
   operations.TierOperations  the Demote / Prefetch / Share state machine
   share.SharePeers           the Share handshake with the destination engine
+  host_retention.HostRetention  the host tier's eviction order from the hints
+                             (host_policy.KvHintHostPolicy asks it)
   ../vllm_private            every vLLM internal touched (wrapped methods,
                              EngineCore hooks, the manager's transfer jobs)
 
@@ -33,6 +35,7 @@ from .. import vllm_private
 from .control import TierControl
 from .feed import ResidencyFeed
 from .hashes import HashBook
+from .host_retention import HostRetention
 from .operations import Failure, TierOperations
 from .settings import TierSettings
 
@@ -103,6 +106,7 @@ class TierRuntime:
             wake=lambda: vllm_private.wake_engine(engine),
         )
         ctl.install()
+        self.host_retention = HostRetention.attach(ctl.primary, adapter)
         self._tap_manager_events(scheduler)
         vllm_private.after_reset_cache(ctl.manager, self._after_reset)
         self._manager_down = vllm_private.shutdown_once(ctl.manager)
@@ -180,7 +184,8 @@ class TierRuntime:
     # ------------------------------------------------------------ capabilities
 
     def tier_infos(self) -> tuple[TierInfo, ...]:
-        infos = [TierInfo(Tier.HOST, "CPU", self.ctl.host_capacity(), shared=False)]
+        infos = [TierInfo(Tier.HOST, "CPU", self.ctl.host_capacity(), shared=False,
+                          honours_retention=self.host_retention is not None)]
         if self.has_file:
             infos.append(TierInfo(Tier.DISK, "STORAGE", 0, shared=True))
         return tuple(infos)

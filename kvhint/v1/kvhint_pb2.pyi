@@ -608,7 +608,10 @@ class RetainAction(_message.Message):
     nothing else is free. Outcome: ACCEPTED, CLIPPED (TTL_CAPPED, MAX_BLOCKS) or
     MISSING. On engines with several KV-cache groups, retention covers the
     selected blocks' copies in every group, including the sliding-window tails
-    a resume reads (see KvCacheGroup); counts are logical blocks.
+    a resume reads (see KvCacheGroup); counts are logical blocks. Lower tiers
+    that advertise TierInfo.honours_retention order their eviction of the
+    selected blocks' copies by the same classes; on other tiers retention
+    protects device copies only.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1147,6 +1150,7 @@ class TierInfo(_message.Message):
     MEDIUM_FIELD_NUMBER: _builtins.int
     CAPACITY_BLOCKS_FIELD_NUMBER: _builtins.int
     SHARED_FIELD_NUMBER: _builtins.int
+    HONOURS_RETENTION_FIELD_NUMBER: _builtins.int
     tier: Global___Tier.ValueType
     medium: _builtins.str
     """The engine's medium name for the tier (vLLM: "GPU", "CPU", "STORAGE")."""
@@ -1154,6 +1158,25 @@ class TierInfo(_message.Message):
     """Capacity in blocks; 0 when unknown or unbounded."""
     shared: _builtins.bool
     """Shared with other engines (a Share destination can read it)."""
+    honours_retention: _builtins.bool
+    """True (a lower tier only): Retain and Pin also order this tier's eviction
+    of the selected blocks' copies, as they order the device tier's. When the
+    tier needs room it drops, in this order:
+     1. copies of blocks no unexpired grant protects, in the tier's own order
+        (vLLM's host tier: least recently used first);
+     2. copies of protected blocks that the device tier still holds (a lower
+        copy is read only once the device copy is gone), in the tier's order;
+     3. copies of retained blocks by ascending priority, and within a
+        priority as RetainAction.expected_reuse_in orders the device tier
+        (no or a passed expectation in the tier's order, then the furthest
+        expected reuse first);
+     4. copies of pinned blocks, in the same order.
+    As on the device tier, protection never makes the tier refuse a store it
+    would otherwise accept: it only chooses which copies go. Dropping a lower
+    copy of a pinned block breaks no pin (no PinBroken event): pins and the
+    pin budget are about device copies. False: the tier keeps its own order
+    and hints protect device copies only.
+    """
     def __init__(
         self,
         *,
@@ -1161,10 +1184,11 @@ class TierInfo(_message.Message):
         medium: _builtins.str = ...,
         capacity_blocks: _builtins.int = ...,
         shared: _builtins.bool = ...,
+        honours_retention: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "medium", b"medium", "shared", b"shared", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "honours_retention", b"honours_retention", "medium", b"medium", "shared", b"shared", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

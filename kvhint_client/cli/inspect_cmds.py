@@ -56,7 +56,7 @@ def run_capabilities(args: argparse.Namespace, ctx: CliContext) -> int:
         f"block size      {caps.block_size} tokens, {caps.num_device_blocks} device blocks",
         f"block hashes    {caps.block_hash_encoding}",
         f"epoch           {caps.epoch} (replay window {caps.event_replay_window} events)",
-        f"tiers           {', '.join(f'{tier_name(t.tier)}({t.medium}' + (f', {t.capacity_blocks} blocks' if t.capacity_blocks else '') + (', shared' if t.shared else '') + ')' for t in caps.tiers)}",
+        f"tiers           {', '.join(f'{tier_name(t.tier)}({t.medium}' + (f', {t.capacity_blocks} blocks' if t.capacity_blocks else '') + (', shared' if t.shared else '') + (', honours retention' if t.honours_retention else '') + ')' for t in caps.tiers)}",
         f"max ttl         {seconds_text(limits.max_ttl)}",
         f"pin budget      {limits.pin_budget_blocks} blocks ({limits.pin_budget_fraction:.0%} of device)",
         f"max batch       {limits.max_hints_per_batch} hints, {limits.max_block_hashes_per_selector} hashes per selector",

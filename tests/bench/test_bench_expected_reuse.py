@@ -78,9 +78,10 @@ def test_host_tier_loads_what_it_holds_and_keeps_its_capacity() -> None:
     assert 3 not in host and 2 in host
 
 
-def test_host_retention_diagnostic_drops_by_the_hints_classes() -> None:
-    """`simulate_tiers(host_retention=True)`'s host order: released, ordinary, protected blocks the
-    device still holds, retained host-only blocks by furthest expected reuse, pinned last."""
+def test_host_tier_honouring_retention_drops_by_the_hints_classes() -> None:
+    """`simulate_tiers`' host order (the engine's default host policy): unprotected blocks (here a
+    released session's), protected blocks the device still holds, retained host-only blocks by
+    furthest expected reuse, pinned last; `host_retention=False` is LRU."""
     hp = _three_sessions()
     a, b, c = (hp.chain_of[n] for n in "abc")
     host = HostTier(3)
@@ -90,7 +91,7 @@ def test_host_retention_diagnostic_drops_by_the_hints_classes() -> None:
     hp.apply(Release(Target.session("c")), 3.0)
     hp.pool.take(hp.choose(hp.pool, len(hp.pool.free), None))  # type: ignore[arg-type]  # all leave the device
     assert not any(hp.pool.resident(h) for h in a + b + c)
-    host.store(a + b + c)  # three over: released c, then a's older block (a is expected back last)
+    host.store(a + b + c)  # three over: unprotected c, then a's older block (a is expected back last)
     assert [h in host for h in a + b + c] == [False, True, True, True, False, False]
     host.store([999])  # an ordinary block goes before retained ones
     assert 999 not in host and all(h in host for h in a[1:] + b)

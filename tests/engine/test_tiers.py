@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from engine_support import Engine, session_sel, tokens
+from engine_support import Engine, release, retain, session_sel, tokens
 from events_support import Collector
 
 from engine_integration.served import EngineSpec, ServedEngine, free_port, reset_prefix_cache
@@ -190,9 +190,13 @@ def _events(watch: Collector, kind: str) -> list:
 
 
 def _wait_disk(engine: TierEngine, session: str, n: int, timeout: float = 20.0) -> None:
+    _wait_tier(engine, session, n, pb.TIER_DISK, timeout)
+
+
+def _wait_tier(engine: TierEngine, session: str, n: int, tier: int, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
-    while sum(pb.TIER_DISK in t for t in engine.session_tiers(session)) < n:
-        assert time.monotonic() < deadline, "blocks never reached the file tier"
+    while sum(tier in t for t in engine.session_tiers(session)) < n:
+        assert time.monotonic() < deadline, f"blocks never reached tier {pb.Tier.Name(tier)}"
         time.sleep(0.05)
 
 
@@ -224,7 +228,8 @@ def test_capabilities_list_host_and_disk_tiers_and_tier_actions(pair: Pair) -> N
     tiers = {t.tier: t for t in caps.tiers}
     assert [t.tier for t in caps.tiers] == [pb.TIER_DEVICE, pb.TIER_HOST, pb.TIER_DISK]
     assert tiers[pb.TIER_HOST].medium == "CPU" and tiers[pb.TIER_HOST].capacity_blocks == 64
-    assert not tiers[pb.TIER_HOST].shared
+    assert not tiers[pb.TIER_HOST].shared and tiers[pb.TIER_HOST].honours_retention  # the launcher's default policy
+    assert not tiers[pb.TIER_DEVICE].honours_retention and not tiers[pb.TIER_DISK].honours_retention
     assert tiers[pb.TIER_DISK].medium == "STORAGE" and tiers[pb.TIER_DISK].shared
     actions = {a.action: a for a in caps.actions}
     for action in (pb.ACTION_DEMOTE, pb.ACTION_PREFETCH, pb.ACTION_SHARE):
@@ -296,6 +301,37 @@ def test_demote_then_resume_reloads_the_prefix_from_the_host_tier(pair: Pair) ->
     assert again.token_ids == reference.token_ids
     print(f"\ndemote: op {seconds * 1000:.1f} ms, {op.bytes_moved} B moved; resume TTFT {again.ttft_s * 1000:.1f} ms "
           f"(same resume from G1 {reference.ttft_s * 1000:.1f} ms, turn 1 computed {first.ttft_s * 1000:.1f} ms)")
+
+
+def test_a_retained_session_keeps_its_host_copies_through_host_pressure(pair: Pair) -> None:
+    """TierInfo.honours_retention: the host tier drops unprotected copies first. Two sessions are
+    stored, one is retained, then 88 newer blocks go through the 64-block host tier: an LRU host
+    drops both older sessions' copies first; this one keeps the retained session's.
+
+    Host copies still being written to the file tier cannot be dropped yet, and when only
+    protected copies can, protected ones go (a store is never refused for a hint). So each
+    session's copies are waited onto the file tier before the next store."""
+    a = pair.a
+    a.reset()
+    keep, control = tokens("tier-keep"), tokens("tier-control")
+    first = a.complete(keep, "tier-keep", max_tokens=8)
+    a.complete(control, "tier-control", max_tokens=8)
+    for session in ("tier-keep", "tier-control"):
+        _wait_tier(a, session, 22, pb.TIER_HOST)
+        _wait_disk(a, session, 22)
+    (result,) = a.apply(retain("tier-keep", priority=1, ttl=120))
+    assert result.outcome == pb.OUTCOME_ACCEPTED, result
+    for i in range(4):
+        a.complete(tokens(f"tier-keep-pressure-{i}"), f"tier-keep-p{i}")
+        _wait_disk(a, f"tier-keep-p{i}", 22)
+    kept = a.session_tiers("tier-keep")
+    lost = [i for i, t in enumerate(kept) if pb.TIER_HOST not in t]
+    assert len(kept) == 22 and not lost, f"blocks {lost} of the retained session lost their host copy"
+    assert not any(pb.TIER_HOST in t for t in a.session_tiers("tier-control"))  # the unhinted one went
+    again = a.complete(keep, "tier-keep", max_tokens=8)
+    assert again.cached_tokens == FULL and again.token_ids == first.token_ids
+    (done,) = a.apply(release("tier-keep"))
+    assert done.outcome == pb.OUTCOME_ACCEPTED, done
 
 
 def test_prefetch_of_a_resident_session_is_an_accepted_noop(pair: Pair) -> None:
