@@ -333,7 +333,7 @@ class HostTier:
     loaded back is touched, and the least recently used block is dropped when full.
 
     `order` (set by `HintedPool` for `simulate_tiers(host_retention=True)`; None: LRU) models a
-    host tier that honours retention (the engine's default host policy, kvhint.v1
+    host tier that honours retention (the engine's opt-in host policy, kvhint.v1
     TierInfo.honours_retention): given the host's blocks from least to most recently used, it
     returns them in the order the tier drops them."""
 
@@ -594,7 +594,7 @@ class HintedPool:
 
     def host_order(self, blocks: list[int]) -> list[int]:
         """The host tier's eviction order when it honours retention (`HostTier.order`; the
-        engine's `engine_integration.tiers.host_policy`, kvhint.v1 TierInfo.honours_retention):
+        engine's opt-in `engine_integration.tiers.host_policy`, kvhint.v1 TierInfo.honours_retention):
         the host's blocks (least recently used first) in the order the tier drops them.
         Unprotected blocks (LRU), then protected blocks the device still holds (LRU), then
         retained blocks by priority and furthest expected reuse (passed: LRU), pinned last."""
@@ -762,16 +762,16 @@ def simulate_tiers(
     name: str | None = None,
     pause_state: Mapping[str, Any] | None = None,
     clairvoyant: bool = False,
-    host_retention: bool = True,
+    host_retention: bool = False,
 ) -> SimResult:
     """The device pool plus a `HostTier` of `host_blocks` (default: as many as the device
     pool's usable blocks). `policy`: ``none`` (vLLM's offloading alone, run f),
     ``reference`` (the earlier reference policy's ``hints+tiers`` variant, run g) or
     ``library`` (`LibraryPolicy` with ``use_tiers``: Demote on a predicted long pause,
     Prefetch before the predicted resume; `pause_state` and `clairvoyant` as in
-    `simulate_library`). `host_retention`: the host tier drops blocks in
-    `HintedPool.host_order` (the engine's default host policy); False: in LRU order, as vLLM's
-    own host policy does (`--kvhint-tiers ...,host-eviction=lru`)."""
+    `simulate_library`). The host tier drops blocks in LRU order, as vLLM's own host policy
+    (the engine's default) does; with `host_retention`, in `HintedPool.host_order`, as the
+    engine's opt-in host policy does (`--kvhint-tiers ...,host-eviction=kvhint`)."""
     if (pause_state is not None or clairvoyant) and policy != "library":
         raise ValueError("pause_state and clairvoyant are for the library policy")
     n = num_gpu_blocks or bt.num_gpu_blocks

@@ -31,9 +31,9 @@ comma-separated list:
                     also peers=NAME=H:P;NAME=H:P, or env KVHINT_SHARE_PEERS)
   timeout=S         deadline of Demote/Share operations (default 60 s)
   self-describing   connector events carry token ids and parent hashes
-  host-eviction=P   the host tier's eviction policy: kvhint (default; LRU with the
-                    copies Retain and Pin protect dropped last, TierInfo.honours_retention),
-                    or vLLM's lru / arc (hints then protect device copies only)
+  host-eviction=P   the host tier's eviction policy: vLLM's lru (default) or arc (hints
+                    protect device copies only), or kvhint (LRU with the copies Retain
+                    and Pin protect dropped last, TierInfo.honours_retention)
 
   kvhint-vllm serve MODEL --kvhint-tiers host=256,file=/mnt/kv,peer=b=10.0.0.2:50151
 
@@ -79,7 +79,7 @@ SHUTDOWN_TIMEOUT_S = 10
 
 
 def parse_tiers_spec(spec: str) -> dict[str, Any]:
-    """`host=256,file=/p,peer=b=h:p,host-eviction=lru` -> keyword arguments of
+    """`host=256,file=/p,peer=b=h:p,host-eviction=kvhint` -> keyword arguments of
     `tier_kv_transfer_config` plus `peers` (name -> address) and `timeout`."""
     out: dict[str, Any] = {"peers": {}}
     for item in (i.strip() for i in spec.split(",")):

@@ -71,7 +71,7 @@ def tier_kv_transfer_config(
     file_events: bool = True,
     file_threads: int = 4,
     file_ephemeral: bool = False,
-    eviction_policy: str = "kvhint",
+    eviction_policy: str = "lru",
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """kv_transfer_config enabling a host tier of `host_blocks` blocks (or `host_bytes`
@@ -84,9 +84,9 @@ def tier_kv_transfer_config(
     shutdown; leave it off for a file tier shared across engines or restarts.
     Residency events need `kv_events_config.enable_kv_cache_events` (publisher "null"
     is fine); `self_describing_events` adds token ids / parent hash to CPU events.
-    `eviction_policy`: the host tier's; "kvhint" (`host_policy.KvHintHostPolicy`: LRU, with
-    the copies Retain and Pin protect dropped last, TierInfo.honours_retention) or one of
-    vLLM's ("lru", "arc"), with which hints protect device copies only.
+    `eviction_policy`: the host tier's; one of vLLM's ("lru", the default, or "arc"), with
+    which hints protect device copies only, or "kvhint" (`host_policy.KvHintHostPolicy`: LRU,
+    with the copies Retain and Pin protect dropped last, TierInfo.honours_retention).
     """
     if (host_blocks is None) == (host_bytes is None):
         raise ValueError("give exactly one of host_blocks / host_bytes")
@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--self-describing-events", action="store_true")
-    p.add_argument("--eviction-policy", default="kvhint",
-                   help="the host tier's: kvhint (honours Retain and Pin; default), lru or arc (vLLM's)")
+    p.add_argument("--eviction-policy", default="lru",
+                   help="the host tier's: lru (default) or arc (vLLM's), or kvhint (honours Retain and Pin)")
     a = p.parse_args(argv)
     print(json.dumps(tier_kv_transfer_config(
         a.host_blocks, a.host_bytes, a.file_root, a.platform, bytes_per_block=a.bytes_per_block,

@@ -4,7 +4,8 @@ vLLM 0.32's CPU offloading manager (host tier, G2) takes its eviction policy by
 name from outside vLLM: kv_connector_extra_config
 ``{"eviction_policy": "KvHintHostPolicy", "cache_policy_module_path":
 "engine_integration.tiers.host_policy"}``, which
-`config.tier_kv_transfer_config` sets unless told another policy. The same keys
+`config.tier_kv_transfer_config(eviction_policy="kvhint")` and the launcher's
+`--kvhint-tiers ...,host-eviction=kvhint` set (vLLM's LRU stays the default). The same keys
 work with vLLM's built-in CUDA spec and with the tiering spec's primary tier.
 
 The policy is vLLM's `LRUCachePolicy` with one change, in `evict`: when the

@@ -215,10 +215,11 @@ def test_tier_kv_transfer_config_shapes():
     assert tier["spec_name"] == "TorchTieringOffloadingSpec" and tier["cpu_bytes_to_use"] == 1 << 20
     assert tier["secondary_tiers"][0]["type"] == "fs" and tier["secondary_tiers"][0]["root_dir"] == "/x"
     gpu = tier_kv_transfer_config(host_blocks=10, platform="cuda", bytes_per_block=4096)["kv_connector_extra_config"]
-    assert gpu == {"eviction_policy": "KvHintHostPolicy", "cache_policy_module_path": "engine_integration.tiers.host_policy",
-                   "cpu_bytes_to_use": 40960, "spec_name": "CPUOffloadingSpec"}
-    lru = tier_kv_transfer_config(host_blocks=10, platform="cuda", bytes_per_block=4096, eviction_policy="lru")
-    assert lru["kv_connector_extra_config"] == {"eviction_policy": "lru", "cpu_bytes_to_use": 40960, "spec_name": "CPUOffloadingSpec"}
+    assert gpu == {"eviction_policy": "lru", "cpu_bytes_to_use": 40960, "spec_name": "CPUOffloadingSpec"}
+    mine = tier_kv_transfer_config(host_blocks=10, platform="cuda", bytes_per_block=4096, eviction_policy="kvhint")
+    assert mine["kv_connector_extra_config"] == {
+        "eviction_policy": "KvHintHostPolicy", "cache_policy_module_path": "engine_integration.tiers.host_policy",
+        "cpu_bytes_to_use": 40960, "spec_name": "CPUOffloadingSpec"}
     gpu = tier_kv_transfer_config(host_bytes=8192, file_root="/x", platform="cuda")["kv_connector_extra_config"]
     assert gpu["spec_name"] == "TieringOffloadingSpec" and "spec_module_path" not in gpu
     with pytest.raises(ValueError):

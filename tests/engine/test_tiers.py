@@ -5,8 +5,9 @@ Two `vllm serve` engines (tiny model, 80 G1 blocks of 32 tokens) are started
 once for this module with the launcher's one tier flag, `--kvhint-tiers`, and
 mount the same G3 file tier:
 
-  A: host=64 blocks, file=ROOT, peers b (engine B) and `down` (nothing listens)
-  B: host=40 blocks, file=ROOT, peer a
+  A: host=64 blocks, file=ROOT, peers b (engine B) and `down` (nothing listens),
+     host-eviction=kvhint (the host tier honours Retain and Pin)
+  B: host=40 blocks, file=ROOT, peer a (vLLM's LRU host policy)
 
 Recompute references come from the same engine with a fresh `cache_salt` (block
 hashes no tier holds). The session-wide plain engine of conftest (no tiers)
@@ -139,7 +140,8 @@ def pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         return ServedEngine(EngineSpec(model=tiny_model, grpc_port=port, env=env, extra_args=["--kvhint-tiers", tiers]), log)
 
     shm_before = _shm()
-    sa = served(port_a, f"host=64,file={root},ephemeral,peer=b=127.0.0.1:{port_b},peer=down=127.0.0.1:{port_down},timeout=20", "a")
+    sa = served(port_a, f"host=64,file={root},ephemeral,peer=b=127.0.0.1:{port_b},peer=down=127.0.0.1:{port_down},timeout=20"
+                        ",host-eviction=kvhint", "a")
     sb = served(port_b, f"host=40,file={root},ephemeral,peer=a=127.0.0.1:{port_a}", "b")
     errors: list[BaseException] = []
 
@@ -218,7 +220,11 @@ def test_kvhint_tiers_flag_expands_into_vllm_flags() -> None:
     mine = expand_tiers_flag(["serve", "m", "--kvhint-tiers=host=8", "--shutdown-timeout", "3"])
     assert mine.count("--shutdown-timeout") == 1 and "secondary_tiers" not in mine[mine.index("--kv-transfer-config") + 1]
     assert expand_tiers_flag(["serve", "m"]) == ["serve", "m"]
-    for bad in ("file=/kv", "host=8,peer=b=h:1", "host=8,bogus=1", "host=x"):
+    assert extra["eviction_policy"] == "lru" and "cache_policy_module_path" not in extra  # vLLM's host policy
+    opted = expand_tiers_flag(["serve", "m", "--kvhint-tiers", "host=8,host-eviction=kvhint"])
+    extra = json.loads(opted[opted.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["eviction_policy"] == "KvHintHostPolicy" and extra["cache_policy_module_path"] == "engine_integration.tiers.host_policy"
+    for bad in ("file=/kv", "host=8,peer=b=h:1", "host=8,bogus=1", "host=x", "host=8,host-eviction=mru"):
         with pytest.raises(SystemExit):
             expand_tiers_flag(["serve", "m", "--kvhint-tiers", bad])
 
@@ -228,7 +234,7 @@ def test_capabilities_list_host_and_disk_tiers_and_tier_actions(pair: Pair) -> N
     tiers = {t.tier: t for t in caps.tiers}
     assert [t.tier for t in caps.tiers] == [pb.TIER_DEVICE, pb.TIER_HOST, pb.TIER_DISK]
     assert tiers[pb.TIER_HOST].medium == "CPU" and tiers[pb.TIER_HOST].capacity_blocks == 64
-    assert not tiers[pb.TIER_HOST].shared and tiers[pb.TIER_HOST].honours_retention  # the launcher's default policy
+    assert not tiers[pb.TIER_HOST].shared and tiers[pb.TIER_HOST].honours_retention  # host-eviction=kvhint
     assert not tiers[pb.TIER_DEVICE].honours_retention and not tiers[pb.TIER_DISK].honours_retention
     assert tiers[pb.TIER_DISK].medium == "STORAGE" and tiers[pb.TIER_DISK].shared
     actions = {a.action: a for a in caps.actions}
@@ -238,6 +244,7 @@ def test_capabilities_list_host_and_disk_tiers_and_tier_actions(pair: Pair) -> N
     assert set(caps.share_destinations) == {"b", "down"}
     caps_b = pair.b.stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=10)
     assert {t.tier: t.capacity_blocks for t in caps_b.tiers}[pb.TIER_HOST] == 40
+    assert not {t.tier: t for t in caps_b.tiers}[pb.TIER_HOST].honours_retention  # vLLM's LRU, the default
     assert list(caps_b.share_destinations) == ["a"]
 
 
