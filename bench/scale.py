@@ -84,6 +84,7 @@ def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
     runs.append(Run(f"p{mid}_s{most}_async", Shape(mid, most, async_scheduling=True, **base)))
     runs.append(Run(f"aa_p{mid}_s{most}", Shape(mid, most, **base), aa=True))
     return runs, {"sweep": sweep, "event_steps": event_steps, "event_count": event_count, "attribution_steps": 10 if quick else 60,
+                  "gc_repeats": 1 if quick else 3,
                   "owners": (1, 10, 50) if quick else (1, 10, 100, 1000)}
 
 
@@ -105,7 +106,7 @@ def execute(run: Run, extras: dict[str, Any], out_dir: Path, raw: dict[str, Any]
             "units_csv": f"units_{run.name}.csv",
         }
         if not run.aa and not run.shape.stock_kv_events:  # (the events run's KvHint side is the same as its twin's)
-            entry["memory"] = memory(pair.kv)
+            entry["memory"] = memory(pair.kv, extras["gc_repeats"])
             if pair.sender is not None and pair.sender.batches:
                 entry["hint_batches"] = pair.sender.batches
             if not run.shape.hints_per_step:

@@ -45,14 +45,14 @@ def deep_stats(roots: Iterable[Any], exclude: tuple[type, ...] = (), stop: Itera
     return total, tracked
 
 
-def full_collection() -> dict[str, float]:
+def full_collection(repeats: int = 3) -> dict[str, float]:
     """A full collection of this process's heap, the startup heap included (unfrozen for it, then
-    frozen again): tracked objects and the fastest of three collections (ms)."""
+    frozen again): tracked objects and the fastest of `repeats` collections (ms)."""
     gc.unfreeze()
     gc.collect()
     objects = len(gc.get_objects())
     times = []
-    for _ in range(3):
+    for _ in range(repeats):
         t = time.perf_counter()
         gc.collect()
         times.append(time.perf_counter() - t)
@@ -60,7 +60,7 @@ def full_collection() -> dict[str, float]:
     return {"gc_objects": objects, "gc_full_ms": round(min(times) * 1e3, 1)}
 
 
-def memory(side: Side) -> dict[str, int]:
+def memory(side: Side, gc_repeats: int = 3) -> dict[str, int]:
     """KvHint's structures on `side` (bytes) and what they track.
 
     index: SessionPrefixIndex (nodes, sessions, continuations); hash_map: the adapter's own maps
@@ -96,7 +96,7 @@ def memory(side: Side) -> dict[str, int]:
         # collection of the whole process (both schedulers and the workload).
         "kvhint_gc_objects": index_gc + map_gc + retention_gc + bus_gc,
         "index_gc_objects": index_gc,
-        **full_collection(),
+        **full_collection(gc_repeats),
     }
 
 

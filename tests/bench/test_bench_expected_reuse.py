@@ -105,10 +105,9 @@ def test_host_tier_honouring_retention_drops_by_the_hints_classes() -> None:
 def test_tier_runs_are_bounded_by_the_infinite_cache(tr: Trace) -> None:
     bt = compile_trace(tr)
     inf = simulate_infinite(bt)
-    for policy in ("none", "reference", "library"):
-        for host_retention in (False, True):
-            res = simulate_tiers(bt, policy, host_retention=host_retention)
-            assert all(a <= b for a, b in zip(res.cached_tokens, inf.cached_tokens))
+    for policy, host_retention in (("none", False), ("reference", False), ("library", False), ("library", True)):
+        res = simulate_tiers(bt, policy, host_retention=host_retention)
+        assert all(a <= b for a, b in zip(res.cached_tokens, inf.cached_tokens))
     # A host tier holds what the device lost: no hints with a tier never recompute more than LRU.
     assert simulate_tiers(bt, "none").recomputed_tokens <= simulate_lru(bt).recomputed_tokens
 

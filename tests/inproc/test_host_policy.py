@@ -109,7 +109,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(ops)
 def test_inactive_is_exactly_lru_and_active_takes_unprotected_first(sequence: list[Any]) -> None:
     """Against vLLM's own LRU policy run on the same stores: the same evictions whenever no hint is
