@@ -607,8 +607,7 @@ class HintedPool:
             elif self.pool.resident(h):
                 key = (1, 0, 0, 0.0, pos)
             else:
-                at = reuse.get(h)
-                order = (0, 0.0) if at is None or at <= now else (1, -at)
+                order = _reuse_order(reuse.get(h), now)
                 key = (3, 0, *order, pos) if h in pinned else (2, retained[h], *order, pos)
             keyed.append((key, h))
         keyed.sort(key=lambda kh: kh[0])
@@ -624,8 +623,7 @@ class HintedPool:
             if h is None:
                 key: tuple[Any, ...] = (self.T_UNHASHED, 0, 0, 0.0, pos)
             elif h in pinned or h in retained:
-                at = reuse.get(h)
-                order = (0, 0.0) if at is None or at <= now else (1, -at)  # passed: LRU; future: furthest first
+                order = _reuse_order(reuse.get(h), now)
                 cls = (self.T_PINNED, 0) if h in pinned else (self.T_RETAINED, retained[h])
                 key = (*cls, *order, pos)
             else:
@@ -651,6 +649,12 @@ class HintedPool:
 
 def _reuse_at(a: Pin | Retain, t: float) -> float | None:
     return None if a.expected_reuse_in_s is None else t + min(a.expected_reuse_in_s, a.ttl_s)
+
+
+def _reuse_order(at: float | None, now: float) -> tuple[int, float]:
+    """Order within one (class, priority): no or a passed expectation first (LRU among them, by
+    the caller's position), then the furthest expected reuse first."""
+    return (0, 0.0) if at is None or at <= now else (1, -at)
 
 
 def _note_reuse(reuse: dict[int, float], st: _HintState) -> None:

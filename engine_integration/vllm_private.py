@@ -10,6 +10,9 @@ otherwise.
   OffloadingManager.take_events / reset_cache / shutdown   wrapped (monkey-patched)
   TieringOffloadingManager._jobs / _req_state     file-tier transfers in flight
   CPUOffloadingManager._policy                    the host tier's CachePolicy instance
+  LRUCachePolicy._heap / _is_current / _evictable / _ranks / _maybe_compact_heap
+                                                  used by tiers/host_policy.KvHintHostPolicy.evict,
+                                                  a subclass that mirrors the stock evict
 """
 
 from __future__ import annotations
