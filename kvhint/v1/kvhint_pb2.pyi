@@ -1212,9 +1212,16 @@ class Limits(_message.Message):
     MAX_PAGE_SIZE_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_WINDOW_FIELD_NUMBER: _builtins.int
     pin_budget_blocks: _builtins.int
-    """Pinned blocks at most, across all sessions."""
+    """Pinned blocks at most, across all sessions. Logical blocks, like every
+    block count (see KvCacheGroup): on a model with sliding-window groups a
+    pinned block's window copies are protected with it and not counted here.
+    """
     pin_budget_fraction: _builtins.float
-    """The pin budget as a fraction of the device pool."""
+    """The pin budget as a fraction of the device pool: pin_budget_blocks over
+    num_device_blocks. With window groups the device blocks that pins hold
+    can exceed it by the window copies (at most one per window group and
+    pinned block; in practice the cached window tails of pinned chains).
+    """
     max_hints_per_batch: _builtins.int
     """ApplyHintsRequest.hints at most; more is INVALID_ARGUMENT."""
     max_id_length: _builtins.int

@@ -56,3 +56,33 @@ def test_three_sessions_fit_while_the_third_is_prefilled(blocks: int, window: in
     free = blocks - 1 - 3 * cached
     assert plan.footprint(filler)[1] >= free + math.ceil(cached / 2)
     assert filler == 1 or plan.footprint(filler - 1)[1] < free + math.ceil(cached / 2)
+
+
+def gemma3_caps(blocks: int = 240, window: int = 96) -> pb.GetCapabilitiesResponse:
+    """The hybrid6 preset's layout: five sliding-window groups and one full-attention group."""
+    c = pb.GetCapabilitiesResponse(block_size=32, num_device_blocks=blocks)
+    c.limits.pin_budget_blocks = (blocks - 1) // 2
+    for gid in range(5):
+        c.kv_cache_groups.add(group_id=gid, kind=G.KIND_SLIDING_WINDOW, block_size=32, sliding_window_tokens=window)
+    c.kv_cache_groups.add(group_id=5, kind=G.KIND_FULL_ATTENTION, block_size=32, defines_residency=True)
+    return c
+
+
+def test_window_tail_is_the_shortest_cached_window_tail() -> None:
+    assert make_plan(caps(80), OPTIONS).window_tail == 0
+    assert make_plan(caps(80, window=128), OPTIONS).window_tail == 4  # ceil(127 / 32)
+    assert make_plan(gemma3_caps(), OPTIONS).window_tail == 3  # ceil(95 / 32)
+    assert make_plan(caps(80, window=33), OPTIONS).window_tail == 1
+    mixed = gemma3_caps()
+    mixed.kv_cache_groups[0].sliding_window_tokens = 40
+    assert make_plan(mixed, OPTIONS).window_tail == 2
+
+
+def test_sessions_cached_together_count_every_group() -> None:
+    """The pin-budget cases keep budget // session + 1 sessions cached at once. Dense and the
+    two-group hybrid at 80 blocks can; six groups at 240 blocks cannot (the cases skip there)."""
+    dense, hybrid, six = (make_plan(c, OPTIONS) for c in (caps(80), caps(80, window=128), gemma3_caps()))
+    assert dense.cached_together(2) == 25 + 26 <= 78
+    assert hybrid.cached_together(3) == 2 * (17 + 4) + 2 * 18 <= 78
+    assert six.session_blocks == 25 and six.footprint(25) == (25 + 5 * 3, 25 * 6)
+    assert six.cached_together(5) == 4 * 40 + 26 * 6 > 238

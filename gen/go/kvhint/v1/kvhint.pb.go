@@ -2478,9 +2478,14 @@ type Limits struct {
 
 	// TTLs above this are capped (CLIPPED/TTL_CAPPED).
 	MaxTtl *durationpb.Duration `protobuf:"bytes,1,opt,name=max_ttl,json=maxTtl,proto3" json:"max_ttl,omitempty"`
-	// Pinned blocks at most, across all sessions.
+	// Pinned blocks at most, across all sessions. Logical blocks, like every
+	// block count (see KvCacheGroup): on a model with sliding-window groups a
+	// pinned block's window copies are protected with it and not counted here.
 	PinBudgetBlocks uint32 `protobuf:"varint,2,opt,name=pin_budget_blocks,json=pinBudgetBlocks,proto3" json:"pin_budget_blocks,omitempty"`
-	// The pin budget as a fraction of the device pool.
+	// The pin budget as a fraction of the device pool: pin_budget_blocks over
+	// num_device_blocks. With window groups the device blocks that pins hold
+	// can exceed it by the window copies (at most one per window group and
+	// pinned block; in practice the cached window tails of pinned chains).
 	PinBudgetFraction float64 `protobuf:"fixed64,3,opt,name=pin_budget_fraction,json=pinBudgetFraction,proto3" json:"pin_budget_fraction,omitempty"`
 	// ApplyHintsRequest.hints at most; more is INVALID_ARGUMENT.
 	MaxHintsPerBatch uint32 `protobuf:"varint,4,opt,name=max_hints_per_batch,json=maxHintsPerBatch,proto3" json:"max_hints_per_batch,omitempty"`
