@@ -5,7 +5,8 @@ that covers three blocks instead of four.
 
 The retention and event tests are the ones the dense and the Gemma 2 engines run (called here on
 this engine); the pressure they apply is enough for six groups at 240 blocks (a 720-token
-prefill takes 23 blocks in each of the six groups). The conformance suite runs on it too."""
+prefill takes 23 blocks in each of the six groups). The identity check against stock vLLM on the
+same model and pool, and the conformance suite, run on it too."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import test_engine_events as events_tests
+import test_engine_identity as identity_tests
 import test_engine_retention as retention_tests
 from engine_support import Engine, running_engine
 
@@ -31,6 +33,12 @@ BLOCKS = 240
 @pytest.fixture(scope="module")
 def hybrid6() -> Iterator[Engine]:
     with running_engine(default_model("hybrid6"), zmq=True, num_gpu_blocks=BLOCKS) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def stock6() -> Iterator[Engine]:
+    with running_engine(default_model("hybrid6"), kvhint=False, zmq=True, num_gpu_blocks=BLOCKS) as eng:
         yield eng
 
 
@@ -65,6 +73,12 @@ def test_evict_frees_a_session_now(clean6: Engine) -> None:
 
 def test_stored_and_removed_hashes_agree_with_vllm_zmq_events(clean6: Engine) -> None:
     events_tests.test_stored_and_removed_hashes_agree_with_vllm_zmq_events(clean6)
+
+
+def test_tokens_hits_and_eviction_order_match_stock_vllm(stock6: Engine, hybrid6: Engine) -> None:
+    """No hints: the same tokens, prefix hits and vLLM KV events (all six groups', in order) as
+    stock vLLM. One session, as on the two-group model: a 780-token prefill takes six copies."""
+    identity_tests.test_tokens_hits_and_eviction_order_match_stock_vllm((stock6, hybrid6, ("a",)))
 
 
 def test_conformance_suite_passes(hybrid6: Engine) -> None:
