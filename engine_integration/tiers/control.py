@@ -110,12 +110,22 @@ class TierControl:
         self.secondary_tiers = list(getattr(self.manager, "secondary_tiers", ()))
         self.file_tiers = [t for t in self.secondary_tiers if hasattr(t, "file_mapper")]
         self.group_ids = tuple(g.group_idx for g in cs.config.kv_group_configs)
+        # The groups whose copies make a logical block present on a tier (`use_groups`; all
+        # of them until told): on a hybrid model the full-attention groups. A sliding-window
+        # group holds only window tails, on every tier, so a block lacking its window copy
+        # is still a host or file block, as on the device (engine_integration/kv_groups.py).
+        self.required_group_ids = self.group_ids
         self.blocks_per_chunk = cs.config.blocks_per_chunk
         self._probe = ReqContext(req_id="kvhint-probe")
         self._ops: dict[int, StoreOp] = {}
         self._prefetches: set[Prefetch] = set()
         self._event_taps: list[Callable[[list], None]] = []
         self._installed = False
+
+    def use_groups(self, residency: Iterable[int]) -> None:
+        """Define tier presence by these KV-cache groups (the adapter's residency groups)."""
+        wanted = tuple(g for g in self.group_ids if g in set(residency))
+        self.required_group_ids = wanted or self.group_ids
 
     # ---------------------------------------------------------------- keys
     def key(self, block_hash: BlockHash, group_idx: int = 0) -> OffloadKey:
@@ -141,7 +151,7 @@ class TierControl:
     # ------------------------------------------------------------- queries
     def host_state(self, block_hash: BlockHash) -> HostState:
         """State of the host-tier (G2) copy; pure (CPUOffloadingManager.lookup is a dict get)."""
-        states = {self.primary.lookup(self.key(block_hash, g), self._probe) for g in self.group_ids}
+        states = {self.primary.lookup(self.key(block_hash, g), self._probe) for g in self.required_group_ids}
         if states == {LookupResult.HIT}:
             return HostState.READY
         if LookupResult.MISS in states:
@@ -152,13 +162,18 @@ class TierControl:
         """A complete copy exists in some file tier (G3). Files are written as
         <name>.tmp then os.replace'd, so existence means the write completed."""
         return any(
-            all(os.path.exists(t.file_mapper.get_file_name(self.key(block_hash, g))) for g in self.group_ids)
+            all(os.path.exists(t.file_mapper.get_file_name(self.key(block_hash, g))) for g in self.required_group_ids)
             for t in self.file_tiers
         )
 
     def g1_has(self, block_hash: BlockHash) -> bool:
         pool = self.scheduler.kv_cache_manager.block_pool
-        return pool.get_cached_block(block_hash, list(self.group_ids)) is not None
+        return pool.get_cached_block(block_hash, list(self.required_group_ids)) is not None
+
+    def host_keys(self, block_hashes: Iterable[BlockHash]) -> list[OffloadKey]:
+        """The keys of every group's valid host copy of these blocks, group-major."""
+        return [k for g in self.group_ids for h in block_hashes
+                if self.primary.lookup(k := self.key(h, g), self._probe) is LookupResult.HIT]
 
     def residency(self, hashes: Iterable[BlockHash]) -> dict[BlockHash, set[str]]:
         out = {}
@@ -275,14 +290,17 @@ class TierControl:
             if self.host_state(h) is not HostState.ABSENT:
                 op.skipped_ready.append(h)
                 continue
-            blocks = pool.get_cached_block(h, list(self.group_ids))
-            if blocks is None:
+            if not self.g1_has(h):
                 op.not_in_g1.append(h)
                 continue
             op.hashes.append(h)
-            for gi, (g, blk) in enumerate(zip(self.group_ids, blocks)):
+            # Every group's G1 copy that exists (a window group's only near a tail).
+            for gi, g in enumerate(self.group_ids):
+                found = pool.get_cached_block(h, [g])
+                if found is None:
+                    continue
                 k = self.key(h, g)
-                by_key[k] = blk
+                by_key[k] = found[0]
                 per_group[gi].append(k)
         keys = [k for grp in per_group for k in grp]  # group-major, as GPULoadStoreSpec expects
         if not keys:
@@ -347,6 +365,7 @@ class Prefetch:
         self.ctl = ctl
         self.ctx = ReqContext(req_id=f"kvhint-prefetch-{next(_ids)}")
         self.keys = {ctl.key(h, g): h for h in dict.fromkeys(hashes) for g in ctl.group_ids}
+        self._required = {ctl.key(h, g) for h in dict.fromkeys(hashes) for g in ctl.required_group_ids}
         self.state: dict[OffloadKey, LookupResult] = {}
         self.polls = 0
         self.closed = False
@@ -369,11 +388,17 @@ class Prefetch:
 
     @property
     def hits(self) -> list[BlockHash]:
-        return list(dict.fromkeys(h for k, h in self.keys.items() if self.state.get(k) is LookupResult.HIT))
+        """Blocks whose every required-group copy is now on the host tier."""
+        missed = set(self.misses)
+        return list(dict.fromkeys(h for k, h in self.keys.items()
+                                  if k in self._required and self.state.get(k) is LookupResult.HIT and h not in missed))
 
     @property
     def misses(self) -> list[BlockHash]:
-        return list(dict.fromkeys(h for k, h in self.keys.items() if self.state.get(k) is LookupResult.MISS))
+        """Blocks a required-group copy of which the file tier did not have (a window copy
+        it lacks is not a miss: window groups keep tails only)."""
+        return list(dict.fromkeys(h for k, h in self.keys.items()
+                                  if k in self._required and self.state.get(k) is LookupResult.MISS))
 
     def close(self) -> None:
         if not self.closed:

@@ -125,8 +125,9 @@ class ResidencyFeed:
                 continue
             tier, medium = tier_medium
             exts: list[bytes] = []
+            presence = self.ctl.required_group_ids[0]  # one event per logical block: its first required group's
             for key in ev.keys:
-                if get_offload_group_idx(key) != 0:
+                if get_offload_group_idx(key) != presence:
                     continue
                 d = bytes(get_offload_block_hash(key))
                 e = self._external(d)

@@ -299,7 +299,7 @@ class TierOperations:
         """Write READY host copies to the file tier(s) now (the cascade the tiering
         manager runs after a store; the chunks are pinned until the write finishes)."""
         mgr = self.ctl.manager
-        keys = [self.ctl.key(d, g) for g in self.ctl.group_ids for d in digests]
+        keys = self.ctl.host_keys(digests)  # every group's host copy there is (window groups: tails)
         ctx = ReqContext(req_id=f"kvhint-cascade-{next(_ids)}")
         for idx, tier in enumerate(mgr.secondary_tiers):
             if tier in self.ctl.file_tiers:

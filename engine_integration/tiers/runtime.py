@@ -86,6 +86,7 @@ class TierRuntime:
         self.core = adapter.core
         self.ctl = ctl
         ctl.runtime = self
+        ctl.use_groups(adapter.groups.residency)  # tier presence as device residency: full-attention copies
         kvt = scheduler.vllm_config.kv_transfer_config
         self.settings = TierSettings.from_sources(getattr(kvt, "kv_connector_extra_config", None))
         self.peers = self.settings.peers

@@ -1,0 +1,97 @@
+"""KV tiers on the hybrid model (Gemma 2: a 128-token sliding-window group and a full-attention
+group, 80 G1 blocks of 32 tokens, a 128-block host tier and a file tier): presence on a lower
+tier is defined as on the device, by the full-attention copies (the window group holds tails
+only, on every tier), so QueryResidency reports the copies vLLM's connector made, Demote copies
+and succeeds, Prefetch stages file copies in host memory, and the resumes hit.
+
+Before this, the tier runtime required every group's copy: the host tier looked like it held
+4 of a 720-token session's 22 prompt blocks (only the window tail has a window copy), and
+Demote was REJECTED ("19 of 23 blocks left every tier before a copy was made")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import test_tiers as tiers_tests
+from engine_support import tokens
+
+from engine_integration.served import EngineSpec, ServedEngine
+from kvhint.v1 import kvhint_pb2 as pb
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def tiered(hybrid_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tiers_tests.TierEngine]:
+    log = tmp_path_factory.getbasetemp() / "engine-hybrid-tiers.log"
+    root = tmp_path_factory.mktemp("kvtier-hybrid") / "fs"
+    served = ServedEngine(EngineSpec(model=hybrid_model, env={"VLLM_SERVER_DEV_MODE": "1"},
+                                     extra_args=["--kvhint-tiers", f"host=128,file={root},ephemeral"]), log)
+    served.start()
+    engine = tiers_tests.TierEngine(served)
+    try:
+        yield engine
+    finally:
+        engine.close()
+        served.stop()
+
+
+def test_host_copies_count_by_the_full_attention_group(tiered: tiers_tests.TierEngine) -> None:
+    tiered.reset()
+    tiered.complete(tokens("th-natural"), "th-natural")  # 720 tokens: 22 full blocks
+    tiers_tests._wait_tier(tiered, "th-natural", 22, pb.TIER_HOST)
+    assert len(tiered.session_tiers("th-natural")) == 22
+
+
+def test_demote_then_resume_reloads_the_prefix_from_the_host_tier(tiered: tiers_tests.TierEngine) -> None:
+    tiered.reset()
+    # Reference: the hit of the same resume with nothing evicted (vLLM caches the window
+    # tail where the prompt ended, so the decode block is not part of it).
+    ref_prompt = tokens("th-ref")
+    ref_first = tiered.complete(ref_prompt, "th-ref", max_tokens=24)
+    reference = tiered.complete(ref_prompt + list(ref_first.token_ids), "th-ref", max_tokens=8).cached_tokens
+    assert reference >= 22 * 32
+    tiered.reset()
+
+    prompt = tokens("th-demote")
+    first = tiered.complete(prompt, "th-demote", max_tokens=24)  # 744 tokens: 23 full blocks
+    (result,) = tiered.apply(tiers_tests.demote("th-demote"))
+    assert result.outcome == pb.OUTCOME_DEFERRED and result.operation_id, result
+    op, _ = tiered.wait_op(result.operation_id)
+    assert op.state == pb.Operation.STATE_SUCCEEDED, op
+    assert {c.tier: c.blocks for c in op.blocks} == {pb.TIER_HOST: 23}
+
+    for i in range(2):  # more than the 80-block pool holds beside the session
+        tiered.complete(tokens(f"th-filler-{i}"))
+    after = tiered.session_tiers("th-demote")
+    assert len(after) == 23 and all(pb.TIER_DEVICE not in t and pb.TIER_HOST in t for t in after), after
+
+    before = tiered.metrics()
+    again = tiered.complete(prompt + list(first.token_ids), "th-demote", max_tokens=8)
+    assert again.cached_tokens == reference
+    assert tiered.cached_by_source(before, reference, "host")["host"] == reference
+
+
+def test_prefetch_warms_the_host_tier_from_files_and_the_resume_is_a_host_hit(tiered: tiers_tests.TierEngine) -> None:
+    tiered.reset()
+    warm = tokens("th-warm")
+    first = tiered.complete(warm, "th-warm", max_tokens=8)
+    tiers_tests._wait_disk(tiered, "th-warm", 22)
+    # Each 720-token prompt stores 22 full-attention and 4 window chunks: six of them push the
+    # session out of G1 (80 blocks) and out of the 128-chunk host tier.
+    tiered.fill("th-pf", n=6)
+    t = tiered.session_tiers("th-warm")
+    assert len(t) == 22 and all(x == {pb.TIER_DISK} for x in t), t
+
+    (result,) = tiered.apply(tiers_tests.prefetch("th-warm"))
+    assert result.outcome == pb.OUTCOME_DEFERRED, result
+    op, _ = tiered.wait_op(result.operation_id)
+    assert op.state == pb.Operation.STATE_SUCCEEDED, op
+    assert {c.tier: c.blocks for c in op.blocks} == {pb.TIER_HOST: 22}
+    assert all(x == {pb.TIER_HOST, pb.TIER_DISK} for x in tiered.session_tiers("th-warm"))
+
+    before = tiered.metrics()
+    again = tiered.complete(warm, "th-warm", max_tokens=8)
+    assert again.cached_tokens == tiers_tests.FULL and again.token_ids == first.token_ids
+    assert tiered.cached_by_source(before, tiers_tests.FULL, "host")["host"] == tiers_tests.FULL
