@@ -172,7 +172,8 @@ class TierControl:
 
     def host_keys(self, block_hashes: Iterable[BlockHash]) -> list[OffloadKey]:
         """The keys of every group's valid host copy of these blocks, group-major."""
-        return [k for g in self.group_ids for h in block_hashes
+        hashes = list(block_hashes)
+        return [k for g in self.group_ids for h in hashes
                 if self.primary.lookup(k := self.key(h, g), self._probe) is LookupResult.HIT]
 
     def residency(self, hashes: Iterable[BlockHash]) -> dict[BlockHash, set[str]]:
