@@ -22,20 +22,21 @@ from pathlib import Path
 
 from conformance.runner import main as conformance_main
 from conformance.testing.vllm_ci import KNOWN_FAILING
-from engine_integration.served import EngineSpec, ServedEngine, default_model
+from engine_integration.served import EngineSpec, ServedEngine, default_model, pool_blocks
 
 RESULTS = Path(__file__).resolve().parent / "results" / "conformance_matrix.md"
-# (model preset, device blocks, --kvhint-tiers value or "")
+# (model preset, --kvhint-tiers value or ""); device blocks: served.pool_blocks
 CONFIGS = (
-    ("tiny", 80, ""),
-    ("hybrid", 80, ""),
-    ("hybrid6", 240, ""),
-    ("tiny", 80, "host=128"),
-    ("hybrid", 80, "host=128"),
+    ("tiny", ""),
+    ("hybrid", ""),
+    ("hybrid6", ""),
+    ("tiny", "host=128"),
+    ("hybrid", "host=128"),
 )
 
 
-def run(preset: str, blocks: int, tiers: str) -> dict[str, object]:
+def run(preset: str, tiers: str) -> dict[str, object]:
+    blocks = pool_blocks(preset)
     extra = ["--kvhint-tiers", tiers] if tiers else []
     engine = ServedEngine(EngineSpec(model=default_model(preset), num_gpu_blocks=blocks, extra_args=extra))
     engine.start()

@@ -27,7 +27,7 @@ import random
 import sys
 from pathlib import Path
 
-from engine_integration.served import EngineSpec, ServedEngine, default_model, reset_prefix_cache
+from engine_integration.served import EngineSpec, ServedEngine, default_model, pool_blocks, reset_prefix_cache
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client import KvHintClient, session
 from kvhint_client.openai_traffic import complete
@@ -35,8 +35,6 @@ from kvhint_client.openai_traffic import complete
 RESULTS = Path(__file__).resolve().parent / "results" / "hybrid_resume.md"
 VARIANTS = ("no pressure", "no hint", "pin")
 MODELS = ("tiny", "hybrid", "hybrid6")
-# Device blocks per model (EngineSpec.num_gpu_blocks): 80, or 240 for six KV-cache groups.
-POOL_BLOCKS = {"tiny": 80, "hybrid": 80, "hybrid6": 240}
 
 
 def _tokens(seed: str, n: int) -> list[int]:
@@ -65,7 +63,7 @@ def run_variant(engine: ServedEngine, client: KvHintClient, variant: str) -> dic
 
 def run_model(preset: str) -> tuple[str, list[dict[str, object]]]:
     engine = ServedEngine(
-        EngineSpec(model=default_model(preset), num_gpu_blocks=POOL_BLOCKS[preset], env={"VLLM_SERVER_DEV_MODE": "1"})
+        EngineSpec(model=default_model(preset), num_gpu_blocks=pool_blocks(preset), env={"VLLM_SERVER_DEV_MODE": "1"})
     )
     engine.start()
     try:
@@ -99,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         groups, rows = run_model(preset)
         for row in rows:
             lines.append(
-                f"| {preset} | {POOL_BLOCKS[preset]} | {groups} | {row['variant']} | {row['outcome']} | {row['blocks']} | {row['cached_tokens']} |"
+                f"| {preset} | {pool_blocks(preset)} | {groups} | {row['variant']} | {row['outcome']} | {row['blocks']} | {row['cached_tokens']} |"
             )
             print(lines[-1], flush=True)
     args.out.write_text("\n".join(lines) + "\n")

@@ -74,9 +74,7 @@ def measure(shape: Shape, name: str) -> dict[str, Any]:
     change, collector = VARIANTS[name]
     pair = Pair(shape)
     try:
-        pair.fill()
-        gc.collect()
-        gc.freeze()
+        pair.fill_and_freeze()
         if change is not None:
             change(pair)
         pair.steps(shape.warmup_steps, "warmup")

@@ -343,11 +343,17 @@ class Pair:
                 self._both(lambda side: side.step([]))
                 self._record("quiet")
 
-    def run(self) -> dict[str, Any]:
-        shape = self.shape
+    def fill_and_freeze(self) -> dict[str, int]:
+        """`fill()`, then freeze the heap as EngineCore does after start-up: the pool's objects
+        leave the GC's young generations. Returns what was admitted."""
         fill = self.fill()
         gc.collect()
-        gc.freeze()  # as EngineCore does after start-up: the pool's objects leave the GC's young generations
+        gc.freeze()
+        return fill
+
+    def run(self) -> dict[str, Any]:
+        shape = self.shape
+        fill = self.fill_and_freeze()
         self.steps(shape.warmup_steps, "warmup")
         self.steps(shape.steps, "steady")
         self.drain()

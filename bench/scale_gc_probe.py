@@ -4,9 +4,9 @@ steps, per generation, on one stock/KvHint pair (16384 blocks, 10000 sessions by
     python -m bench.scale_gc_probe [--pool 16384] [--sessions 10000] [--steps 100]
 
 A diagnostic printed to stdout, not a results table. The pair is filled and warmed as in
-bench.scale (`scale_driver.Pair`, `gc.freeze()` after the fill, as EngineCore freezes its
-start-up heap); then every collection during the measured steps is timed (`gc.callbacks`) and
-charged to the side whose step was running. Both sides live in one process, so a young
+bench.scale (`scale_driver.Pair.fill_and_freeze`: the heap is frozen after the fill, as
+EngineCore freezes its start-up heap); then every collection during the measured steps is timed
+(`gc.callbacks`) and charged to the side whose step was running. Both sides live in one process, so a young
 collection that KvHint's allocations trigger also traverses the young objects of the stock side:
 what lands on KvHint here is an upper bound of what it would cost alone.
 """
@@ -34,9 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = Shape(a.pool, a.sessions, steps=a.steps)
     pair = Pair(shape)
     try:
-        pair.fill()
-        gc.collect()
-        gc.freeze()
+        pair.fill_and_freeze()
         pair.steps(shape.warmup_steps, "warmup")
         pair.units.clear()
         running: dict[str, str | None] = {"side": None}

@@ -89,6 +89,13 @@ def default_model(preset: str = "tiny") -> str:
     return str(make_tiny_model(DEFAULT_MODEL_DIR / preset, preset).path)
 
 
+def pool_blocks(preset: str) -> int:
+    """Device blocks the tests and benchmarks serve a generated preset with: EngineSpec's 80, or
+    240 for hybrid6, whose six KV-cache groups share the pool (with 80 and max_model_len 1024
+    vLLM refuses to start it)."""
+    return 240 if preset == "hybrid6" else EngineSpec.num_gpu_blocks
+
+
 @dataclass
 class EngineSpec:
     model: str

@@ -150,15 +150,14 @@ def _llama_model(dims: dict[str, int]) -> object:
     return LlamaForCausalLM(config)
 
 
-def _hybrid_model(dims: dict[str, int]) -> object:
-    """Gemma 2: even layers sliding-window, odd layers full attention."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    config = Gemma2Config(
+def _gemma_model(config_cls: type, model_cls: type, window: int, dims: dict[str, int]) -> object:
+    """A Gemma-family hybrid: the architecture's own sliding-window / full-attention layer
+    pattern, a `window`-token window, 2 KV heads of dim 64."""
+    config = config_cls(
         vocab_size=VOCAB_SIZE,
         num_key_value_heads=2,
         head_dim=64,
-        sliding_window=HYBRID_SLIDING_WINDOW,
+        sliding_window=window,
         max_position_embeddings=MAX_POSITIONS,
         pad_token_id=0,
         bos_token_id=1,
@@ -166,7 +165,14 @@ def _hybrid_model(dims: dict[str, int]) -> object:
         torch_dtype="float32",
         **dims,
     )
-    return Gemma2ForCausalLM(config)
+    return model_cls(config)
+
+
+def _hybrid_model(dims: dict[str, int]) -> object:
+    """Gemma 2: even layers sliding-window, odd layers full attention."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return _gemma_model(Gemma2Config, Gemma2ForCausalLM, HYBRID_SLIDING_WINDOW, dims)
 
 
 def _hybrid6_model(dims: dict[str, int]) -> object:
@@ -174,19 +180,7 @@ def _hybrid6_model(dims: dict[str, int]) -> object:
     pattern, `sliding_window_pattern` 6)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB_SIZE,
-        num_key_value_heads=2,
-        head_dim=64,
-        sliding_window=HYBRID6_SLIDING_WINDOW,
-        max_position_embeddings=MAX_POSITIONS,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="float32",
-        **dims,
-    )
-    return Gemma3ForCausalLM(config)
+    return _gemma_model(Gemma3TextConfig, Gemma3ForCausalLM, HYBRID6_SLIDING_WINDOW, dims)
 
 
 _BUILDERS = {"hybrid": _hybrid_model, "hybrid6": _hybrid6_model}

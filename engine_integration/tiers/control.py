@@ -291,18 +291,18 @@ class TierControl:
             if self.host_state(h) is not HostState.ABSENT:
                 op.skipped_ready.append(h)
                 continue
-            if not self.g1_has(h):
+            # Every group's G1 copy that exists (a window group's only near a tail); the block
+            # is in G1 when every required group has one (as `g1_has`).
+            copies = {g: found[0] for g in self.group_ids if (found := pool.get_cached_block(h, [g])) is not None}
+            if not all(g in copies for g in self.required_group_ids):
                 op.not_in_g1.append(h)
                 continue
             op.hashes.append(h)
-            # Every group's G1 copy that exists (a window group's only near a tail).
             for gi, g in enumerate(self.group_ids):
-                found = pool.get_cached_block(h, [g])
-                if found is None:
-                    continue
-                k = self.key(h, g)
-                by_key[k] = found[0]
-                per_group[gi].append(k)
+                if g in copies:
+                    k = self.key(h, g)
+                    by_key[k] = copies[g]
+                    per_group[gi].append(k)
         keys = [k for grp in per_group for k in grp]  # group-major, as GPULoadStoreSpec expects
         if not keys:
             op.done = True

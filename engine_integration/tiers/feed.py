@@ -119,13 +119,13 @@ class ResidencyFeed:
             self.publish_stored(disk, Tier.DISK, "STORAGE")
 
     def on_manager_events(self, events: list[Any]) -> None:
+        presence = self.ctl.required_group_ids[0]  # one event per logical block: its first required group's
         for ev in events:
             tier_medium = _MEDIUM.get(ev.medium)
             if tier_medium is None:
                 continue
             tier, medium = tier_medium
             exts: list[bytes] = []
-            presence = self.ctl.required_group_ids[0]  # one event per logical block: its first required group's
             for key in ev.keys:
                 if get_offload_group_idx(key) != presence:
                     continue

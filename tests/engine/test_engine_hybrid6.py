@@ -22,12 +22,12 @@ from engine_support import Engine, running_engine
 
 from conformance.runner import main as conformance_main
 from conformance.testing.vllm_ci import KNOWN_FAILING
-from engine_integration.served import default_model
+from engine_integration.served import default_model, pool_blocks
 from kvhint.v1 import kvhint_pb2 as pb
 
 pytestmark = pytest.mark.engine
 
-BLOCKS = 240
+BLOCKS = pool_blocks("hybrid6")  # 240
 
 
 @pytest.fixture(scope="module")
