@@ -101,7 +101,7 @@ from bench.agentic_plan import ReplayPlan, build_plan
 from bench.agentic_replay import ReplayError, now_wall, replay
 from bench.agentic_served import EngineHandle, engine_capabilities, set_nice, start_engine
 from bench.runs import OFFLINE_LABELS, RUNS, TIER_RUNS, RequestRecord, RunRecord, RunSpec, linear_fit, percentile
-from bench.trace import Trace
+from bench.trace import Trace, TraceError
 
 __all__ = [
     "OFFLINE_LABELS",
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--mode", choices=("fast", "full"), default="full",
                     help="fast: tiny model, `fast` preset, runs a, b and g, CI smoke (< 3 min). full: bench model, "
-                         "runs a-c, f and g, and both validations")
+                         "every run (a-c, c2 kvhint_client.policy, f, g, g2), and both validations")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--trace", help="replay this trace (JSON lines, bench/trace.py format) instead of generating one")
     src.add_argument("--preset", choices=sorted(PRESETS), help="generate a trace (default: fast for --mode fast, "
@@ -204,12 +204,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not a.quiet:
             print(f"{time.perf_counter() - t_start:7.1f}s  {msg}", file=sys.stderr, flush=True)
 
-    trace = load_or_generate(a, fast)
-    if a.num_gpu_blocks:
-        trace.header.num_gpu_blocks = a.num_gpu_blocks
-    if trace.header.num_gpu_blocks < 2:
-        raise SystemExit("the trace header has no num_gpu_blocks: pass --num-gpu-blocks N (pool size incl. vLLM's null block)")
-    trace.validate()
+    try:
+        trace = load_or_generate(a, fast)
+        if a.num_gpu_blocks:
+            trace.header.num_gpu_blocks = a.num_gpu_blocks
+        if trace.header.num_gpu_blocks < 2:
+            raise SystemExit("the trace header has no num_gpu_blocks: pass --num-gpu-blocks N (pool size incl. vLLM's null block)")
+        trace.validate()
+    except (TraceError, OSError) as e:
+        raise SystemExit(f"python -m bench.agentic_engine: error: {e}") from None
+    fitted = fit_max_model_len(trace)
+    if fitted is not None:
+        say(fitted)
+    if not trace.header.stats:  # a recorded trace: the report prints these
+        from bench.generate import trace_stats
+
+        trace.header.stats = trace_stats(trace)
     plan = build_plan(trace)
     run_names = (a.runs.split(",") if a.runs else (["lru", "hints", "hints+tiers"] if fast else list(RUNS)))
     for name in run_names:
@@ -222,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     trace.save(out / "trace.jsonl")
     h = trace.header
-    say(f"trace: {h.preset} seed {h.seed}, {len(plan.requests)} requests, "
+    say(f"trace: {h.describe()}, {len(plan.requests)} requests, "
         f"{sum(r.num_prompt_tokens for r in plan.requests)} prompt tokens, pool {h.num_gpu_blocks} blocks, "
         f"nominal duration {h.stats.get('duration_s', '?')} s; output -> {out}")
 
@@ -320,6 +330,29 @@ def install_stop_handlers() -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
 
+
+
+def fit_max_model_len(trace: Trace) -> str | None:
+    """vLLM refuses to start when one request of `max_model_len` tokens would not fit in the pool.
+    A recorded trace's header may name the model's full context (the format's default is 4096)
+    with a small pool: lower `max_model_len` to what the pool holds, which every request of the
+    trace still fits (they are checked against it). Returns what was changed, or None; raises
+    SystemExit when a request of the trace cannot fit in the pool at all."""
+    h = trace.header
+    pool_tokens = (h.num_gpu_blocks - 1) * h.block_size  # vLLM's null block holds nothing
+    if h.max_model_len <= pool_tokens:
+        return None
+    longest = max(trace.requests(), key=lambda r: r.num_prompt_tokens + r.max_tokens, default=None)
+    need = 0 if longest is None else longest.num_prompt_tokens + longest.max_tokens
+    if longest is not None and need > pool_tokens:
+        raise SystemExit(
+            f"request {longest.request_id} needs {need} tokens (prompt + max_tokens) but a pool of "
+            f"{h.num_gpu_blocks} blocks x {h.block_size} holds {pool_tokens}: pass --num-gpu-blocks "
+            f"{-(-need // h.block_size) + 1} or more"
+        )
+    before, h.max_model_len = h.max_model_len, pool_tokens
+    return (f"max_model_len {before} -> {pool_tokens}: a pool of {h.num_gpu_blocks} blocks x {h.block_size} tokens "
+            f"holds no more (the longest request needs {need})")
 
 
 def load_or_generate(a: argparse.Namespace, fast: bool) -> Trace:

@@ -489,7 +489,7 @@ class Report:
         h = self.trace.header
         st = h.stats
         out = [
-            f"# KvHint agentic benchmark: {h.preset} trace, seed {h.seed} ({self.mode} mode)",
+            f"# KvHint agentic benchmark: {h.describe()} ({self.mode} mode)",
             "",
             f"Command: `{self.command}`",
             "",
@@ -694,7 +694,7 @@ def plot(report: Report, path: Path) -> Path | None:
     ax.legend()
     _ = names
     h = report.trace.header
-    fig.suptitle(f"KvHint agentic benchmark: {h.preset} trace seed {h.seed}, {len(report.reference_run().records)} requests, "
+    fig.suptitle(f"KvHint agentic benchmark: {h.describe()}, {len(report.reference_run().records)} requests, "
                  f"pool {h.num_gpu_blocks} blocks, model {report.model}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -2,12 +2,12 @@
 ``kvhint bench``).
 
   generate  --preset default --seed 0 [--set concurrency=4 --set turns=[3,8]] -o trace.jsonl
-  analyze   TRACE.jsonl [--num-gpu-blocks N] [--pin-budget 0.5] [--async-scheduling] [--no-tiers] [--json]
+  analyze   TRACE.jsonl | --trace TRACE.jsonl [--num-gpu-blocks N] [--pin-budget 0.5] [--async-scheduling] [--no-tiers] [--json]
             side by side on one trace (yours or generated): (a) LRU, (b) the earlier reference
             policy, (c) kvhint_client.policy, (d) Belady, (e) infinite cache, and the tier runs
             (f, g) on a host tier as large as the device pool
   headroom  --preset default --seeds 0,1,2 [--set ...]    analyze several generated traces
-  policy    TRACE.jsonl [--no-release]                      the reference policy's actions, JSON lines
+  policy    TRACE.jsonl | --trace TRACE.jsonl [--no-release]                    the reference policy's actions, JSON lines
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from bench.generate import PRESETS, TraceParams, generate_trace
 from bench.policy import PolicyConfig, action_to_json, run_policy, shared_prefix_target
 from bench.simulate import analyze
-from bench.trace import Trace
+from bench.trace import Trace, TraceError
 
 
 def _params(preset: str, sets: list[str]) -> TraceParams:
@@ -48,9 +48,20 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_analyze(a: argparse.Namespace) -> int:
+def _load(a: argparse.Namespace) -> Trace:
     tr = Trace.load(a.trace)
     tr.validate()
+    return tr
+
+
+def _cmd_analyze(a: argparse.Namespace) -> int:
+    tr = _load(a)
+    pool = a.num_gpu_blocks or tr.header.num_gpu_blocks
+    if pool < 2:
+        raise TraceError(
+            f"{a.trace}: the header has no num_gpu_blocks (the engine's pool, vLLM's null block included); "
+            "pass --num-gpu-blocks N" if not a.num_gpu_blocks else f"--num-gpu-blocks {a.num_gpu_blocks}: at least 2"
+        )
     t0 = time.perf_counter()
     res = analyze(tr, num_gpu_blocks=a.num_gpu_blocks, pin_budget_fraction=a.pin_budget,
                   async_scheduling=a.async_scheduling, tiers=not a.no_tiers)
@@ -81,11 +92,17 @@ def _cmd_headroom(a: argparse.Namespace) -> int:
 
 
 def _cmd_policy(a: argparse.Namespace) -> int:
-    tr = Trace.load(a.trace)
+    tr = _load(a)
     cfg = PolicyConfig.from_header(tr.header, release_on_end=not a.no_release)
     for ta in run_policy(tr.signals(), cfg, shared_prefix_target(tr.header)):
         print(json.dumps({"t": ta.t, **action_to_json(ta.action)}))
     return 0
+
+
+def _trace_argument(parser: argparse.ArgumentParser) -> None:
+    """The trace file, positional or as `--trace` (the spelling `kvhint bench run` uses)."""
+    parser.add_argument("trace_path", nargs="?", metavar="TRACE", help="trace file (JSON lines, bench/trace.py format)")
+    parser.add_argument("--trace", dest="trace_option", metavar="TRACE", help="the same, as an option")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=_cmd_generate)
 
     n = sub.add_parser("analyze", help="simulate all policies on a trace")
-    n.add_argument("trace")
+    _trace_argument(n)
     n.add_argument("--num-gpu-blocks", type=int, default=None, help="override the header's pool size")
     n.add_argument("--pin-budget", type=float, default=0.5, help="pin budget, fraction of usable blocks")
     n.add_argument("--async-scheduling", action="store_true", help="model GPU async scheduling (decode cache lag)")
@@ -117,15 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
     h.set_defaults(fn=_cmd_headroom)
 
     pol = sub.add_parser("policy", help="print the reference policy's hint actions")
-    pol.add_argument("trace")
+    _trace_argument(pol)
     pol.add_argument("--no-release", action="store_true")
     pol.set_defaults(fn=_cmd_policy)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    return int(a.fn(a) or 0)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if hasattr(a, "trace_path"):
+        if (a.trace_path is None) == (a.trace_option is None):
+            parser.error(f"{a.cmd}: give the trace once, as TRACE or --trace TRACE")
+        a.trace = a.trace_path or a.trace_option
+    try:
+        return int(a.fn(a) or 0)
+    except (TraceError, OSError) as e:
+        print(f"python -m bench {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -493,18 +493,28 @@ def generate_trace(params: TraceParams, seed: int, *, preset: str | None = None)
     max_req = max((r.num_alloc_blocks for r in bt.requests), default=1)
     usable = max(int(round(p.cache_fraction * peak)), max_req, -(-p.max_model_len // p.block_size))
     header.num_gpu_blocks = usable + 1
+    header.stats = trace_stats(trace, peak)
+    trace.validate()
+    return trace
+
+
+def trace_stats(trace: Trace, peak: int | None = None) -> dict[str, Any]:
+    """The header's informational `stats` (what the reports print), for a generated trace or a
+    recorded one that has none. `peak`: the peak live set in blocks, when the caller has it."""
+    if peak is None:
+        from bench.simulate import compile_trace, peak_live_blocks
+
+        peak = peak_live_blocks(compile_trace(trace, num_gpu_blocks=2))
     reqs = trace.requests()
-    header.stats = {
+    return {
         "requests": len(reqs),
         "sessions": len({r.session_id for r in reqs}),
         "prompt_tokens": sum(r.num_prompt_tokens for r in reqs),
         "output_tokens": sum(r.max_tokens for r in reqs),
         "max_prompt_tokens": max((r.num_prompt_tokens for r in reqs), default=0),
-        "duration_s": max((e.t for e in events), default=0.0),
+        "duration_s": max((e.t for e in trace.events), default=0.0),
         "peak_live_blocks": peak,
     }
-    trace.validate()
-    return trace
 
 
 def make_heldout(seed: int = 1001, **overrides: Any) -> Trace:

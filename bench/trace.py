@@ -73,7 +73,16 @@ Runtime signals (what an agent runtime knows, and all the policy may use)::
 
   ``expected_duration_class`` is the runtime's guess; it can be wrong (the
   generator flips it with a configurable probability). The true duration is
-  only visible through the next request's ``delay_s``/``cause``.
+  only visible through the next request's ``delay_s``/``cause``. It is optional
+  (a runtime that knows only the tool's name omits it, or writes null):
+  kvhint_client.policy then learns from the tool name alone, and the earlier
+  reference policy treats the pause as long. ``tool`` and ``tool_call_id`` are
+  optional too.
+
+Required fields: the header's ``format``, ``version`` and ``block_size``; every
+event's ``kind`` and ``t``; a request's ``request_id``, ``session_id``,
+``prompt`` and ``max_tokens``; a signal's session ids. A line that breaks the
+format is reported by its line number (`TraceError`).
 
 Ordering of equal timestamps: requests before signals, then file order.
 Token ids are ``< vocab_size`` (4096 for the project's tiny models) and
@@ -101,6 +110,10 @@ import numpy as np
 FORMAT = "kvhint-trace"
 VERSION = 1
 DURATION_CLASSES = ("short", "long")
+
+
+class TraceError(ValueError):
+    """A trace that breaks the format; the message names the line (and file, when loaded from one)."""
 
 
 # --------------------------------------------------------------------------- segments
@@ -146,6 +159,8 @@ SegmentRef = Union[Seg, Out, Tok]
 
 
 def segment_from_json(obj: Mapping[str, Any]) -> SegmentRef:
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"a prompt segment must be an object ({{\"seg\"|\"out\"|\"tokens\": ...}}), got {obj!r}")
     if "seg" in obj:
         return Seg(str(obj["seg"]), int(obj["len"]))
     if "out" in obj:
@@ -252,20 +267,17 @@ class Request:
 class ToolCallStarted:
     t: float
     session_id: str
-    expected_duration_class: str
+    expected_duration_class: str | None = None  # the runtime's guess (optional; written only when set)
     tool_call_id: str = ""
     tool: str | None = None  # the tool's name (optional; written only when set)
 
     kind = "tool_call_started"
 
     def to_json(self) -> dict[str, Any]:
-        out = {
-            "kind": self.kind,
-            "t": self.t,
-            "session_id": self.session_id,
-            "expected_duration_class": self.expected_duration_class,
-            "tool_call_id": self.tool_call_id,
-        }
+        out: dict[str, Any] = {"kind": self.kind, "t": self.t, "session_id": self.session_id}
+        if self.expected_duration_class is not None:
+            out["expected_duration_class"] = self.expected_duration_class
+        out["tool_call_id"] = self.tool_call_id
         if self.tool is not None:
             out["tool"] = self.tool
         return out
@@ -305,6 +317,8 @@ SIGNAL_KINDS = ("tool_call_started", "session_ended", "child_spawned")
 
 
 def event_from_json(obj: Mapping[str, Any]) -> Event:
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"an event must be a JSON object, got {type(obj).__name__}")
     kind = obj.get("kind")
     t = float(obj["t"])
     if kind == "request":
@@ -323,9 +337,12 @@ def event_from_json(obj: Mapping[str, Any]) -> Event:
             t_done=None if obj.get("t_done") is None else float(obj["t_done"]),
         )
     if kind == "tool_call_started":
-        cls = str(obj["expected_duration_class"])
-        if cls not in DURATION_CLASSES:
-            raise ValueError(f"bad expected_duration_class {cls!r}")
+        raw_cls = obj.get("expected_duration_class")
+        cls = None if raw_cls is None else str(raw_cls)
+        if cls is not None and cls not in DURATION_CLASSES:
+            raise ValueError(
+                f"expected_duration_class {cls!r} is not one of {list(DURATION_CLASSES)} (omit it if the runtime has no guess)"
+            )
         tool = obj.get("tool")
         return ToolCallStarted(
             t, str(obj["session_id"]), cls, str(obj.get("tool_call_id", "")), None if tool is None else str(tool)
@@ -334,7 +351,7 @@ def event_from_json(obj: Mapping[str, Any]) -> Event:
         return SessionEnded(t, str(obj["session_id"]))
     if kind == "child_spawned":
         return ChildSpawned(t, str(obj["parent_session_id"]), str(obj["child_session_id"]))
-    raise ValueError(f"unknown event kind {kind!r}")
+    raise ValueError(f"unknown event kind {kind!r} (one of: request, {', '.join(SIGNAL_KINDS)})")
 
 
 def _sort_key(indexed: tuple[int, Event]) -> tuple[float, int, int]:
@@ -382,15 +399,27 @@ class TraceHeader:
             "stats": self.stats,
         }
 
+    def describe(self) -> str:
+        """How reports name the trace: "default trace, seed 0" for a generated one."""
+        if self.preset is None:
+            return "recorded trace" if self.seed is None else f"trace seed {self.seed}"
+        return f"{self.preset} trace" + ("" if self.seed is None else f", seed {self.seed}")
+
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> TraceHeader:
         if obj.get("format") != FORMAT:
-            raise ValueError(f"not a {FORMAT} header: {obj.get('format')!r}")
+            raise ValueError(
+                f'line 1 must be the header, {{"format": "{FORMAT}", "version": {VERSION}, "block_size": ...}}; '
+                f"its format is {obj.get('format')!r}"
+            )
         version = int(obj.get("version", 0))
         if version != VERSION:
             raise ValueError(f"unsupported trace version {version} (this reader: {VERSION})")
+        block_size = int(obj["block_size"])
+        if block_size < 1:
+            raise ValueError(f"block_size {block_size}: at least 1")
         return cls(
-            block_size=int(obj["block_size"]),
+            block_size=block_size,
             vocab_size=int(obj.get("vocab_size", 4096)),
             min_token_id=int(obj.get("min_token_id", 3)),
             num_gpu_blocks=int(obj.get("num_gpu_blocks", 0)),
@@ -471,29 +500,31 @@ class Trace:
         for e in self.events:
             rank = 0 if isinstance(e, Request) else 1
             if (e.t, rank) < (last_t, last_rank):
-                raise ValueError(f"events out of order at t={e.t}")
+                raise TraceError(
+                    f"events out of order: {_describe(e)} at t={e.t} after t={last_t} (sort by t; requests before signals at equal t)"
+                )
             last_t, last_rank = e.t, rank
             if not isinstance(e, Request):
                 continue
             if e.request_id in seen_req:
-                raise ValueError(f"duplicate request id {e.request_id}")
+                raise TraceError(f"duplicate request id {e.request_id}")
             for s in e.prompt:
                 if isinstance(s, Seg):
                     if seg_len.setdefault(s.name, s.length) != s.length:
-                        raise ValueError(f"segment {s.name} used with two lengths")
+                        raise TraceError(f"segment {s.name} used with two lengths")
                 elif isinstance(s, Out):
                     src = seen_req.get(s.request_id)
                     if src is None:
-                        raise ValueError(f"{e.request_id} uses output of unknown/later request {s.request_id}")
+                        raise TraceError(f"{e.request_id} uses output of unknown/later request {s.request_id}")
                     if src.max_tokens != s.length:
-                        raise ValueError(f"{e.request_id}: output length mismatch for {s.request_id}")
+                        raise TraceError(f"{e.request_id}: output length mismatch for {s.request_id}")
                 else:
                     if any(not (0 <= x < h.vocab_size) for x in s.ids):
-                        raise ValueError(f"{e.request_id}: literal token out of vocab")
+                        raise TraceError(f"{e.request_id}: literal token out of vocab")
             if e.num_prompt_tokens < 1 or e.max_tokens < 1:
-                raise ValueError(f"{e.request_id}: empty prompt or max_tokens < 1")
+                raise TraceError(f"{e.request_id}: empty prompt or max_tokens < 1")
             if e.num_prompt_tokens + e.max_tokens > h.max_model_len:
-                raise ValueError(f"{e.request_id}: prompt+max_tokens exceeds max_model_len")
+                raise TraceError(f"{e.request_id}: prompt+max_tokens exceeds max_model_len")
             seen_req[e.request_id] = e
 
     # ---- (de)serialisation
@@ -511,12 +542,14 @@ class Trace:
 
     @classmethod
     def from_lines(cls, lines: Iterable[str]) -> Trace:
-        it = (ln for ln in lines if ln.strip())
-        try:
-            header = TraceHeader.from_json(json.loads(next(it)))
-        except StopIteration:
-            raise ValueError("empty trace") from None
-        events = [event_from_json(json.loads(ln)) for ln in it]
+        """Parse a trace; a line that breaks the format raises `TraceError` naming the line
+        (1-based, blank lines counted)."""
+        numbered = ((n, ln) for n, ln in enumerate(lines, 1) if ln.strip())
+        first = next(numbered, None)
+        if first is None:
+            raise TraceError("empty trace (line 1 must be the header)")
+        header = _parse_line(first, lambda obj: TraceHeader.from_json(_object(obj)), "header")
+        events = [_parse_line(item, event_from_json, "event") for item in numbered]
         return cls(header, events)
 
     def save(self, path: str | Path) -> None:
@@ -525,4 +558,29 @@ class Trace:
     @classmethod
     def load(cls, path: str | Path) -> Trace:
         with open(path) as f:
-            return cls.from_lines(f)
+            try:
+                return cls.from_lines(f)
+            except TraceError as e:
+                raise TraceError(f"{path}: {e}") from e.__cause__
+
+
+def _describe(e: Event) -> str:
+    return f"request {e.request_id}" if isinstance(e, Request) else f"{e.kind} of {getattr(e, 'session_id', None) or getattr(e, 'parent_session_id', '')}"
+
+
+def _object(obj: Any) -> Mapping[str, Any]:
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _parse_line(item: tuple[int, str], parse: Any, what: str) -> Any:
+    n, line = item
+    try:
+        return parse(json.loads(line))
+    except json.JSONDecodeError as e:
+        raise TraceError(f"line {n}: not JSON ({e.msg} at column {e.colno})") from e
+    except KeyError as e:
+        raise TraceError(f"line {n}: {what} has no {e.args[0]!r} field") from e
+    except (TypeError, ValueError) as e:
+        raise TraceError(f"line {n}: bad {what}: {e}") from e

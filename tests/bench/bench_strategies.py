@@ -55,7 +55,7 @@ def tiny_traces(draw, *, block_size: int | None = None, max_requests: int = 14, 
         )
         context[sid] = prompt + [Out(rid, max_tokens)]
         if with_signals:
-            kind = draw(st.integers(0, 4))
+            kind = draw(st.integers(0, 5))
             ts = t + 0.05
             if kind == 0:
                 sigs.append(ToolCallStarted(ts, sid, "short", f"{sid}/{i}"))
@@ -65,6 +65,8 @@ def tiny_traces(draw, *, block_size: int | None = None, max_requests: int = 14, 
                 sigs.append(SessionEnded(ts, sid))
             elif kind == 3:
                 sigs.append(ChildSpawned(ts, sid, f"{sid}.c{i}"))
+            elif kind == 4:  # a runtime that knows the tool's name but guesses no duration class
+                sigs.append(ToolCallStarted(ts, sid, None, f"{sid}/{i}", tool=draw(st.sampled_from(["grep", "pytest"]))))
     max_prompt = max(r.num_prompt_tokens + r.max_tokens for r in reqs)
     max_blocks = -(-max_prompt // bs)
     num_gpu_blocks = draw(st.integers(max_blocks + 1, max_blocks + 12))

@@ -17,11 +17,13 @@ from bench.trace import (
     Tok,
     ToolCallStarted,
     Trace,
+    TraceError,
     TraceHeader,
     chain_hashes,
     segment_tokens,
     sort_events,
 )
+from bench import cli as bench_cli
 from bench_strategies import tiny_traces
 
 
@@ -134,3 +136,98 @@ def test_chain_hashes_prefix_property():
     assert h2[:2] == h[:2] and all(x != y for x, y in zip(h2[2:], h[2:]))
     # same block content at a different position -> different id (chained)
     assert chain_hashes(toks[8:16], 8)[0] != h[1]
+
+
+# ---------------------------------------------------------------- user-recorded traces
+
+
+def _lines() -> list[str]:
+    return _small_trace().dumps().splitlines()
+
+
+def test_a_tool_call_without_a_duration_class_is_read_and_written_back_without_one():
+    lines = _lines()
+    lines.insert(2, json.dumps({"kind": "tool_call_started", "t": 0.5, "session_id": "a", "tool": "pytest"}))
+    tr = Trace.from_lines(lines)
+    sig = next(e for e in tr.events if isinstance(e, ToolCallStarted) and e.tool == "pytest")
+    assert sig.expected_duration_class is None and sig.tool_call_id == ""
+    assert "expected_duration_class" not in sig.to_json()
+    assert Trace.loads(tr.dumps()).events == tr.events
+    explicit_null = Trace.from_lines([*lines[:2], lines[2].replace('"tool"', '"expected_duration_class": null, "tool"')])
+    assert explicit_null.events[-1] == sig
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"kind": "request", "t": 1,', r"line 3: not JSON"),
+        ('{"kind": "request", "t": 1, "request_id": "x", "session_id": "a", "prompt": []}',
+         r"line 3: event has no 'max_tokens' field"),
+        ('{"kind": "tool_call_started", "t": 1, "session_id": "a", "expected_duration_class": "medium"}',
+         r"line 3: bad event: expected_duration_class 'medium' is not one of \['short', 'long'\]"),
+        ('[1, 2]', r"line 3: bad event: an event must be a JSON object, got list"),
+        ('{"kind": "request", "t": 1, "request_id": "x", "session_id": "a", "prompt": [5], "max_tokens": 1}',
+         r"line 3: bad event: a prompt segment must be an object"),
+        ('{"kind": "paused", "t": 1}', r"line 3: bad event: unknown event kind 'paused'"),
+        ('{"kind": "session_ended", "t": "soon", "session_id": "a"}', r"line 3: bad event: could not convert"),
+    ],
+)
+def test_a_line_that_breaks_the_format_is_named_by_its_number(tmp_path, line, message):
+    lines = _lines()
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join([lines[0], "", line, *lines[1:]]) + "\n")  # the blank line 2 still counts
+    with pytest.raises(TraceError, match=message) as info:
+        Trace.load(path)
+    assert str(info.value).startswith(f"{path}: line 3: ")
+
+
+def test_header_errors_say_what_line_1_must_be():
+    with pytest.raises(TraceError, match="empty trace"):
+        Trace.from_lines(["", "  "])
+    with pytest.raises(TraceError, match=r'line 1: bad header: line 1 must be the header, \{"format": "kvhint-trace"'):
+        Trace.from_lines(_lines()[1:])
+    hdr = json.loads(_lines()[0])
+    del hdr["block_size"]
+    with pytest.raises(TraceError, match="line 1: header has no 'block_size' field"):
+        Trace.from_lines([json.dumps(hdr)])
+
+
+def test_out_of_order_events_name_the_event():
+    tr = _small_trace()
+    with pytest.raises(TraceError, match=r"events out of order: request r1 at t=2.0 after t=2.4"):
+        Trace(tr.header, list(reversed(tr.events))).validate()
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = bench_cli.main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_takes_the_trace_as_an_argument_or_as_trace_and_reports_bad_files(tmp_path, capsys):
+    tr = _small_trace()
+    path = tmp_path / "t.jsonl"
+    tr.save(path)
+    rc, positional, _ = _cli(["analyze", str(path), "--no-tiers", "--json"], capsys)
+    assert rc == 0
+    rc, option, _ = _cli(["analyze", "--trace", str(path), "--no-tiers", "--json"], capsys)
+    assert rc == 0
+    drop_time = lambda text: {k: v for k, v in json.loads(text).items() if k != "seconds"}  # noqa: E731
+    assert drop_time(option) == drop_time(positional)
+    rc, out, _ = _cli(["policy", "--trace", str(path)], capsys)
+    assert rc == 0 and json.loads(out.splitlines()[0])["action"]
+    for argv in (["analyze"], ["analyze", str(path), "--trace", str(path)]):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_cli.main(argv)
+        assert exit_info.value.code == 2
+        assert "give the trace once, as TRACE or --trace TRACE" in capsys.readouterr().err
+    rc, _, err = _cli(["analyze", "--trace", str(tmp_path / "missing.jsonl")], capsys)
+    assert rc == 2 and "No such file" in err
+    hdr = json.loads(path.read_text().splitlines()[0])
+    del hdr["num_gpu_blocks"]
+    nopool = tmp_path / "nopool.jsonl"
+    nopool.write_text("\n".join([json.dumps(hdr), *path.read_text().splitlines()[1:]]) + "\n")
+    rc, _, err = _cli(["analyze", "--trace", str(nopool)], capsys)
+    assert rc == 2 and "the header has no num_gpu_blocks" in err and "--num-gpu-blocks N" in err
+    rc, _, _ = _cli(["analyze", "--trace", str(nopool), "--num-gpu-blocks", "9", "--no-tiers"], capsys)
+    assert rc == 0
