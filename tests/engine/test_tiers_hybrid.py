@@ -1,8 +1,11 @@
 """KV tiers on the hybrid model (Gemma 2: a 128-token sliding-window group and a full-attention
-group, 80 G1 blocks of 32 tokens, a 128-block host tier and a file tier): presence on a lower
-tier is defined as on the device, by the full-attention copies (the window group holds tails
-only, on every tier), so QueryResidency reports the copies vLLM's connector made, Demote copies
-and succeeds, Prefetch stages file copies in host memory, and the resumes hit.
+group, 80 G1 blocks of 32 tokens, a 128-block host tier that honours retention
+(`host-eviction=kvhint`) and a file tier): presence on a lower tier is defined as on the
+device, by the full-attention copies (the window group holds tails only, on every tier), so
+QueryResidency reports the copies vLLM's connector made, Demote copies and succeeds, Prefetch
+stages file copies in host memory, the resumes hit, and a retained session keeps every group's
+host copy through host pressure. With no hint in effect the host tier's order is vLLM's LRU
+(the tests other than the retention one send none that outlives them).
 
 Before this, the tier runtime required every group's copy: the host tier looked like it held
 4 of a 720-token session's 22 prompt blocks (only the window tail has a window copy), and
@@ -14,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import test_tiers as tiers_tests
-from engine_support import tokens
+from engine_support import release, retain, tokens
 
 from engine_integration.served import EngineSpec, ServedEngine
 from kvhint.v1 import kvhint_pb2 as pb
@@ -27,7 +30,7 @@ def tiered(hybrid_model: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     log = tmp_path_factory.getbasetemp() / "engine-hybrid-tiers.log"
     root = tmp_path_factory.mktemp("kvtier-hybrid") / "fs"
     served = ServedEngine(EngineSpec(model=hybrid_model, env={"VLLM_SERVER_DEV_MODE": "1"},
-                                     extra_args=["--kvhint-tiers", f"host=128,file={root},ephemeral"]), log)
+                                     extra_args=["--kvhint-tiers", f"host=128,file={root},ephemeral,host-eviction=kvhint"]), log)
     served.start()
     engine = tiers_tests.TierEngine(served)
     try:
@@ -95,3 +98,37 @@ def test_prefetch_warms_the_host_tier_from_files_and_the_resume_is_a_host_hit(ti
     again = tiered.complete(warm, "th-warm", max_tokens=8)
     assert again.cached_tokens == tiers_tests.FULL and again.token_ids == first.token_ids
     assert tiered.cached_by_source(before, tiers_tests.FULL, "host")["host"] == tiers_tests.FULL
+
+
+def test_a_retained_session_keeps_its_host_copies_through_host_pressure(tiered: tiers_tests.TierEngine) -> None:
+    """The host policy ranks every group's copy (vLLM's offload key is the block hash + the group
+    id) as its logical block: the retained session's window-tail copies stay with its
+    full-attention copies, so the resume is a host hit of the whole prefix. Six newer 26-chunk
+    prompts go through the 128-chunk host tier, which an LRU host would answer by dropping both
+    older sessions (it does: with vLLM's LRU host this test fails on the first assertion).
+    G1 is then emptied, so the resume reads the host tier: had the window-tail copies gone, it
+    would load them from the file tier or recompute."""
+    tiered.reset()
+    keep, control = tokens("th-keep"), tokens("th-control")
+    first = tiered.complete(keep, "th-keep", max_tokens=8)
+    tiered.complete(control, "th-control", max_tokens=8)
+    for session in ("th-keep", "th-control"):
+        tiers_tests._wait_tier(tiered, session, 22, pb.TIER_HOST)
+        tiers_tests._wait_disk(tiered, session, 22)
+    (result,) = tiered.apply(retain("th-keep", priority=1, ttl=120))
+    assert result.outcome == pb.OUTCOME_ACCEPTED, result
+    for i in range(6):
+        tiered.complete(tokens(f"th-keep-pressure-{i}"), f"th-keep-p{i}")
+        tiers_tests._wait_disk(tiered, f"th-keep-p{i}", 22)
+    tiered.reset(external=False)  # G1 only (Retain kept the session there): the resume must come from below
+    kept = tiered.session_tiers("th-keep")
+    lost = [i for i, t in enumerate(kept) if pb.TIER_HOST not in t]
+    assert len(kept) == 22 and not lost, f"blocks {lost} of the retained session lost their host copy"
+    assert not any(pb.TIER_DEVICE in t for t in kept)
+    assert not any(pb.TIER_HOST in t for t in tiered.session_tiers("th-control"))  # the unhinted one went
+    before = tiered.metrics()
+    again = tiered.complete(keep, "th-keep", max_tokens=8)
+    assert again.cached_tokens == tiers_tests.FULL and again.token_ids == first.token_ids
+    assert tiered.cached_by_source(before, tiers_tests.FULL, "host")["host"] == tiers_tests.FULL
+    (done,) = tiered.apply(release("th-keep"))
+    assert done.outcome == pb.OUTCOME_ACCEPTED, done
