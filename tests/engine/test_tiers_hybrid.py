@@ -1,10 +1,11 @@
 """KV tiers on the hybrid model (Gemma 2: a 128-token sliding-window group and a full-attention
 group, 80 G1 blocks of 32 tokens, a 128-block host tier that honours retention
-(`host-eviction=kvhint`) and a file tier): presence on a lower tier is defined as on the
+(`host-eviction=kvhint`) and a file tier shared with a second engine, its Share peer): presence
+on a lower tier is defined as on the
 device, by the full-attention copies (the window group holds tails only, on every tier), so
 QueryResidency reports the copies vLLM's connector made, Demote copies and succeeds, Prefetch
-stages file copies in host memory, the resumes hit, and a retained session keeps every group's
-host copy through host pressure. With no hint in effect the host tier's order is vLLM's LRU
+stages file copies in host memory, the resumes hit, a retained session keeps every group's
+host copy through host pressure, and Share makes the session a host hit on the peer. With no hint in effect the host tier's order is vLLM's LRU
 (the tests other than the retention one send none that outlives them).
 
 Before this, the tier runtime required every group's copy: the host tier looked like it held
@@ -13,31 +14,58 @@ Demote was REJECTED ("19 of 23 blocks left every tier before a copy was made")."
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
 import test_tiers as tiers_tests
-from engine_support import release, retain, tokens
+from engine_support import release, retain, session_sel, tokens
 
-from engine_integration.served import EngineSpec, ServedEngine
+from engine_integration.served import EngineSpec, ServedEngine, free_port
 from kvhint.v1 import kvhint_pb2 as pb
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def tiered(hybrid_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tiers_tests.TierEngine]:
-    log = tmp_path_factory.getbasetemp() / "engine-hybrid-tiers.log"
+def hybrid_pair(hybrid_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tiers_tests.Pair]:
+    """Engine A (the tests' engine) and engine B, its Share peer: both serve the hybrid model
+    and share one file tier."""
     root = tmp_path_factory.mktemp("kvtier-hybrid") / "fs"
-    served = ServedEngine(EngineSpec(model=hybrid_model, env={"VLLM_SERVER_DEV_MODE": "1"},
-                                     extra_args=["--kvhint-tiers", f"host=128,file={root},ephemeral,host-eviction=kvhint"]), log)
-    served.start()
-    engine = tiers_tests.TierEngine(served)
+    port_a, port_b = free_port(), free_port()
+
+    def served(port: int, tiers: str, name: str) -> ServedEngine:
+        log = tmp_path_factory.getbasetemp() / f"engine-hybrid-tiers-{name}.log"
+        return ServedEngine(EngineSpec(model=hybrid_model, grpc_port=port, env={"VLLM_SERVER_DEV_MODE": "1"},
+                                       extra_args=["--kvhint-tiers", tiers]), log)
+
+    engines = [served(port_a, f"host=128,file={root},ephemeral,host-eviction=kvhint,peer=b=127.0.0.1:{port_b},timeout=20", "a"),
+               served(port_b, f"host=64,file={root},ephemeral,peer=a=127.0.0.1:{port_a}", "b")]
+    errors: list[BaseException] = []
+
+    def start(s: ServedEngine) -> None:
+        try:
+            s.start()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pair = tiers_tests.Pair(tiers_tests.TierEngine(engines[0]), tiers_tests.TierEngine(engines[1]), root, set())
     try:
-        yield engine
+        if errors:
+            raise errors[0]
+        yield pair
     finally:
-        engine.close()
-        served.stop()
+        pair.stop()
+
+
+@pytest.fixture(scope="module")
+def tiered(hybrid_pair: tiers_tests.Pair) -> tiers_tests.TierEngine:
+    return hybrid_pair.a
 
 
 def test_host_copies_count_by_the_full_attention_group(tiered: tiers_tests.TierEngine) -> None:
@@ -132,3 +160,31 @@ def test_a_retained_session_keeps_its_host_copies_through_host_pressure(tiered: 
     assert tiered.cached_by_source(before, tiers_tests.FULL, "host")["host"] == tiers_tests.FULL
     (done,) = tiered.apply(release("th-keep"))
     assert done.outcome == pb.OUTCOME_ACCEPTED, done
+
+
+def test_share_makes_a_session_only_a_computed_a_host_hit_on_the_peer(hybrid_pair: tiers_tests.Pair) -> None:
+    """Share on the hybrid model: A's file tier receives every group's copy of the session (the
+    cascade copies each group's host copy), B's Prefetch stages them in its host tier, and B's
+    resume of the session is a 704-token host hit with A's tokens."""
+    a, b = hybrid_pair.a, hybrid_pair.b
+    a.reset()
+    b.reset()
+    prompt = tokens("th-share")
+    first = a.complete(prompt, "th-share", max_tokens=8)
+    hashes = [blk.block_hash for blk in a.residency(session_sel("th-share"))]
+    assert len(hashes) == 22
+    by_hash = pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=hashes))
+    assert not any(set(blk.tiers) & {pb.TIER_DEVICE, pb.TIER_HOST} for blk in b.residency(by_hash))
+
+    (result,) = a.apply(tiers_tests.share("th-share", "b"))
+    assert result.outcome == pb.OUTCOME_DEFERRED, result
+    op, _ = a.wait_op(result.operation_id)
+    assert op.state == pb.Operation.STATE_SUCCEEDED, op
+    assert {c.tier: c.blocks for c in op.blocks} == {pb.TIER_DISK: 22, pb.TIER_REMOTE: 22}
+    on_b = b.residency(by_hash)
+    assert len(on_b) == 22 and all(pb.TIER_HOST in blk.tiers for blk in on_b)
+
+    before = b.metrics()
+    again = b.complete(prompt, "th-share", max_tokens=8)
+    assert again.cached_tokens == tiers_tests.FULL and again.token_ids == first.token_ids
+    assert b.cached_by_source(before, tiers_tests.FULL, "host")["host"] == tiers_tests.FULL
