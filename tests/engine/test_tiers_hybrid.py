@@ -1,12 +1,12 @@
 """KV tiers on the hybrid model (Gemma 2: a 128-token sliding-window group and a full-attention
-group, 80 G1 blocks of 32 tokens, a 128-block host tier that honours retention (`host-
-eviction=kvhint`) and a file tier shared with a second engine, its Share peer): presence on a
-lower tier is defined as on the device, by the full-attention copies (the window group holds
-tails only, on every tier), so QueryResidency reports the copies vLLM's connector made, Demote
-copies and succeeds, Prefetch stages file copies in host memory, the resumes hit, a retained
-session keeps every group's host copy through host pressure, and Share makes the session a host
-hit on the peer. With no hint in effect the host tier's order is vLLM's LRU (the tests other
-than the retention one send none that outlives them).
+group, 80 G1 blocks of 32 tokens, a 128-block host tier that honours retention
+(`host-eviction=kvhint`) and a file tier shared with a second engine, its Share peer): presence
+on a lower tier is defined as on the device, by the full-attention copies (the window group
+holds tails only, on every tier), so QueryResidency reports the copies vLLM's connector made,
+Demote copies and succeeds, Prefetch stages file copies in host memory, the resumes hit, a
+retained session keeps every group's host copy through host pressure, and Share makes the
+session a host hit on the peer. With no hint in effect the host tier's order is vLLM's LRU (the
+tests other than the retention one send none that outlives them).
 
 Before this, the tier runtime required every group's copy: the host tier looked like it held
 4 of a 720-token session's 22 prompt blocks (only the window tail has a window copy), and
