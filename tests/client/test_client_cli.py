@@ -220,11 +220,3 @@ def test_extra_command_modules_can_register(tmp_path: Path) -> None:
     assert run.returncode == 0 and run.stdout.strip() == "hi x:1"
 
 
-def test_make_tiny_model_writes_a_checkpoint(tmp_path: Path) -> None:
-    import pytest
-
-    pytest.importorskip("torch")
-    run = kvhint("make-tiny-model", str(tmp_path / "m"), "--json", timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout) == {"path": str(tmp_path / "m"), "preset": "tiny"}
-    assert (tmp_path / "m" / "config.json").exists()

@@ -1,0 +1,21 @@
+"""`kvhint make-tiny-model`, in process (torch and transformers are already imported by the
+fast tier's vLLM imports, so this costs the checkpoint, not a second interpreter's imports; the
+entry point itself is covered by tests/client/test_client_cli.py's subprocess tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvhint_client.cli import main
+
+
+def test_make_tiny_model_writes_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    assert main(["make-tiny-model", str(tmp_path / "m"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"path": str(tmp_path / "m"), "preset": "tiny"}
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["vocab_size"] == 4096
+    assert any(p.suffix == ".safetensors" for p in (tmp_path / "m").iterdir())
