@@ -231,6 +231,9 @@ PRESETS: dict[str, TraceParams] = {
             ("ask_human", 0.05, 90.0, 0.8, "long"),
         ),
     ),
+    # A router's steady state: the default shape with 32 agents in flight at once, so a
+    # request (a resume, a child's first turn) often waits behind others on the engine.
+    "busy": TraceParams(num_sessions=48, concurrency=32),
     # Named tools, research-agent shape: few concurrent sessions with a long shared prefix,
     # heavy fan-out to sub-agents, browsing with a heavy tail, a tighter cache.
     "research": TraceParams(

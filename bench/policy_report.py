@@ -55,6 +55,7 @@ from bench.trace import Trace
 #: The committed traces the goals name (bench/results/*/trace.jsonl): preset -> seed.
 COMMITTED = {"default": 0, "heldout": 1001}
 FIRST_SEED = {"heldout": 1001}
+PRESET_NAMES = ("default", "heldout", "coding", "research", "busy")
 GOAL_SHARE = 0.75  # device only: share of Belady's savings over LRU
 GOAL_TIERS = 1.25  # host tier = device pool: recomputed / infinite cache
 WARM_SEED_OFFSET = 100  # the warm policy learned on seed + this of the same preset
@@ -205,7 +206,7 @@ def _verdict(value: float, at_least: bool) -> str:
 
 def _traces(seeds: int) -> dict[tuple[str, int], tuple[Trace, BlockTrace]]:
     out = {}
-    for preset in ("default", "heldout", "coding", "research"):
+    for preset in PRESET_NAMES:
         first = FIRST_SEED.get(preset, 0)
         for seed in range(first, first + seeds):
             tr = generate_trace(PRESETS[preset], seed, preset=preset)
@@ -216,7 +217,7 @@ def _traces(seeds: int) -> dict[tuple[str, int], tuple[Trace, BlockTrace]]:
 def sweep(traces: dict[tuple[str, int], tuple[Trace, BlockTrace]], command: str) -> str:
     """The library policy's choices, tried on every preset and seed (see the module doc)."""
     refs = {k: (simulate_lru(bt).recomputed_tokens, simulate_belady(bt).recomputed_tokens) for k, (_, bt) in traces.items()}
-    presets = ("default", "heldout", "coding", "research")
+    presets = PRESET_NAMES
     out = [f"# Library policy choices in the simulator\n\nCommand: `{command}`.\n",
            "## Ranking: mean share of Belady's savings over LRU (device only)\n",
            "`index`: `PauseModel.reuse_index`; `quantile q`: the conditional q-quantile of "

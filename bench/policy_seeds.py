@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.generate import PRESETS, generate_trace, oracle_pause_state
-from bench.policy_report import FIRST_SEED, WARM_SEED_OFFSET
+from bench.policy_report import FIRST_SEED, PRESET_NAMES, WARM_SEED_OFFSET
 from bench.report import command_line
 from bench.simulate import compile_trace, learned_pause_state, simulate_belady, simulate_library, simulate_lru
 
 OUT = "bench/results/policy/seeds"
 
-PRESET_NAMES = ("default", "heldout", "coding", "research")
 VARIANTS: dict[str, dict[str, object]] = {
     "quantile 0.7 (default)": {},
     "index": {"ranking": "index"},

@@ -109,8 +109,12 @@ class PolicyConfig:
     min_samples: int = 1
     #: Refresh a paused session's hint this long before its expectation passes.
     refresh_lead_s: float = 0.25
-    #: Expected reuse sent when a tool call finished (the next request is imminent).
+    #: Expected reuse sent when a tool call finished or children were spawned (the next request,
+    #: or the children's first, is imminent). It is re-sent every resume_s until that request
+    #: arrives, for at most resume_wait_s: a request queued behind others in a busy engine comes
+    #: later than "imminent", and an expectation that passes ranks the blocks first for eviction.
     resume_s: float = 1.0
+    resume_wait_s: float = 60.0
     release_on_end: bool = True
     #: Tiers: Demote a pause predicted at least this long; Prefetch this margin before the resume.
     #: Demote hands the device copies to eviction first, which the expected-reuse order already
@@ -146,6 +150,7 @@ class _Session:
     blocks: int = 0  # device blocks the last keep hint reported
     pinned_blocks: int = 0  # blocks its pin holds (reserved when queued, then as reported)
     pin_until: float = -math.inf
+    due_since: float = -math.inf  # when its next request became imminent (resuming, or children spawned)
 
 
 @dataclass
@@ -234,13 +239,15 @@ class SessionPolicy:
             s = self._session(signal.session_id)
             if s.state == "paused":
                 self.model.observe(s.keys, now - s.pause_start)
-                s.state = "resuming"
+                s.state, s.due_since = "resuming", now
                 self._keep(s, now, self.config.resume_s)
         elif isinstance(signal, ChildSpawned):
             parent = self._session(signal.parent_session_id)
             child = self._session(signal.child_session_id)
             child.parent = parent.sid
             parent.children.add(child.sid)
+            if not parent.unstarted:
+                parent.due_since = now
             parent.unstarted.add(child.sid)
             if parent.state != "waiting":
                 parent.state, parent.pause_start = "waiting", now
@@ -428,7 +435,14 @@ class SessionPolicy:
         now = self._time(now)
         lead = self.config.refresh_lead_s
         for s in self.sessions.values():
-            if s.cold or s.state not in ("paused", "waiting") or s.unstarted:
+            if s.cold:
+                continue
+            if s.state == "resuming" or (s.state == "waiting" and s.unstarted):
+                # Due now until its (or its children's first) request comes: keep it due.
+                if s.review_at is not None and now >= s.review_at and now - s.due_since <= self.config.resume_wait_s:
+                    self._keep(s, now, self.config.resume_s)
+                continue
+            if s.state not in ("paused", "waiting"):
                 continue
             if s.prefetch_at is not None and now >= s.prefetch_at:
                 s.prefetch_at = None

@@ -278,6 +278,30 @@ def test_tool_finished_means_imminent_reuse_and_is_learned() -> None:
     assert policy.model.count(("tool", "x")) == 1  # the tool's own duration, learned once
 
 
+def _keeps(sink: RecordingSink, sid: str) -> list[float | None]:
+    return [expected(h) for h in sink.hints if h.selector.session.session_id == sid and h.WhichOneof("action") in ("retain", "pin")]
+
+
+def test_imminent_reuse_stays_imminent_until_the_request_comes_for_at_most_resume_wait_s() -> None:
+    """A parent whose spawned children have not started yet (they read its context first), or a
+    session whose tool call finished, is due now. In a busy engine that request waits in the
+    queue; an expectation that passes ranks the blocks first for eviction, so the policy keeps
+    re-sending "due in resume_s" until the request comes, and gives up after resume_wait_s."""
+    policy, sink = make(PolicyConfig(resume_s=1.0, refresh_lead_s=0.25, resume_wait_s=10.0))
+    policy.observe(ChildSpawned("p", "p.c0", t=0.0))
+    policy.observe(ToolCallStarted("a", tools=("x",), t=0.0))
+    policy.observe(ToolCallFinished("a", t=0.0))
+    for t in (0.0, 0.5, 1.0, 2.0, 5.0):
+        policy.flush(sink, t)
+    assert _keeps(sink, "p") == [1.0] * 4 and _keeps(sink, "a") == [1.0] * 4  # at 0, 1, 2 and 5 s
+    for t in range(6, 30):
+        policy.flush(sink, float(t))
+    assert len(_keeps(sink, "p")) == len(_keeps(sink, "a")) == 4 + 5  # 6..10 s, then no more
+    policy.observe(RequestSent("p.c0", t=30.0))  # the child starts: the parent's own wait begins
+    policy.flush(sink, 30.0)
+    assert _keeps(sink, "p")[-1] != 1.0
+
+
 def test_idle_session_after_completion_is_kept_until_a_tool_call_replaces_it() -> None:
     policy, sink = make()
     policy.observe(RequestSent("a", t=0.0))
