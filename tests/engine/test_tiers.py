@@ -143,6 +143,11 @@ def pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     sa = served(port_a, f"host=64,file={root},ephemeral,peer=b=127.0.0.1:{port_b},peer=down=127.0.0.1:{port_down},timeout=20"
                         ",host-eviction=kvhint", "a")
     sb = served(port_b, f"host=40,file={root},ephemeral,peer=a=127.0.0.1:{port_a}", "b")
+    yield from serve_pair(sa, sb, root, shm_before)
+
+
+def serve_pair(sa: ServedEngine, sb: ServedEngine, root: Path, shm_before: set[str]) -> Iterator[Pair]:
+    """Start both engines at once, yield them as a Pair, stop both (a fixture's body)."""
     errors: list[BaseException] = []
 
     def start(s: ServedEngine) -> None:
@@ -156,8 +161,7 @@ def pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         t.start()
     for t in threads:
         t.join()
-    a, b = TierEngine(sa), TierEngine(sb)
-    p = Pair(a, b, root, shm_before)
+    p = Pair(TierEngine(sa), TierEngine(sb), root, shm_before)
     try:
         if errors:
             raise errors[0]

@@ -14,7 +14,6 @@ Demote was REJECTED ("19 of 23 blocks left every tier before a copy was made")."
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -39,28 +38,10 @@ def hybrid_pair(hybrid_model: str, tmp_path_factory: pytest.TempPathFactory) -> 
         return ServedEngine(EngineSpec(model=hybrid_model, grpc_port=port, env={"VLLM_SERVER_DEV_MODE": "1"},
                                        extra_args=["--kvhint-tiers", tiers]), log)
 
-    engines = [served(port_a, f"host=128,file={root},ephemeral,host-eviction=kvhint,peer=b=127.0.0.1:{port_b},timeout=20", "a"),
-               served(port_b, f"host=64,file={root},ephemeral,peer=a=127.0.0.1:{port_a}", "b")]
-    errors: list[BaseException] = []
-
-    def start(s: ServedEngine) -> None:
-        try:
-            s.start()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in engines]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    pair = tiers_tests.Pair(tiers_tests.TierEngine(engines[0]), tiers_tests.TierEngine(engines[1]), root, set())
-    try:
-        if errors:
-            raise errors[0]
-        yield pair
-    finally:
-        pair.stop()
+    yield from tiers_tests.serve_pair(
+        served(port_a, f"host=128,file={root},ephemeral,host-eviction=kvhint,peer=b=127.0.0.1:{port_b},timeout=20", "a"),
+        served(port_b, f"host=64,file={root},ephemeral,peer=a=127.0.0.1:{port_a}", "b"),
+        root, set())
 
 
 @pytest.fixture(scope="module")
