@@ -12,6 +12,7 @@ import json
 import os
 import random
 import signal
+import re
 import socket
 import subprocess
 import sys
@@ -170,7 +171,9 @@ class ServedEngine:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; log: {self.log_path}\n{self.log_tail()}")
+                cause = self.root_cause()
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}"
+                                   + (f": {cause}" if cause else "") + f"; log: {self.log_path}\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.http_url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -180,6 +183,15 @@ class ServedEngine:
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"vllm serve not healthy after {timeout:.0f}s; log: {self.log_path}\n{self.log_tail()}")
+
+    def root_cause(self) -> str | None:
+        """The first exception line of the log (vLLM logs EngineCore's traceback tens of lines
+        before the API server's "Engine core initialization failed. See root cause above"), or None."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        return first_exception(text)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -221,3 +233,17 @@ class ServedEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# An exception line: at the start of a line, or right after vLLM's "[file.py:line] " log prefix.
+_EXCEPTION = re.compile(r"(?:^|\] )([A-Z]\w*(?:Error|Exception)): (.+)$")
+
+
+def first_exception(log: str) -> str | None:
+    """`Name: message` of the first exception a vLLM log reports, e.g. EngineCore's
+    "ValueError: To serve at least one request with the model's max seq len ...", or None."""
+    for line in log.splitlines():
+        m = _EXCEPTION.search(line)
+        if m:
+            return f"{m.group(1)}: {m.group(2).strip()}"
+    return None

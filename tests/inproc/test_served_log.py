@@ -1,0 +1,39 @@
+"""A `vllm serve` that exits during start-up: the error names vLLM's root cause.
+
+vLLM logs EngineCore's traceback tens of lines before the API server's last words, "Engine
+core initialization failed. See root cause above", so the last 40 log lines that the error
+carries often miss it (a hybrid model whose two KV-cache groups share a 60-block pool: "the
+estimated maximum model length is 928", 260 lines before the end). The excerpt below is
+from that log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine_integration.served import EngineSpec, ServedEngine, first_exception
+
+LOG = """\
+(APIServer pid=12006) WARNING 12-01 20:25:15 [system_utils.py:255] Found ulimit of 20000 and failed to automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors like `OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n
+(EngineCore pid=12020) ERROR 12-01 20:26:11 [core.py:1510] EngineCore failed to start.
+(EngineCore pid=12020) ERROR 12-01 20:26:11 [core.py:1510]     raise ValueError(
+(EngineCore pid=12020) ERROR 12-01 20:26:11 [core.py:1510] ValueError: To serve at least one request with the model's max seq len (1888), (0.0 GiB KV cache is needed, which is larger than the available KV cache memory (0.0 GiB). Based on the available memory, the estimated maximum model length is 928.
+Process EngineCore:
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+  warnings.warn('resource_tracker: There appear to be %d '
+"""
+
+
+def test_the_first_exception_is_enginecores_not_a_warning_that_mentions_one() -> None:
+    cause = first_exception(LOG)
+    assert cause is not None and cause.startswith("ValueError: To serve at least one request")
+    assert cause.endswith("the estimated maximum model length is 928.")
+    assert first_exception("Traceback (most recent call last):\n  File x\nAssertionError: Sliding window") == (
+        "AssertionError: Sliding window")
+    assert first_exception("INFO all fine\nWARNING something about an OSError: in prose") is None
+
+
+def test_a_served_engine_reads_the_root_cause_from_its_log(tmp_path: Path) -> None:
+    served = ServedEngine(EngineSpec(model=str(tmp_path / "m")), log_path=tmp_path / "engine.log")
+    assert served.root_cause() is None  # no log yet
+    (tmp_path / "engine.log").write_text(LOG)
+    assert served.root_cause() == first_exception(LOG)
