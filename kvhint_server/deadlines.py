@@ -64,6 +64,8 @@ class DeadlineQueue(Generic[K]):
             if live.get(key) == deadline:  # else cancelled or rescheduled
                 del live[key]
                 due.append(key)
+        # Keys leaving can leave their stale entries (a rescheduled key's older ones) over the bound.
+        self._maybe_compact()
         return due
 
     def heap_entries(self) -> int:
