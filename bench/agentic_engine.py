@@ -206,10 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         trace = load_or_generate(a, fast)
-        if a.num_gpu_blocks:
-            trace.header.num_gpu_blocks = a.num_gpu_blocks
-        if trace.header.num_gpu_blocks < 2:
-            raise SystemExit("the trace header has no num_gpu_blocks: pass --num-gpu-blocks N (pool size incl. vLLM's null block)")
+        trace.header.num_gpu_blocks = trace.header.pool_blocks(a.num_gpu_blocks)
         trace.validate()
     except (TraceError, OSError) as e:
         raise SystemExit(f"python -m bench.agentic_engine: error: {e}") from None

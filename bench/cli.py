@@ -56,12 +56,7 @@ def _load(a: argparse.Namespace) -> Trace:
 
 def _cmd_analyze(a: argparse.Namespace) -> int:
     tr = _load(a)
-    pool = a.num_gpu_blocks or tr.header.num_gpu_blocks
-    if pool < 2:
-        raise TraceError(
-            f"{a.trace}: the header has no num_gpu_blocks (the engine's pool, vLLM's null block included); "
-            "pass --num-gpu-blocks N" if not a.num_gpu_blocks else f"--num-gpu-blocks {a.num_gpu_blocks}: at least 2"
-        )
+    tr.header.pool_blocks(a.num_gpu_blocks)  # a clear error before the simulator's
     t0 = time.perf_counter()
     res = analyze(tr, num_gpu_blocks=a.num_gpu_blocks, pin_budget_fraction=a.pin_budget,
                   async_scheduling=a.async_scheduling, tiers=not a.no_tiers)

@@ -399,6 +399,16 @@ class TraceHeader:
             "stats": self.stats,
         }
 
+    def pool_blocks(self, override: int | None = None) -> int:
+        """The engine pool a replay or simulation uses: `override` (`--num-gpu-blocks`) or the
+        header's `num_gpu_blocks` (vLLM's null block included); TraceError when it is below 2."""
+        n = override or self.num_gpu_blocks
+        if n < 2:
+            raise TraceError(f"--num-gpu-blocks {override}: at least 2" if override else
+                             "the header has no num_gpu_blocks (the engine's pool, vLLM's null block included); "
+                             "pass --num-gpu-blocks N")
+        return n
+
     def describe(self) -> str:
         """How reports name the trace: "default trace, seed 0" for a generated one."""
         if self.preset is None:

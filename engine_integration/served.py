@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -187,15 +187,14 @@ class ServedEngine:
     def root_cause(self) -> str | None:
         """The first exception line of the log (vLLM logs EngineCore's traceback tens of lines
         before the API server's "Engine core initialization failed. See root cause above"), or None."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return None
-        return first_exception(text)
+        return first_exception(self._log_text())
 
     def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self._log_text().splitlines()[-lines:])
+
+    def _log_text(self) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
 
