@@ -247,16 +247,25 @@ def test_pins_never_fail_a_request_stock_vllm_would_serve(clean: Engine) -> None
     assert [o.token_ids for o in outputs] == expected
 
 
-def test_hints_apply_within_50ms_on_an_idle_engine(clean: Engine) -> None:
+def test_hints_apply_on_an_idle_engine_without_waiting_for_a_request(clean: Engine) -> None:
+    """An idle EngineCore blocks in its input queue; the sidecar must wake it.
+
+    Without the wake-up the task would wait for the next request and the RPC
+    would fail at its deadline, so a short deadline makes this a behaviour check.
+    How fast the wake-up is (milliseconds) is measured by bench/apply_latency.py,
+    not asserted here: a timed assertion flakes on a loaded CI machine.
+    """
     import time
 
     clean.complete(tokens("idle"), "idle")
     time.sleep(0.5)  # the engine is idle, blocked on its input queue
-    start = time.perf_counter()
-    (result,) = clean.apply(pin("idle", ttl=5))
-    elapsed = time.perf_counter() - start
+    request = pb.ApplyHintsRequest(hints=[pin("idle", ttl=5)])
+    (result,) = clean.stub.ApplyHints(request, timeout=3).results
     assert result.outcome == pb.OUTCOME_ACCEPTED
-    assert elapsed < 0.05
+    residency = clean.stub.QueryResidency(pb.QueryResidencyRequest(selector=session_sel("idle")), timeout=3)
+    assert residency.blocks and all(
+        b.retention.retention_class == pb.RetentionState.CLASS_PINNED for b in residency.blocks
+    )
     clean.apply(release("idle"))
 
 

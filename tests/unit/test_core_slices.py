@@ -35,7 +35,7 @@ def test_slices_share_one_budget_per_step_and_tasks_run_first():
     # The task ran first; one slice used the whole budget, so the others wait for later steps.
     assert order == ["task", "slice0"] and task.done()
     assert [f.done() for f in slices] == [True, False, False]
-    assert elapsed < SLICE_BUDGET_S + 0.05
+    assert elapsed < SLICE_BUDGET_S + 0.5  # returned after one budget (loose: a loaded CI machine); `order` shows the rest waited
     assert core.has_pending()
     core.run_pending()
     core.run_pending()

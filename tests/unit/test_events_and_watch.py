@@ -425,10 +425,11 @@ def test_subscriber_that_stops_reading_ends_with_overflow_and_publish_never_bloc
     )
     assert cut_off, f"the stuck subscriber was not cut off after {n} events"
     # Had publish waited for the stuck subscriber, publish_paced would never
-    # have returned. The bound on the slowest publish leaves room for GIL
-    # hand-offs and GC pauses.
+    # have returned. The bounds are far above a publish (microseconds) and leave
+    # room for GIL hand-offs and GC pauses on a loaded 2-core CI machine; how fast
+    # publish is, is measured by bench/events_throughput.py.
     p99 = latencies[int(len(latencies) * 0.99)]
-    assert p99 < 0.02, f"p99 publish latency {p99 * 1e3:.1f} ms while a subscriber was stuck"
+    assert p99 < 0.1, f"p99 publish latency {p99 * 1e3:.1f} ms while a subscriber was stuck"
     assert latencies[-1] < 1.0, f"slowest publish took {latencies[-1] * 1e3:.0f} ms"
 
     # The subscriber that kept reading got everything, in order, no resync.
