@@ -26,6 +26,11 @@ SCHEDULER_CLS = "engine_integration.scheduler.KvHintScheduler"
 # When set (tests/conftest.py sets it for tests without @pytest.mark.engine),
 # starting an engine fails with this variable's text as the reason.
 ENGINE_FORBIDDEN_ENV = "KVHINT_ENGINE_FORBIDDEN"
+# "1": served engines start with --enforce-eager (no torch.compile). tests/conftest.py sets it: on
+# the 2-core CI machine the compile takes about 13 of a tiny model's 45 s start (vLLM's AOT
+# compile cache fails to load there and it recompiles every time), and the test suite starts
+# dozens of engines. Benchmarks leave it unset and serve as users do.
+ENFORCE_EAGER_ENV = "KVHINT_ENFORCE_EAGER"
 DEFAULT_MODEL_DIR = Path(os.environ.get("KVHINT_MODEL_CACHE", Path.home() / ".cache" / "kvhint" / "models"))
 
 
@@ -118,6 +123,7 @@ class EngineSpec:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     seed: int = 0
+    enforce_eager: bool = field(default_factory=lambda: os.environ.get(ENFORCE_EAGER_ENV) == "1")
 
 
 class ServedEngine:
@@ -153,6 +159,8 @@ class ServedEngine:
         ]  # fmt: skip
         if s.kvhint:
             cmd += ["--scheduler-cls", SCHEDULER_CLS]
+        if s.enforce_eager:
+            cmd.append("--enforce-eager")
         if s.kv_events_config is not None:
             cmd += ["--kv-events-config", json.dumps(s.kv_events_config)]
         if s.kv_transfer_config is not None:

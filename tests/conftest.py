@@ -29,7 +29,13 @@ from typing import Any
 
 import pytest
 
-from engine_integration.served import ENGINE_FORBIDDEN_ENV
+from engine_integration.served import ENFORCE_EAGER_ENV, ENGINE_FORBIDDEN_ENV
+
+# Engines the tests serve skip torch.compile (engine_integration.served.ENFORCE_EAGER_ENV): KvHint
+# lives in the scheduler and the block pool, which compile does not touch, and every comparison
+# with stock vLLM serves both sides the same way. Inherited by child processes (gpu_check, the
+# agentic smoke run). Set it to 0 to test with compiled models.
+os.environ.setdefault(ENFORCE_EAGER_ENV, "1")
 
 # module -> class whose construction starts (or is) an engine
 GUARDED = {

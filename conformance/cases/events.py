@@ -257,11 +257,13 @@ def register(reg: Registry) -> None:
         ctx.complete(prompt_b, ctx.sid("b"))
         watch = ctx.watch(START(start=START.START_SNAPSHOT, heartbeat_interval=HEARTBEAT_200MS))
         watch.wait_for(lambda ms: any(m.HasField("snapshot_end") for m in ms), 20, "SnapshotEnd")
-        # Live changes after the snapshot: a new session, a hit that extends b, evictions, a pin.
+        # Live changes after the snapshot: a new session (pinned, so that blocks stored after the
+        # snapshot are still resident to compare whatever the pool held before), a hit that
+        # extends b, evictions.
         _session_traffic(ctx, "c")
+        ctx.apply_one(H.pin(ctx.sid("c"), ttl=30))
         ctx.complete(prompt_b + ctx.small_prompt("b2", blocks=4), ctx.sid("b"))
         ctx.pressure("snapshot", count=2)
-        ctx.apply_one(H.pin(ctx.sid("c"), ttl=30))
         target = ctx.latest_sequence()
         watch.wait_sequence(target)
         messages = watch.stop()

@@ -154,5 +154,5 @@ def test_every_fault_is_expected_to_be_caught_by_registered_cases() -> None:
 
     assert set(CAUGHT_BY) == set(FAULTS)
     ids = set(REGISTRY.ids())
-    for fault, (cases, _whole_suite) in CAUGHT_BY.items():
+    for fault, cases in CAUGHT_BY.items():
         assert cases and set(cases) <= ids, (fault, sorted(set(cases) - ids))

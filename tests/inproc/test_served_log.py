@@ -37,3 +37,16 @@ def test_a_served_engine_reads_the_root_cause_from_its_log(tmp_path: Path) -> No
     assert served.root_cause() is None  # no log yet
     (tmp_path / "engine.log").write_text(LOG)
     assert served.root_cause() == first_exception(LOG)
+
+
+def test_served_engines_skip_torch_compile_only_when_asked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """KVHINT_ENFORCE_EAGER=1 (tests/conftest.py sets it) serves with --enforce-eager; unset, an
+    engine is served as users serve it, and an explicit spec wins either way."""
+    from engine_integration.served import ENFORCE_EAGER_ENV
+
+    monkeypatch.setenv(ENFORCE_EAGER_ENV, "1")
+    assert "--enforce-eager" in ServedEngine(EngineSpec(model="m")).command()
+    assert "--enforce-eager" not in ServedEngine(EngineSpec(model="m", enforce_eager=False)).command()
+    monkeypatch.delenv(ENFORCE_EAGER_ENV)
+    assert "--enforce-eager" not in ServedEngine(EngineSpec(model="m")).command()
+    assert "--enforce-eager" in ServedEngine(EngineSpec(model="m", enforce_eager=True)).command()
