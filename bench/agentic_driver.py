@@ -90,8 +90,15 @@ class HintDriver:
         with self.lock:
             self._handle(self.policy.start(self.clock()), None)
 
-    def on_signals(self, signals: Sequence[Signal], completed_continuation: str | None) -> None:
+    def on_signals(self, signals: Sequence[Signal], completed_continuation: str | None, session_id: str | None = None) -> None:
+        """A request completed (`completed_continuation`; of `session_id`) and released `signals`.
+        The library policy hears of the completion first (an idle pause, unless a signal of the
+        same moment replaces it)."""
         with self.lock:
+            if session_id is not None and isinstance(self.policy, LibraryPolicy):
+                self.policy.completed(session_id, self.clock())
+                if not signals:
+                    self._handle(self.policy.tick(self.clock()), completed_continuation)
             for sig in signals:
                 # stamped with the replay clock (monotonic under the lock)
                 self._handle(self.policy.observe(dataclasses.replace(sig, t=self.clock())), completed_continuation)

@@ -122,10 +122,8 @@ def replay(
         except Exception as e:  # noqa: BLE001
             rec = RequestRecord(i, r.request_id, r.session_id, 0, 0, 0, 0, r.max_tokens, math.nan, math.nan,
                                 math.nan, math.nan, math.nan, math.nan, math.nan, nc(r.continuation_id), repr(e))
-        if rec.error is None and driver is not None and plan.signals_after[i]:
-            driver.on_signals(plan.signals_after[i], rec.continuation_id)
-        elif rec.error is None and driver is not None:
-            driver.on_signals((), rec.continuation_id)
+        if rec.error is None and driver is not None:
+            driver.on_signals(plan.signals_after[i], rec.continuation_id, r.session_id)
         with lock:
             records[i] = rec
             completed += 1

@@ -123,6 +123,9 @@ class TraceParams:
     # [0.05, 600]); its class is the tool's, flipped with mispredict_prob in the signal, and
     # the signal names the tool. Empty: the short/long pause model above (no tool names).
     tools: tuple[tuple[str, float, float, float, str], ...] = ()
+    # Share of top-level sessions whose end is never signalled (a user who closed the tab after
+    # the last answer): no session_ended event; their last request is the last anyone hears.
+    abandon_prob: float = 0.0
 
     def validate(self) -> None:
         for name in ("turns", "task_tokens", "tool_output_tokens", "output_tokens", "fanout_children",
@@ -142,6 +145,8 @@ class TraceParams:
         first = self.shared_prefix_tokens + self.task_tokens[1] + self.output_tokens[1]
         if first > self.max_context_tokens:
             raise ValueError("first prompt may exceed max_context_tokens")
+        if not 0 <= self.abandon_prob <= 1:
+            raise ValueError("abandon_prob must be in [0, 1]")
         if not 0 < self.cache_fraction:
             raise ValueError("cache_fraction must be > 0")
         if self.vocab_size <= self.min_token_id:
@@ -154,6 +159,8 @@ class TraceParams:
         out = json.loads(json.dumps(asdict(self)))
         if not self.tools:
             del out["tools"]  # traces without named tools keep their earlier header
+        if not self.abandon_prob:
+            del out["abandon_prob"]  # likewise traces with every end signalled
         return out
 
     @classmethod
@@ -344,6 +351,7 @@ def generate_trace(params: TraceParams, seed: int, *, preset: str | None = None)
     p = params
     p.validate()
     rng = random.Random(seed)
+    leave_rng = random.Random(f"abandon-{seed}")  # its own stream: abandon_prob 0 leaves traces unchanged
     tag = f"k{seed}"  # namespaces segment names: traces with different seeds share no content
     shared = Seg(f"{tag}/shared", p.shared_prefix_tokens)
 
@@ -445,8 +453,9 @@ def generate_trace(params: TraceParams, seed: int, *, preset: str | None = None)
             push(done + dur, sid, [tool], rid, dur, true_cls)
             continue
 
-        # session ends
-        events.append(SessionEnded(done, sid))
+        # session ends (its user may leave without the runtime saying so: no signal)
+        if not (p.abandon_prob and s.parent is None and leave_rng.random() < p.abandon_prob):
+            events.append(SessionEnded(done, sid))
         if s.parent is not None:
             parent = sessions[s.parent]
             parent.pending_children -= 1

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -116,6 +117,7 @@ class BlockRequest:
     chain: tuple[int, ...]  # ids of the blocks cached at the end (prompt + decode)
     hit_cap_blocks: int  # (P - 1) // bs
     num_alloc_blocks: int  # ceil((P + O - 1) / bs)
+    t_done: float = -math.inf  # completion on the sequential engine (its start when the trace has no t_done)
 
     @property
     def num_cached_end(self) -> int:
@@ -180,6 +182,7 @@ def compile_trace(
                 chain=tuple(chain),
                 hit_cap_blocks=(p - 1) // bs,
                 num_alloc_blocks=-(-(p + o - 1) // bs),
+                t_done=start if e.t_done is None else max(start, e.t_done),
             )
         )
     # Merge: a signal is applied before a request iff it is no later than the
@@ -684,17 +687,32 @@ def drive_policy(hp: HintedPool, pol: ReferencePolicy | LibraryPolicy | _NoHints
     sees_requests = isinstance(pol, LibraryPolicy)
     cached: list[int] = []
     peak = 0
+    done: list[tuple[float, int, str]] = []  # (completion, index, session) of requests run
+
+    def completions(until: float) -> None:
+        # The library policy hears of a completion before a signal or request at the same time.
+        while done and done[0][0] <= until:
+            t, _, sid = heapq.heappop(done)
+            for a in pol.completed(sid, t):  # type: ignore[union-attr]
+                hp.apply(a, t)
+
     for item in bt.items:
+        if sees_requests:
+            completions(item.t)
         if isinstance(item, BlockRequest):
             if sees_requests:
                 for a in pol.request(item.session_id, item.t):
                     hp.apply(a, item.t)
             nhit, inuse = hp.run_request(item)
+            if sees_requests:
+                heapq.heappush(done, (item.t_done, item.index, item.session_id))
             cached.append(nhit * bt.block_size)
             peak = max(peak, inuse)
         else:
             for a in pol.observe(item):
                 hp.apply(a, item.t)
+    if sees_requests:
+        completions(math.inf)
     stats = dict(hp.stats)
     if sees_requests:
         stats["hints_sent"] = pol.policy.stats.get("sent", 0)

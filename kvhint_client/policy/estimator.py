@@ -33,13 +33,26 @@ Two predictions of a pause that has lasted `e` seconds:
   index becomes about a minute). This is the Gittins index of the remaining
   pause; caches call its inverse hit density.
 
+A pause can also end with no next request: the session ended while paused
+(`PauseModel.observe_end`; an agent that answered with no tool call and whose
+user left, a dead branch). Such a pause counts as one observation of
+"never", so a key learns how often its pauses do not come back, and both
+predictions are infinite when more than the quantile's share (`residual`) or
+all the remaining mass (`reuse_index`, which prices the never-mass as space
+held for no hit) would not: the caller should stop protecting the session
+(SessionPolicy Releases it). An idle pause after an answer with no tool call
+is the common case: in agent traffic it usually means the task is done.
+
 The learned state (every key's recent gaps, oldest first) can be exported and
 loaded (`PauseModel.export`, `PauseModel.load`): a router that restarts, or a
 new replica, starts from what an earlier one learned instead of from the prior.
 The state is plain JSON (`PAUSE_STATE_FORMAT`, version `PAUSE_STATE_VERSION`):
 
-    {"format": "kvhint.pause_model", "version": 1,
-     "keys": [{"key": ["declared", "long"], "samples": [31.5, 12.0, ...]}, ...]}
+    {"format": "kvhint.pause_model", "version": 2,
+     "keys": [{"key": ["declared", "long"], "samples": [31.5, 12.0, null, ...]}, ...]}
+
+A null sample is a pause that ended its session (version 2; `load` also reads
+version 1 exports, which have none).
 
 Only the observations travel: the prior, `window`, `prior_weight` and
 `min_samples` are the loading model's own configuration.
@@ -61,7 +74,9 @@ _STD = NormalDist()
 
 #: `PauseModel.export`'s "format" and "version" fields; `PauseModel.load` accepts exactly these.
 PAUSE_STATE_FORMAT = "kvhint.pause_model"
-PAUSE_STATE_VERSION = 1
+PAUSE_STATE_VERSION = 2
+#: Versions `PauseModel.load` reads (1: no null samples).
+PAUSE_STATE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -107,12 +122,17 @@ class _Sample:
 
 
 def _blend_quantile(sample: Sequence[float], prior: LogNormalPrior, weight: float, q: float) -> float:
-    """The q-quantile of the mixture (sample, empirical) + (prior, `weight` pseudo-observations)."""
+    """The q-quantile of the mixture (sample, empirical) + (prior, `weight` pseudo-observations);
+    infinite when more than 1 - q of the mass is the sample's never-observations (inf)."""
     n = len(sample)
     if n == 0:
         return prior.quantile(q)
     total = n + weight
-    lo, hi = 0.0, max(sample[-1], prior.quantile(0.999)) * 2 + 1e-9
+    finite = bisect.bisect_left(sample, math.inf)
+    if (finite + weight) / total < q:
+        return math.inf
+    top = sample[finite - 1] if finite else 0.0
+    lo, hi = 0.0, max(top, prior.quantile(0.999)) * 2 + 1e-9
     for _ in range(48):  # bisection on the mixture CDF
         mid = (lo + hi) / 2
         mass = (bisect.bisect_right(sample, mid) + weight * prior.cdf(mid)) / total
@@ -128,12 +148,13 @@ def _blend_cdf(sample: Sequence[float], prior: LogNormalPrior, weight: float, x:
     return (bisect.bisect_right(sample, x) + weight * prior.cdf(x)) / (n + weight)
 
 
-def _gittins(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+def _gittins(points: Sequence[tuple[float, float]], never: float = 0.0) -> tuple[float, float]:
     """min over h of E[min(R, h)] / P(R <= h) for R distributed as the weighted `points`
-    (sorted by value), and the minimizing h. The ratio only needs checking at the points:
-    between two of them E[min(R, h)] grows while P(R <= h) stays the same."""
-    total = sum(w for _, w in points)
-    best, horizon = math.inf, 0.0
+    (sorted by value) plus `never` weight at infinity, and the minimizing h. The ratio only needs
+    checking at the points: between two of them E[min(R, h)] grows while P(R <= h) stays the
+    same. With no finite points: (inf, inf)."""
+    total = sum(w for _, w in points) + never
+    best, horizon = math.inf, math.inf
     below = mass = 0.0  # sum of x*w and of w over the points <= h
     for x, w in points:
         below += x * w
@@ -177,6 +198,13 @@ class PauseModel:
         """Record one observed pause under every key of its hierarchy."""
         if not seconds >= 0 or math.isinf(seconds):
             return
+        self._add(keys, seconds)
+
+    def observe_end(self, keys: Iterable[tuple[str, ...]]) -> None:
+        """Record a pause that ended its session (no next request) under every key."""
+        self._add(keys, math.inf)
+
+    def _add(self, keys: Iterable[tuple[str, ...]], seconds: float) -> None:
         for key in keys:
             sample = self._samples.get(key)
             if sample is None:
@@ -185,21 +213,23 @@ class PauseModel:
 
     def export(self) -> dict[str, Any]:
         """The learned state as a JSON-serialisable dict (module doc): per key, its most recent
-        observations (at most `window`), oldest first. `load` of it into a model with the same
+        observations (at most `window`), oldest first, None for a pause that ended its session.
+        `load` of it into a model with the same
         configuration gives identical predictions, now and after further observations."""
         return {
             "format": PAUSE_STATE_FORMAT,
             "version": PAUSE_STATE_VERSION,
-            "keys": [{"key": list(key), "samples": list(sample.recent)} for key, sample in self._samples.items()],
+            "keys": [{"key": list(key), "samples": [None if math.isinf(x) else x for x in sample.recent]} for key, sample in self._samples.items()],
         }
 
     def load(self, state: Mapping[str, Any]) -> None:
         """Replace the learned state with `state` (what `export` returned, possibly from a
         model with another `window`: a key with more samples keeps its most recent `window`).
 
-        Raises ValueError, leaving the model unchanged, when `state` is not a version
-        `PAUSE_STATE_VERSION` export: another format or version, a key that is not a non-empty
-        list of strings or appears twice, or a sample that is not a finite number >= 0."""
+        Raises ValueError, leaving the model unchanged, when `state` is not an export of a
+        version in `PAUSE_STATE_VERSIONS`: another format or version, a key that is not a
+        non-empty list of strings or appears twice, or a sample that is not a finite number >= 0
+        (or, from version 2, null)."""
         parsed = _parse_state(state)
         samples: dict[tuple[str, ...], _Sample] = {}
         for key, values in parsed:
@@ -234,16 +264,22 @@ class PauseModel:
         sample, p = self._basis(keys, prior)
         e = max(elapsed, 0.0)
         k = self.prior_points
-        points = [(x - e, 1.0) for x in sample[bisect.bisect_right(sample, e) :]]
+        finite = bisect.bisect_left(sample, math.inf)
+        never = float(len(sample) - finite)
+        points = [(x - e, 1.0) for x in sample[bisect.bisect_right(sample, e) : finite]]
         points += [(x - e, self.prior_weight / k) for x in (p.quantile((i + 0.5) / k) for i in range(k)) if x > e]
-        if not points:  # beyond everything seen and the prior's bulk: its conditional median
+        if not points:
+            if never:  # every pause this long ended its session
+                return math.inf, math.inf
+            # beyond everything seen and the prior's bulk: its conditional median
             r = self.residual(keys, e, prior, 0.5)
             return r, r
-        return _gittins(sorted(points))
+        return _gittins(sorted(points), never)
 
     def residual(self, keys: Sequence[tuple[str, ...]], elapsed: float, prior: LogNormalPrior | None = None, q: float = 0.5) -> float:
         """Seconds until the pause is expected to end, given it has lasted `elapsed` (the
-        conditional q-quantile of the remaining time; >= 0)."""
+        conditional q-quantile of the remaining time; >= 0; inf when more than 1 - q of the
+        pauses that lasted this long ended their session)."""
         sample, p = self._basis(keys, prior)
         weight = self.prior_weight
         survived = _blend_cdf(sample, p, weight, max(elapsed, 0.0))
@@ -260,8 +296,8 @@ def _parse_state(state: Mapping[str, Any]) -> list[tuple[tuple[str, ...], list[f
     if state.get("format") != PAUSE_STATE_FORMAT:
         raise ValueError(f"pause state format must be {PAUSE_STATE_FORMAT!r}, got {state.get('format')!r}")
     version = state.get("version")
-    if type(version) is not int or version != PAUSE_STATE_VERSION:
-        raise ValueError(f"unsupported pause state version {version!r} (this model reads version {PAUSE_STATE_VERSION})")
+    if type(version) is not int or version not in PAUSE_STATE_VERSIONS:
+        raise ValueError(f"unsupported pause state version {version!r} (this model reads versions {PAUSE_STATE_VERSIONS})")
     entries = state.get("keys")
     if not isinstance(entries, list):
         raise ValueError(f"pause state 'keys' must be a list, got {type(entries).__name__}")
@@ -281,8 +317,14 @@ def _parse_state(state: Mapping[str, Any]) -> list[tuple[tuple[str, ...], list[f
             raise ValueError(f"pause state keys[{i}].samples must be a non-empty list of seconds")
         values: list[float] = []
         for x in raw_samples:
+            if x is None and version >= 2:
+                values.append(math.inf)  # a pause that ended its session
+                continue
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
-                raise ValueError(f"pause state key {list(key)!r}: every sample must be a finite number >= 0, got {x!r}")
+                raise ValueError(
+                    f"pause state key {list(key)!r}: every sample must be a finite number >= 0"
+                    f"{' or null' if version >= 2 else ''}, got {x!r}"
+                )
             values.append(float(x))
         out.append((key, values))
     return out

@@ -27,7 +27,16 @@ signals and on a timer (a few times a second is plenty), and it sends:
 * a declared template: Retain at `template_priority` (above every session),
   refreshed at half its TTL.
 * a session ended (or a dead branch): Release; a parent's unjoined children
-  are released with it.
+  are released with it. The pause it ended counts as one that never came back
+  (`PauseModel.observe_end`).
+* a paused session predicted never to come back (more than 1 - `quantile` of
+  the pauses like it that lasted this long ended their session, typically an
+  idle session after an answer with no tool call, whose user left), or not
+  within the longest TTL the engine grants: Release, once, so its blocks are
+  the first evicted instead of protected above every running session's
+  blocks. Nothing more is sent for it until it sends a request. (Without
+  this, one abandoned session in four made the policy recompute more than
+  LRU on a held-out trace: docs/design-notes.md.)
 
 It never sends more than `max_hints_per_s` hints per second (token bucket,
 `burst` at once). Hints waiting for tokens are coalesced: a newer hint for
@@ -51,6 +60,7 @@ import itertools
 import math
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -75,6 +85,8 @@ from .signals import (
 from .sinks import AsyncHintSink, HintSink, TokenBucket
 
 Key = tuple[str, ...]
+#: How many recently ended session ids a policy remembers, to ignore late signals about them.
+ENDED_MEMORY = 65536
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,12 @@ class _Session:
     pinned_blocks: int = 0  # blocks its pin holds (reserved when queued, then as reported)
     pin_until: float = -math.inf
     due_since: float = -math.inf  # when its next request became imminent (resuming, or children spawned)
+    let_go: bool = False  # predicted never to come back: released, nothing more until its next request
+
+
+def _idle_keys(s: _Session) -> tuple[Key, ...]:
+    """The keys of an idle pause: after an answer with no tool call."""
+    return (("idle", s.cls or ""), ("idle",))
 
 
 @dataclass
@@ -205,6 +223,8 @@ class SessionPolicy:
         self.max_batch = 64
         self._pins_blocked_until = -math.inf  # after CLIPPED/PIN_BUDGET: until the pins then held expire
         self._last_t = -math.inf
+        # Recently ended session ids, oldest first (at most ENDED_MEMORY): late signals about them are ignored.
+        self._ended: OrderedDict[str, None] = OrderedDict()
 
     # ------------------------------------------------------------ engine capabilities
 
@@ -227,11 +247,14 @@ class SessionPolicy:
         """Update the state with one signal (in time order) and queue the hints it calls for."""
         now = self._time(signal.t)
         if isinstance(signal, RequestSent):
+            self._ended.pop(signal.session_id, None)  # a new request revives an ended session id
             self._on_request(signal, now)
+        elif self._is_late(signal):
+            self._count("late_signals")  # about a session that already ended: nothing to protect
         elif isinstance(signal, RequestCompleted):
             s = self._session(signal.session_id)
             if s.state == "running":
-                self._pause(s, now, "paused", (("idle", s.cls or ""), ("idle",)), None)
+                self._pause(s, now, "paused", _idle_keys(s), None)
         elif isinstance(signal, ToolCallStarted):
             s = self._session(signal.session_id)
             self._pause(s, now, "paused", self._tool_keys(s, signal), self._tool_prior(signal))
@@ -268,6 +291,21 @@ class SessionPolicy:
         else:
             raise TypeError(f"not a policy signal: {signal!r}")
 
+    def _is_late(self, signal: Signal) -> bool:
+        """A signal about an ended session (a request that completes after its SessionEnded, a
+        child spawned by it): it must not bring the session back as a paused one that nothing
+        would ever release. Only a new RequestSent revives an ended session id."""
+        ended = self._ended
+        if not ended:
+            return False
+        if isinstance(signal, (RequestCompleted, ToolCallStarted, ToolCallFinished)):
+            return signal.session_id in ended
+        if isinstance(signal, (ChildSpawned, ChildJoined)):
+            return signal.parent_session_id in ended
+        if isinstance(signal, SessionEnded):
+            return signal.session_id in ended and signal.session_id not in self.sessions
+        return False
+
     def _time(self, t: Optional[float]) -> float:
         now = self.clock() if t is None else t
         if now < self._last_t:
@@ -292,7 +330,7 @@ class SessionPolicy:
             parent.unstarted.discard(s.sid)
             if not parent.unstarted and parent.state == "waiting":  # every child has read it: the wait begins
                 self._predict_and_keep(parent, now)
-        s.state, s.cold, s.demoted, s.prefetch_at = "running", False, False, None
+        s.state, s.cold, s.demoted, s.prefetch_at, s.let_go = "running", False, False, None, False
         for kind in ("demote", "prefetch"):
             self._outbox.pop((kind, s.sid), None)
 
@@ -321,11 +359,19 @@ class SessionPolicy:
         self._predict_and_keep(s, now)
 
     def _end(self, sid: str) -> None:
+        self._ended[sid] = None
+        self._ended.move_to_end(sid)
+        if len(self._ended) > ENDED_MEMORY:
+            self._ended.popitem(last=False)
         s = self.sessions.get(sid)
         if s is None:
             if self.config.release_on_end:  # unknown to this policy (started late): release anyway
                 self._queue("release", sid, session(sid).release(), 0.0)
             return
+        if s.state in ("paused", "waiting") and s.keys:
+            self.model.observe_end(s.keys)  # this pause never came back
+        elif s.state == "running":  # ended with its last answer (done or in flight): an idle pause that never came back
+            self.model.observe_end(_idle_keys(s))
         s.state = "ended"
         for kind in ("keep", "demote", "prefetch"):
             self._outbox.pop((kind, sid), None)
@@ -354,12 +400,15 @@ class SessionPolicy:
         return self.forecast(s, now)[0]
 
     def predicted_resume(self, session_id: str, now: Optional[float] = None) -> Optional[float]:
-        """Absolute predicted time of the session's next request; None when it is running or unknown."""
+        """Absolute predicted time of the session's next request; None when it is running or
+        unknown, inf when it is predicted never to come back."""
         s = self.sessions.get(session_id)
         if s is None or s.state not in ("paused", "waiting", "resuming"):
             return None
         if s.state == "resuming":
             return s.reuse_at
+        if s.let_go:
+            return math.inf
         now = self.clock() if now is None else now
         return now + self.residual(s, now)
 
@@ -372,6 +421,9 @@ class SessionPolicy:
     def _predict_and_keep(self, s: _Session, now: float) -> None:
         c = self.config
         residual, review = self.forecast(s, now)
+        if residual >= self.max_ttl_s:  # never back (inf), or not within any TTL we may ask for
+            self._let_go(s)
+            return
         if self.tiers and residual >= c.demote_after_s:
             s.prefetch_at = now + max(0.0, residual - c.prefetch_margin_s)
             s.reuse_at = now + residual
@@ -384,10 +436,25 @@ class SessionPolicy:
         s.demoted = False  # (re-)protect what is left on the device; a scheduled Prefetch still goes out
         self._keep(s, now, residual, review)
 
+    def _let_go(self, s: _Session) -> None:
+        """Stop protecting a paused session predicted not to come back: one Release."""
+        s.reuse_at = s.review_at = s.prefetch_at = None
+        s.ttl_until, s.pin_until, s.pinned_blocks = math.inf, -math.inf, 0  # Release drops its pin too
+        s.demoted = False
+        if s.let_go:
+            return
+        s.let_go = True
+        for kind in ("keep", "demote", "prefetch"):
+            self._outbox.pop((kind, s.sid), None)
+        self._queue("release", s.sid, session(s.sid).release(), 0.0)
+
     def _keep(self, s: _Session, now: float, residual: float, review: Optional[float] = None) -> None:
         """Queue a Retain (or Pin) of `s` expecting reuse in `residual` seconds; re-predict after
         `review` seconds if that comes before the expectation passes (else just before it does)."""
         c = self.config
+        if s.let_go:  # protected again (children spawned, a new pause): a Release not yet sent is moot
+            s.let_go = False
+            self._outbox.pop(("release", s.sid), None)
         ttl = min(self.max_ttl_s, max(c.min_ttl_s, c.ttl_factor * residual, residual + c.refresh_lead_s))
         s.reuse_at, s.ttl_until = now + residual, now + ttl
         lead = residual - c.refresh_lead_s
@@ -435,7 +502,7 @@ class SessionPolicy:
         now = self._time(now)
         lead = self.config.refresh_lead_s
         for s in self.sessions.values():
-            if s.cold:
+            if s.cold or s.let_go:
                 continue
             if s.state == "resuming" or (s.state == "waiting" and s.unstarted):
                 # Due now until its (or its children's first) request comes: keep it due.

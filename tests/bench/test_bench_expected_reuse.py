@@ -242,3 +242,34 @@ def test_engine_driver_sends_the_library_policys_hints_with_expected_reuse() -> 
     assert retains and retains[0].selector.session.session_id == "ns-s00"
     assert retains[0].retain.HasField("expected_reuse_in")
     assert sent[-1].HasField("release") and sent[-1].selector.session.session_id == "ns-s00"
+
+
+def test_replay_driver_tells_the_library_policy_of_completions() -> None:
+    """The real-engine replay reports each completion (`on_signals(..., session_id)`): with no
+    signal of the same moment the session is idle, and once the policy has learned that idle
+    sessions end (two that ended after their answer), an idle one is released, not kept."""
+    from types import SimpleNamespace
+
+    from bench.agentic_driver import HintDriver
+    from bench.trace import SessionEnded
+
+    sent: list = []
+
+    def apply(*hints, timeout=None):  # type: ignore[no-untyped-def]
+        sent.extend(hints)
+        return SimpleNamespace(outcomes=["ACCEPTED"] * len(hints), results=[])
+
+    now = [0.0]
+    driver = HintDriver("127.0.0.1:1", generate_trace(PRESETS["fast"], 0, preset="fast"), None, str, 1.0, lambda: now[0], None)
+    driver.client.close()
+    driver.client = SimpleNamespace(apply=apply, close=lambda: None)  # type: ignore[assignment]
+    for i, sid in enumerate(["a", "b", "c", "d", "left"]):
+        now[0] = 10.0 * i
+        driver.on_request(sid)
+        now[0] += 1
+        ends = [] if sid == "left" else [SessionEnded(now[0], sid)]
+        driver.on_signals(ends, None, sid)
+    driver.close()
+    assert driver.policy.policy.model.count(("idle",)) == 4
+    left = [h.WhichOneof("action") for h in sent if h.selector.session.session_id == "left"]
+    assert left == ["release"]  # an idle session like those that ended: let go

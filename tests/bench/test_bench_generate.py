@@ -144,3 +144,19 @@ def test_bad_params_rejected():
         generate_trace(replace(PRESETS["fast"], turns=(3, 1)), 0)
     with pytest.raises(ValueError):
         generate_trace(replace(PRESETS["fast"], max_context_tokens=100), 0)
+
+
+def test_users_who_leave_drop_only_their_end_signal(fast_trace):
+    """abandon_prob: a top-level session's session_ended is left out (its user left and the
+    runtime never said so); the traffic is otherwise the same, children still end, and 0 gives
+    the trace of the earlier generator (its header too)."""
+    leave = generate_trace(replace(PRESETS["fast"], abandon_prob=1.0), 0, preset="fast")
+    assert [e for e in leave.events if not isinstance(e, SessionEnded)] == [
+        e for e in fast_trace.events if not isinstance(e, SessionEnded)
+    ]
+    ended = {e.session_id for e in leave.events if isinstance(e, SessionEnded)}
+    children = {e.child_session_id for e in fast_trace.events if isinstance(e, ChildSpawned)}
+    assert children and ended == children
+    assert "abandon_prob" not in fast_trace.header.params
+    with pytest.raises(ValueError, match="abandon_prob"):
+        replace(PRESETS["fast"], abandon_prob=1.5).validate()

@@ -132,6 +132,57 @@ def test_residual_is_a_valid_conditional_quantile(sample: list[float], elapsed: 
     assert later.residual(ALL, 0.0, q=q) >= model.residual(ALL, 0.0, q=q) - 1e-6
 
 
+def test_pauses_that_ended_their_session_make_the_prediction_never() -> None:
+    """A key whose pauses mostly ended the session (no next request) predicts "never":
+    residual infinite once more than 1 - q of the pauses that lasted this long did not come
+    back, and the reuse index too once no finite pause is left beyond the time waited."""
+    model = PauseModel(min_samples=1, prior_weight=1.0)
+    for _ in range(2):
+        model.observe(ALL, 4.0)
+    assert math.isfinite(model.residual(ALL, 0.0, q=0.7))
+    for _ in range(8):
+        model.observe_end(ALL)
+    assert model.residual(ALL, 0.0, q=0.7) == math.inf  # 8 of 11 never come back
+    assert model.residual(ALL, 0.0, q=0.1) == pytest.approx(4.0, rel=1e-3)  # a low quantile still sees the 4 s pauses
+    index, horizon = model.reuse_index(ALL, 0.0)
+    assert math.isfinite(index) and index > 4.0  # the never-mass is space held for no hit
+    only_never = PauseModel(min_samples=1, prior_weight=1e-9)
+    only_never.observe_end(ALL)
+    assert only_never.reuse_index(ALL, 1e6) == (math.inf, math.inf)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.one_of(st.floats(0.01, 100), st.just(math.inf)), min_size=1, max_size=40),
+    st.floats(0, 200),
+    st.floats(0.05, 0.95),
+)
+def test_residual_with_sessions_that_ended_is_a_quantile_or_never(sample: list[float], elapsed: float, q: float) -> None:
+    """With never-observations (inf) in the sample the residual is still the conditional
+    q-quantile: infinite exactly when the share of pauses that lasted `elapsed` and never came
+    back exceeds 1 - q, finite and >= 0 otherwise; a pause ending its session only ever makes
+    the prediction later."""
+    model = PauseModel(min_samples=1)
+    finite_only = PauseModel(min_samples=1)
+    for x in sample:
+        if math.isinf(x):
+            model.observe_end(ALL)
+        else:
+            model.observe(ALL, x)
+            finite_only.observe(ALL, x)
+    w = model.prior_weight
+    survivors = sum(1 for x in sample if x > elapsed) + w * (1 - model.prior.cdf(elapsed))
+    never = sum(1 for x in sample if math.isinf(x))
+    r = model.residual(ALL, elapsed, q=q)
+    assert r >= 0
+    if never / survivors > 1 - q + 1e-9:
+        assert r == math.inf
+    elif never / survivors < 1 - q - 1e-9:
+        assert math.isfinite(r)
+    if math.isfinite(r) and finite_only.count(ALL):
+        assert r >= finite_only.residual(ALL, elapsed, q=q) - 1e-6
+
+
 # --------------------------------------------------------------------------- ranking
 
 
@@ -309,6 +360,57 @@ def test_idle_session_after_completion_is_kept_until_a_tool_call_replaces_it() -
     policy.observe(ToolCallStarted("a", tools=("x",), t=1.0))
     policy.flush(sink, 1.0)
     assert len([h for h in sink.hints if h.selector.session.session_id == "a"]) == 1  # coalesced
+
+
+def _releases(sink: RecordingSink, sid: str) -> int:
+    return sum(1 for h in sink.hints if h.selector.session.session_id == sid and h.HasField("release"))
+
+
+def test_an_idle_session_like_those_that_ended_is_released_once_and_revived_by_a_request() -> None:
+    """Sessions that answered with no tool call and then ended teach the policy that idle
+    pauses do not come back. An idle session whose user left (no SessionEnded ever) is then
+    released once, instead of being protected above running sessions until its TTL runs out;
+    its next request makes it a live session again."""
+    policy, sink = make()
+    t = 0.0
+    for i in range(6):  # six sessions: one answer, then the end
+        policy.observe(RequestSent(f"done-{i}", t=t))
+        policy.observe(RequestCompleted(f"done-{i}", t=t + 1))
+        policy.observe(SessionEnded(f"done-{i}", t=t + 2))
+        t += 3
+    assert policy.model.residual((("idle", ""), ("idle",)), 0.0, q=0.7) == math.inf
+    policy.observe(RequestSent("left", t=t))
+    policy.observe(RequestCompleted("left", t=t + 1))
+    for dt in (1, 2, 30, 300):
+        policy.flush(sink, t + dt)
+    assert _releases(sink, "left") == 1 and _keeps(sink, "left") == []
+    assert policy.predicted_resume("left", t + 300) == math.inf
+    policy.observe(RequestSent("left", t=t + 400))  # it came back after all
+    policy.observe(ToolCallStarted("left", tools=("x",), t=t + 401))
+    policy.flush(sink, t + 401)
+    assert _keeps(sink, "left")  # a tool pause is kept again
+    assert policy.model.count(("idle",)) == 7  # the idle pause that did come back is learned
+
+
+def test_signals_after_a_session_ended_do_not_bring_it_back() -> None:
+    """A request that completes after its session's SessionEnded (the runtime ended it while the
+    request was in flight) must not make it a paused session that nothing would ever release."""
+    policy, sink = make()
+    policy.observe(RequestSent("a", t=0.0))
+    policy.observe(SessionEnded("a", t=0.5))
+    policy.observe(RequestCompleted("a", t=1.0))
+    policy.observe(ToolCallStarted("a", tools=("x",), t=1.0))
+    policy.observe(ChildSpawned("a", "a.c0", t=1.0))
+    policy.observe(SessionEnded("a", t=1.5))
+    for t in (1.5, 10.0, 100.0):
+        policy.flush(sink, t)
+    assert policy.sessions == {}
+    assert _keeps(sink, "a") == [] and _releases(sink, "a") == 1
+    assert policy.stats["late_signals"] == 4
+    policy.observe(RequestSent("a", t=200.0))  # the id is used again: a live session
+    policy.observe(RequestCompleted("a", t=201.0))
+    policy.flush(sink, 201.0)
+    assert "a" in policy.sessions
 
 
 def test_template_is_kept_above_sessions_refreshed_and_retired() -> None:

@@ -28,8 +28,19 @@ KEYS = [("tool", "a", "c1"), ("tool", "a"), ("tool", "b"), ("declared", "long"),
 HIERARCHIES = [tuple(KEYS[i:]) for i in range(len(KEYS))] + [(("tool", "b"), ("all",)), (("unseen",), ("all",))]
 
 observations = st.lists(
-    st.tuples(st.sets(st.sampled_from(KEYS), min_size=1), st.floats(0, 500, allow_nan=False)), max_size=60
+    st.tuples(
+        st.sets(st.sampled_from(KEYS), min_size=1),
+        st.one_of(st.floats(0, 500, allow_nan=False), st.just(math.inf)),  # inf: the pause ended its session
+    ),
+    max_size=60,
 )
+
+
+def _add(model: PauseModel, keys: set[tuple[str, ...]], x: float) -> None:
+    if math.isinf(x):
+        model.observe_end(sorted(keys))
+    else:
+        model.observe(sorted(keys), x)
 
 
 def _predictions(model: PauseModel, elapsed: float, prior: LogNormalPrior | None) -> list[Any]:
@@ -56,15 +67,15 @@ def test_export_then_load_predicts_identically(
 ) -> None:
     original = PauseModel(window=window, min_samples=2)
     for keys, x in before:
-        original.observe(sorted(keys), x)
+        _add(original, keys, x)
     state = json.loads(json.dumps(original.export()))  # through JSON, as a router would store it
     loaded = PauseModel(window=window, min_samples=2)
     loaded.load(state)
     assert loaded.export() == original.export()
     assert _predictions(loaded, elapsed, prior) == _predictions(original, elapsed, prior)
     for keys, x in after:  # the sliding windows continue from the same order
-        original.observe(sorted(keys), x)
-        loaded.observe(sorted(keys), x)
+        _add(original, keys, x)
+        _add(loaded, keys, x)
     assert _predictions(loaded, elapsed, prior) == _predictions(original, elapsed, prior)
 
 
@@ -75,6 +86,19 @@ def test_a_smaller_window_keeps_the_most_recent_samples() -> None:
     small = PauseModel(window=3)
     small.load(big.export())
     assert small.export()["keys"] == [{"key": ["all"], "samples": [7.0, 8.0, 9.0]}]
+
+
+def test_pauses_that_ended_their_session_travel_as_null_and_version_1_states_still_load() -> None:
+    model = PauseModel()
+    model.observe([("idle",)], 2.0)
+    model.observe_end([("idle",)])
+    state = model.export()
+    assert state["version"] == 2 and state["keys"] == [{"key": ["idle"], "samples": [2.0, None]}]
+    old = {"format": PAUSE_STATE_FORMAT, "version": 1, "keys": [{"key": ["all"], "samples": [1.0, 2.0]}]}
+    model.load(old)  # an export of the earlier version: no null samples
+    assert model.export()["keys"] == [{"key": ["all"], "samples": [1.0, 2.0]}]
+    with pytest.raises(ValueError, match="finite number >= 0, got None"):
+        model.load({**old, "keys": [{"key": ["all"], "samples": [1.0, None]}]})  # null is version 2's
 
 
 def test_a_warm_policy_predicts_from_what_the_earlier_one_learned() -> None:
