@@ -25,7 +25,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from bench.reference_policy import policy_variant
 from bench.report import command_line
+from bench.simulate import compile_trace, simulate_belady, simulate_hinted, simulate_library, simulate_lru
 from bench.trace import Trace
 
 OUT = "bench/results/policy/desk"
@@ -85,9 +87,6 @@ def desk_trace(seed: int, *, leave_prob: float = LEAVE_PROB, sessions: int = 60,
 
 def measure(seed: int, leave_prob: float) -> dict[str, Any]:
     """Recomputed prompt tokens per run on one desk trace."""
-    from bench.reference_policy import policy_variant
-    from bench.simulate import compile_trace, simulate_belady, simulate_hinted, simulate_library, simulate_lru
-
     bt = compile_trace(desk_trace(seed, leave_prob=leave_prob))
     reference = simulate_hinted(bt, policy_variant("hints+release", bt.policy_config), name="hints+release")
     return {

@@ -109,7 +109,7 @@ class LibraryPolicy:
         self.policy.observe(lib.RequestSent(session_id, t=max(t, self._now)))
         return self._flush(t)
 
-    def completed(self, session_id: str, t: float) -> list[Action]:
+    def completed(self, session_id: str, t: float) -> None:
         """A request of `session_id` completed at `t` (observed, not flushed: a tool call or
         spawn signalled at the same moment replaces the idle pause before any hint goes out,
         as a router that sees one response sends one signal): until its next signal or request the
@@ -117,7 +117,6 @@ class LibraryPolicy:
         `session_ended`, stops being protected once the policy has learned that idle pauses
         rarely come back."""
         self.policy.observe(lib.RequestCompleted(session_id, t=max(t, self._now)))
-        return []  # what it calls for goes out with the next flush, after any signal of the same moment
 
     def observe(self, sig: Signal) -> list[Action]:
         t = max(sig.t, self._now)

@@ -75,8 +75,8 @@ Policies differ only in which free blocks a request's new blocks evict:
 from __future__ import annotations
 
 import bisect
-import itertools
 import heapq
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -690,11 +690,11 @@ def drive_policy(hp: HintedPool, pol: ReferencePolicy | LibraryPolicy | _NoHints
     done: list[tuple[float, int, str]] = []  # (completion, index, session) of requests run
 
     def completions(until: float) -> None:
-        # The library policy hears of a completion before a signal or request at the same time.
+        # The library policy hears of a completion before a signal or request at the same time
+        # (its hints go out with that item's flush).
         while done and done[0][0] <= until:
             t, _, sid = heapq.heappop(done)
-            for a in pol.completed(sid, t):  # type: ignore[union-attr]
-                hp.apply(a, t)
+            pol.completed(sid, t)  # type: ignore[union-attr]
 
     for item in bt.items:
         if sees_requests:

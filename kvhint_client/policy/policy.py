@@ -331,8 +331,7 @@ class SessionPolicy:
             if not parent.unstarted and parent.state == "waiting":  # every child has read it: the wait begins
                 self._predict_and_keep(parent, now)
         s.state, s.cold, s.demoted, s.prefetch_at, s.let_go = "running", False, False, None, False
-        for kind in ("demote", "prefetch"):
-            self._outbox.pop((kind, s.sid), None)
+        self._unqueue(s.sid, "demote", "prefetch")
 
     def _tool_keys(self, s: _Session, signal: ToolCallStarted) -> tuple[Key, ...]:
         keys: list[Key] = []
@@ -373,8 +372,7 @@ class SessionPolicy:
         elif s.state == "running":  # ended with its last answer (done or in flight): an idle pause that never came back
             self.model.observe_end(_idle_keys(s))
         s.state = "ended"
-        for kind in ("keep", "demote", "prefetch"):
-            self._outbox.pop((kind, sid), None)
+        self._unqueue(sid, "keep", "demote", "prefetch")
         if self.config.release_on_end:
             self._queue("release", sid, session(sid).release(), 0.0)
         for child in list(s.children):  # unjoined children are dead branches
@@ -444,8 +442,7 @@ class SessionPolicy:
         if s.let_go:
             return
         s.let_go = True
-        for kind in ("keep", "demote", "prefetch"):
-            self._outbox.pop((kind, s.sid), None)
+        self._unqueue(s.sid, "keep", "demote", "prefetch")
         self._queue("release", s.sid, session(s.sid).release(), 0.0)
 
     def _keep(self, s: _Session, now: float, residual: float, review: Optional[float] = None) -> None:
@@ -489,6 +486,11 @@ class SessionPolicy:
         c = self.config
         hint = target.retain(ttl=min(c.template_ttl_s, self.max_ttl_s), priority=c.template_priority)
         self._queue("keep", "template:" + template_id, hint, -1.0)
+
+    def _unqueue(self, owner: str, *kinds: str) -> None:
+        """Drop the hints of these kinds queued for `owner` and not sent yet."""
+        for kind in kinds:
+            self._outbox.pop((kind, owner), None)
 
     def _queue(self, kind: str, owner: str, hint: pb.Hint, order: float) -> None:
         hint.hint_id = f"{self._id_prefix}{next(self._ids)}"
