@@ -2,8 +2,9 @@
 
 Engine-neutral part: bench.snapshot_scale.measure(N) grows N sessions on one
 shared prefix through the real KvHintCore and takes a START_SNAPSHOT
-snapshot in slices; it fails when a step costs the engine thread more than
-SNAPSHOT_STEP_TARGET_MS of CPU.
+snapshot in slices; a step that costs the engine thread more than
+SNAPSHOT_STEP_TARGET_MS of CPU is a missed target, reported in the table
+(PhaseResult.miss).
 
 Served part: `sessions` completions, each the shared system prompt plus one
 block of its own, on the real engine; then a START_SNAPSHOT follower
@@ -35,7 +36,7 @@ def run_core(sessions: int) -> PhaseResult:
     result.tried = sessions
     step = float(m["snapshot_step_cpu_max_ms"])  # type: ignore[arg-type]
     if step > SNAPSHOT_STEP_TARGET_MS:
-        result.fail(f"snapshot step cost {step:.1f} ms of engine CPU (target {SNAPSHOT_STEP_TARGET_MS} ms)")
+        result.miss(f"snapshot step cost {step:.1f} ms of engine CPU (target {SNAPSHOT_STEP_TARGET_MS} ms)")
     if int(m["snapshot_num_sessions"]) < sessions:  # type: ignore[call-overload]
         result.fail(f"the snapshot carried {m['snapshot_num_sessions']} of {sessions} sessions")
     result.details = m

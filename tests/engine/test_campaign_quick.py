@@ -1,5 +1,11 @@
 """The reliability campaign's quick mode (bench.campaign --quick) against a
-served engine: every phase runs, and none fails or loses an event."""
+served engine: every phase runs, and none fails or loses an event.
+
+Missed performance targets (a latency ratio on a shared 2-core machine) are
+measurements: the table reports them, and this test only checks that each
+one is reported with its figure. The behaviour behind each target is a
+failure and fails here: for the stuck subscriber, an engine that waits on
+the stuck stream (completions slower by half the stall threshold)."""
 
 from __future__ import annotations
 
@@ -25,4 +31,10 @@ def test_quick_campaign_has_no_failure_and_loses_nothing(tmp_path: Path) -> None
         assert phase["failed"] == 0, (phase["phase"], phase["failures"][:5])
         assert (phase["lost"] or 0) == 0, (phase["phase"], phase["details"])
     assert rc == 0
-    assert "| **all** |" in (tmp_path / "results-quick.md").read_text()
+    table = (tmp_path / "results-quick.md").read_text()
+    assert "| **all** |" in table
+    for phase in phases:
+        for missed in phase["missed"]:
+            assert "target" in missed and missed.replace("|", "/") in table, missed
+    stuck = next(p for p in phases if p["phase"] == "stuck subscriber")
+    assert stuck["details"]["overflow_resync"] is True and stuck["details"]["loaded_median_ms"] > 0
