@@ -422,13 +422,16 @@ def next_use_index(bt: BlockTrace) -> dict[int, list[int]]:
     return uses
 
 
-def simulate_belady(bt: BlockTrace, num_gpu_blocks: int | None = None) -> SimResult:
-    """Belady-MIN over block ids (clairvoyant reference, see module doc).
+def belady_chooser(bt: BlockTrace) -> Callable[[BlockPoolModel, int, int], list[int]]:
+    """Belady-MIN's victim choice over `bt`: choose(pool, n, position) returns the
+    n free blocks to evict when request `position` (an index into bt.requests)
+    is the latest one to have started.
 
-    Next use of a free cached block = the next request whose hit-able prefix
-    contains its hash, except that a block no request can hit counts as never
-    used: a duplicate copy that is not the one lookups return, or a block
-    whose chain parent is no longer cached (an orphan).
+    Uncached free blocks go first; then the cached block whose next use (the
+    next request after `position` whose hit-able prefix contains its hash) is
+    furthest, a block no request can hit counting as never used: a duplicate
+    copy that is not the one lookups return, or a block whose chain parent is
+    no longer cached (an orphan). Ties: deepest in its chain, then LRU order.
     """
     uses = next_use_index(bt)
     depth: dict[int, int] = {}
@@ -440,7 +443,7 @@ def simulate_belady(bt: BlockTrace, num_gpu_blocks: int | None = None) -> SimRes
                 parent[h] = r.chain[i - 1]
     inf = math.inf
 
-    def choose(pool: BlockPoolModel, n: int, req: BlockRequest) -> list[int]:
+    def choose(pool: BlockPoolModel, n: int, position: int) -> list[int]:
         keyed = []
         cached = pool.map
         for pos, b in enumerate(pool.free):
@@ -453,14 +456,21 @@ def simulate_belady(bt: BlockTrace, num_gpu_blocks: int | None = None) -> SimRes
             if cached[h][0] == b and (ph is None or ph in cached):
                 lst = uses.get(h)
                 if lst:
-                    j = bisect.bisect_right(lst, req.index)
+                    j = bisect.bisect_right(lst, position)
                     if j < len(lst):
                         nxt = lst[j]
             keyed.append(((1, -nxt, -depth.get(h, 0), pos), b))
         keyed.sort(key=lambda kb: kb[0])
         return [b for _, b in keyed[:n]]
 
-    return _simulate("belady", bt, choose, num_gpu_blocks)
+    return choose
+
+
+def simulate_belady(bt: BlockTrace, num_gpu_blocks: int | None = None) -> SimResult:
+    """Belady-MIN over block ids (clairvoyant reference, see module doc and
+    `belady_chooser`), sequential execution."""
+    choose = belady_chooser(bt)
+    return _simulate("belady", bt, lambda pool, n, req: choose(pool, n, req.index), num_gpu_blocks)
 
 
 def simulate_infinite(bt: BlockTrace) -> SimResult:
