@@ -38,6 +38,7 @@ OTHER_VARIABLES = frozenset({
     "KVHINT_ADDRESS", "KVHINT_TOKEN",  # the client and CLI
     "KVHINT_SHARE_PEERS", "KVHINT_TIER_OP_TIMEOUT_S",  # engine_integration.tiers.settings
     "KVHINT_MODEL_CACHE", "KVHINT_GPU_MEMORY_UTILIZATION", "KVHINT_ENGINE_FORBIDDEN",  # tests, benchmarks, demo
+    "KVHINT_ENFORCE_EAGER",  # engine_integration.served: test engines and gpu_check --cpu skip torch.compile
 })
 
 

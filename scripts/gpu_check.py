@@ -100,12 +100,15 @@ def platform_info(opts: Options) -> dict[str, Any]:
     import torch
     import vllm
 
+    from engine_integration.served import ENFORCE_EAGER_ENV
+
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "mode": "cpu" if opts.cpu else "gpu",
         "cuda_available": bool(torch.cuda.is_available()),
+        "enforce_eager": os.environ.get(ENFORCE_EAGER_ENV) == "1",
     }
     if info["cuda_available"]:
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -211,7 +214,8 @@ def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Ste
         "# KvHint GPU check",
         "",
         f"Command: `scripts/gpu_check.sh{' --cpu' if opts.cpu else ''}{' --quick' if opts.quick else ''}`; "
-        f"{where}; vLLM {info['vllm']}, torch {info['torch']}, Python {info['python']}; {wall:.0f} s in all. "
+        f"{where}; vLLM {info['vllm']}, torch {info['torch']}, Python {info['python']}"
+        f"{'; engines eager (torch.compile off)' if info['enforce_eager'] else ''}; {wall:.0f} s in all. "
         f"Overall: **{'PASS' if ok else 'FAIL'}**.",
         "",
     ]

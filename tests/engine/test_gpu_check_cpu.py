@@ -28,7 +28,7 @@ def test_gpu_check_runs_on_cpu_and_writes_one_results_file(tmp_path: Path) -> No
     data = json.loads((tmp_path / "gpu_check_results.json").read_text())
     text = (tmp_path / "gpu_check_results.md").read_text()
     assert data["ok"] and "Overall: **PASS**" in text
-    assert data["platform"]["mode"] == "cpu"
+    assert data["platform"]["mode"] == "cpu" and data["platform"]["enforce_eager"] is True
     assert set(data["models"]) == {"hybrid"}
     for model, steps in data["models"].items():
         by_name = {s["name"].split(" (")[0]: s for s in steps}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 from kvhint.v1 import kvhint_pb2_grpc
 from kvhint_server import KvHintCore, KvHintServer
 from kvhint_server import server as server_module
-from kvhint_server.config import ConfigError, ServerConfig, check_environment, env_name, is_loopback
+from kvhint_server.config import ConfigError, ServerConfig, check_environment, env_name, is_loopback, unknown_variables
 
 REPO = Path(__file__).resolve().parents[2]
 NUMERIC = [f.name for f in dataclasses.fields(ServerConfig) if type(f.default) in (int, float)]
@@ -110,6 +111,20 @@ def test_unknown_kvhint_variables_are_warned_about(caplog):
     with caplog.at_level(logging.WARNING, logger="kvhint.config"):
         check_environment({"KVHINT_MAX_TTL": "600", "KVHINT_TOKEN": "client side"})
     assert "KVHINT_MAX_TTL " in caplog.text and "KVHINT_TOKEN" not in caplog.text
+
+
+def test_every_kvhint_variable_the_code_reads_is_known_to_the_typo_warning():
+    """A variable the repository reads (a string literal KVHINT_NAME in the shipped code, the
+    benchmarks or the scripts) never draws the "a typo?" warning: the launcher printed it for
+    KVHINT_ENFORCE_EAGER until it was listed."""
+    root = Path(__file__).resolve().parents[2]
+    read: set[str] = set()
+    for folder in ("engine_integration", "kvhint_client", "kvhint_server", "bench", "scripts", "conformance"):
+        for path in (root / folder).rglob("*.py"):
+            read.update(re.findall(r"[\"'](KVHINT_[A-Z0-9_]+)[\"']", path.read_text()))
+    assert "KVHINT_ENFORCE_EAGER" in read and "KVHINT_GRPC_ADDRESS" in read
+    assert unknown_variables({name: "1" for name in read}) == []
+    assert unknown_variables({"KVHINT_ENFORCE_EAGR": "1"}) == ["KVHINT_ENFORCE_EAGR"]
 
 
 def _server(**config: object) -> tuple[KvHintServer, FakeEngine]:
