@@ -151,7 +151,7 @@ def lru_timeline(bt: BlockTrace, admit: Sequence[float], finish: Sequence[float]
 
     for _, kind, i in events:
         if kind == 0:
-            if (waiting and queue) or not try_admit(i):
+            if waiting or not try_admit(i):  # (only a queue has anyone waiting)
                 stats["no_room"] += 1
                 if queue:
                     waiting.append(i)
@@ -277,8 +277,9 @@ class OfflineRefs:
         }
 
 
-def _ratio(v: Any) -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}"
+def _fmt(v: Any, fmt: str = "{:.0f}") -> str:
+    """`v` in `fmt`, or n/a when it is missing (None or NaN)."""
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
 
 
 def _sim_summary(r: Any) -> dict[str, Any]:
@@ -529,10 +530,7 @@ class Report:
         return rows
 
     def markdown_table(self) -> str:
-        def f(v: Any, fmt: str = "{:.0f}") -> str:
-            if v is None or (isinstance(v, float) and math.isnan(v)):
-                return "n/a"
-            return fmt.format(v)
+        f = _fmt
 
         rep = max((len(v) for v in self.runs.values()), default=1)
         lines = [
@@ -626,7 +624,7 @@ class Report:
                     f"| {name} | {g1} | {sim} "
                     f"| {e['ttft_mean_vs_lru']:.2f} ({'met' if e['ttft_met'] else 'missed'}) "
                     f"| {e.get('modelled_ttft_vs_lru', math.nan):.2f} "
-                    f"| {inf} | {'-' if tiered else _ratio(e.get('g1_savings_vs_belady_overlapped'))} |"
+                    f"| {inf} | {'-' if tiered else _fmt(e.get('g1_savings_vs_belady_overlapped'), '{:.2f}')} |"
                 )
             gt = g.get("hints+tiers")
             if gt is not None and "offload" in self.runs and "lru" in self.runs:
@@ -847,10 +845,7 @@ def _json_default(o: Any) -> Any:
 def combined_table(dirs: Sequence[str | Path]) -> str:
     """One markdown table over several results.json files."""
 
-    def f(v: Any, fmt: str = "{:.0f}") -> str:
-        if v is None or (isinstance(v, float) and math.isnan(v)):
-            return "n/a"
-        return fmt.format(v)
+    f = _fmt
 
     lines = [
         "| trace | run | hit rate | recomputed prompt tokens | x LRU | G1 (share of Belady's savings) "

@@ -29,8 +29,14 @@ ENGINE_FORBIDDEN_ENV = "KVHINT_ENGINE_FORBIDDEN"
 # "1": served engines start with --enforce-eager (no torch.compile). tests/conftest.py sets it: on
 # the 2-core CI machine the compile takes about 13 of a tiny model's 45 s start (vLLM's AOT
 # compile cache fails to load there and it recompiles every time), and the test suite starts
-# dozens of engines. Benchmarks leave it unset and serve as users do.
+# dozens of engines; scripts/gpu_check.sh --cpu sets it for the same reason. Benchmarks leave it
+# unset and serve as users do.
 ENFORCE_EAGER_ENV = "KVHINT_ENFORCE_EAGER"
+
+
+def eager_from_env() -> bool:
+    """Whether ENFORCE_EAGER_ENV asks for eager engines (EngineSpec's default)."""
+    return os.environ.get(ENFORCE_EAGER_ENV) == "1"
 DEFAULT_MODEL_DIR = Path(os.environ.get("KVHINT_MODEL_CACHE", Path.home() / ".cache" / "kvhint" / "models"))
 
 
@@ -123,7 +129,7 @@ class EngineSpec:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     seed: int = 0
-    enforce_eager: bool = field(default_factory=lambda: os.environ.get(ENFORCE_EAGER_ENV) == "1")
+    enforce_eager: bool = field(default_factory=eager_from_env)
 
 
 class ServedEngine:

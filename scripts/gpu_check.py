@@ -100,7 +100,7 @@ def platform_info(opts: Options) -> dict[str, Any]:
     import torch
     import vllm
 
-    from engine_integration.served import ENFORCE_EAGER_ENV
+    from engine_integration.served import eager_from_env
 
     info: dict[str, Any] = {
         "python": platform.python_version(),
@@ -108,7 +108,7 @@ def platform_info(opts: Options) -> dict[str, Any]:
         "torch": torch.__version__,
         "mode": "cpu" if opts.cpu else "gpu",
         "cuda_available": bool(torch.cuda.is_available()),
-        "enforce_eager": os.environ.get(ENFORCE_EAGER_ENV) == "1",
+        "enforce_eager": eager_from_env(),
     }
     if info["cuda_available"]:
         info["gpu"] = torch.cuda.get_device_name(0)

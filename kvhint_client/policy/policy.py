@@ -428,7 +428,7 @@ class SessionPolicy:
             s.review_at = s.reuse_at - c.refresh_lead_s
             if not s.demoted:
                 s.demoted = True
-                self._outbox.pop(("keep", s.sid), None)
+                self._unqueue(s.sid, "keep")
                 self._queue("demote", s.sid, session(s.sid).demote(), now)
             return
         s.demoted = False  # (re-)protect what is left on the device; a scheduled Prefetch still goes out
@@ -451,7 +451,7 @@ class SessionPolicy:
         c = self.config
         if s.let_go:  # protected again (children spawned, a new pause): a Release not yet sent is moot
             s.let_go = False
-            self._outbox.pop(("release", s.sid), None)
+            self._unqueue(s.sid, "release")
         ttl = min(self.max_ttl_s, max(c.min_ttl_s, c.ttl_factor * residual, residual + c.refresh_lead_s))
         s.reuse_at, s.ttl_until = now + residual, now + ttl
         lead = residual - c.refresh_lead_s
