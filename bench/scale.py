@@ -27,6 +27,14 @@ instead. The targets are checked against plain stock only. One run uses vLLM's
 AsyncScheduler on both sides (the GPU default; KvHintScheduler then builds KvHintAsyncScheduler),
 stepped as EngineCore.step_with_batch_queue does (engine_integration.inproc).
 
+Bookkeeping (KVHINT_RESIDENCY_BOOKKEEPING, kvhint_server/journal.py): the pool and session runs
+are inline; one run is deferred on the synchronous scheduler, and the async run is deferred
+(`auto`), next to an async run forced inline. Deferred runs are settled by the driver after each
+unit, outside the timed region, and that CPU is recorded apart (kv_settle_ns). Two more runs
+sleep 20 ms after each side's step with the GIL free (the device's share of a GPU step) and
+let the journal's own settler thread book it, as on an engine; their wall times show whether
+the settler made the engine thread wait.
+
 Raw data (raw.json, one units_*.csv per run) and the generated RESULTS.md + scale_loglog.png go
 to --out. Targets (issue 12): <= 1.03x scheduler CPU with 10k sessions and no hints; memory
 linear in resident blocks plus sessions; no per-step work proportional to pool size or
@@ -70,8 +78,10 @@ def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
         base: dict[str, Any] = dict(steps=20, warmup_steps=6, quiet_rounds=4, system_tokens=256, first_context_tokens=64,
                                     max_tokens=16, arrivals_per_step=4, max_model_len=1024, max_num_seqs=64)
         pools, sessions, mid, hints, sweep, event_steps, event_count = (2048, 8192), (50, 200), 8192, 10, (1, 16, 64), 10, 2000
+        wait = 0.005
     else:
         base = dict(steps=200, quiet_rounds=20)
+        wait = 0.02
         pools, sessions, mid, hints, sweep = (16384, 131072, 524288), (100, 1000, 10000), 131072, 20, (1, 16, 64, 256, 1024, 4096)
         event_steps, event_count = 150, 50_000
     if steps is not None:
@@ -81,7 +91,14 @@ def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
     runs += [Run(f"p{mid}_s{s}", Shape(mid, s, **base)) for s in sessions[:-1]]
     runs.append(Run(f"p{mid}_s{most}_hints", Shape(mid, most, hints_per_step=hints, **base)))
     runs.append(Run(f"p{mid}_s{most}_vs_events", Shape(mid, most, stock_kv_events=True, **base)))
-    runs.append(Run(f"p{mid}_s{most}_async", Shape(mid, most, async_scheduling=True, **base)))
+    runs.append(Run(f"p{mid}_s{most}_deferred", Shape(mid, most, bookkeeping="deferred", **base)))
+    runs.append(Run(f"p{mid}_s{most}_async", Shape(mid, most, async_scheduling=True, **base)))  # auto: deferred
+    runs.append(Run(f"p{mid}_s{most}_async_inline", Shape(mid, most, async_scheduling=True, bookkeeping="inline", **base)))
+    # A GPU-like duty cycle (each step then a device wait with the GIL free), the settler as a real
+    # thread: does its work delay the engine thread (wall time) while it books the last step?
+    for mode in ("inline", "auto"):
+        runs.append(Run(f"p{mid}_s{most}_async_{mode}_wait", Shape(mid, most, async_scheduling=True, bookkeeping=mode,
+                                                                   settler_thread=True, gpu_wait_s=wait, **base)))
     runs.append(Run(f"aa_p{mid}_s{most}", Shape(mid, most, **base), aa=True))
     return runs, {"sweep": sweep, "event_steps": event_steps, "event_count": event_count, "attribution_steps": 10 if quick else 60,
                   "gc_repeats": 1 if quick else 3,
@@ -105,7 +122,8 @@ def execute(run: Run, extras: dict[str, Any], out_dir: Path, raw: dict[str, Any]
             "schedulers": [type(pair.stock.sched).__name__, type(pair.kv.sched).__name__],
             "units_csv": f"units_{run.name}.csv",
         }
-        if not run.aa and not run.shape.stock_kv_events:  # (the events run's KvHint side is the same as its twin's)
+        # (the events and device-wait runs' KvHint sides are the same as their twins')
+        if not run.aa and not run.shape.stock_kv_events and not run.shape.gpu_wait_s:
             entry["memory"] = memory(pair.kv, extras["gc_repeats"])
             if pair.sender is not None and pair.sender.batches:
                 entry["hint_batches"] = pair.sender.batches

@@ -35,9 +35,10 @@ from .scale_workload import HintPlan, Shape, Turn, Workload, tokens
 FILL_CHUNK = 16  # direct admissions per recorded fill unit
 _ENDPOINTS = itertools.count()  # vLLM KV-event endpoints of this process
 
-# The CPU timers (ns).
+# The CPU timers (ns), and the wall clock (GIL waits included).
 thread_ns = time.thread_time_ns
 process_ns = time.process_time_ns
+wall_ns = time.perf_counter_ns
 
 
 @dataclass
@@ -53,6 +54,12 @@ class Unit:
     evicted: int  # blocks removed on the KvHint side during the unit
     hints: int = 0
     running: int = 0
+    # CPU time of settling the KvHint side's deferred bookkeeping after the unit (journal.py;
+    # outside kv_ns: on an engine the settler thread does it). 0 with inline bookkeeping.
+    kv_settle_ns: int = 0
+    # Wall time of the same timed regions (with a settler thread, waits for the GIL show here).
+    stock_wall_ns: int = 0
+    kv_wall_ns: int = 0
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,23 +93,35 @@ class Side:
         self.core = getattr(self.sched, "kvhint_core", None)
         self.cpu_ns = 0
         self.proc_ns = 0
+        self.settle_ns = 0
+        self.wall_ns = 0
+        if self.core is not None:
+            # Bookkeeping as the shape says. Deferred gets no settler thread unless the shape
+            # asks for one: the driver settles after each unit and times that separately
+            # (settle_ns).
+            journal = self.core.journal
+            journal.stop()
+            if shape.bookkeeping == "deferred" or (shape.bookkeeping == "auto" and shape.async_scheduling):
+                journal.start(thread=shape.settler_thread)
         orig_schedule, orig_update = self.sched.schedule, self.sched.update_from_output
 
         def schedule(*a: Any, **k: Any) -> Any:
-            t, p = thread_ns(), process_ns()
+            t, p, w = thread_ns(), process_ns(), wall_ns()
             try:
                 return orig_schedule(*a, **k)
             finally:
                 self.cpu_ns += thread_ns() - t
                 self.proc_ns += process_ns() - p
+                self.wall_ns += wall_ns() - w
 
         def update(*a: Any, **k: Any) -> Any:
-            t, p = thread_ns(), process_ns()
+            t, p, w = thread_ns(), process_ns(), wall_ns()
             try:
                 return orig_update(*a, **k)
             finally:
                 self.cpu_ns += thread_ns() - t
                 self.proc_ns += process_ns() - p
+                self.wall_ns += wall_ns() - w
 
         self.sched.schedule, self.sched.update_from_output = schedule, update
 
@@ -119,6 +138,21 @@ class Side:
         """CPU time (thread, process) accumulated since the last take."""
         out = (self.cpu_ns, self.proc_ns)
         self.cpu_ns = self.proc_ns = 0
+        return out
+
+    def take_wall(self) -> int:
+        out, self.wall_ns = self.wall_ns, 0
+        return out
+
+    def settle(self) -> None:
+        """Settle deferred bookkeeping now (after a unit, outside its timed region)."""
+        if self.core is not None and self.core.journal.pending():
+            t = thread_ns()
+            self.core.settle()
+            self.settle_ns += thread_ns() - t
+
+    def take_settle(self) -> int:
+        out, self.settle_ns = self.settle_ns, 0
         return out
 
     def fill(self, turn: Turn) -> bool:
@@ -138,12 +172,16 @@ class Side:
     def step(self, turns: Sequence[Turn]) -> list[str]:
         """Add the arriving turns and run one engine step. Returns the finished request ids."""
         requests = [self.request(t) for t in turns]
-        t, p = thread_ns(), process_ns()
+        t, p, w = thread_ns(), process_ns(), wall_ns()
         for req in requests:
             self.sched.add_request(req)
         self.cpu_ns += thread_ns() - t
         self.proc_ns += process_ns() - p
-        return self.inproc.step(self.sched).finished
+        self.wall_ns += wall_ns() - w
+        finished = self.inproc.step(self.sched).finished
+        if self.shape.gpu_wait_s:
+            time.sleep(self.shape.gpu_wait_s)  # the device's share of a step: the GIL is free
+        return finished
 
     def running(self) -> int:
         return len(self.sched.running)
@@ -266,8 +304,10 @@ class Pair:
     def _record(self, phase: str, hints: int = 0) -> Unit:
         s, sp = self.stock.take()
         k, kp = self.kv.take()
+        self.kv.settle()
         admitted, evicted = self.counter.take() if self.counter is not None else (0, 0)
-        unit = Unit(phase, s, k, sp, kp, admitted, evicted, hints, self.kv.running())
+        unit = Unit(phase, s, k, sp, kp, admitted, evicted, hints, self.kv.running(), self.kv.take_settle(),
+                    self.stock.take_wall(), self.kv.take_wall())
         self.units.append(unit)
         return unit
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-UNIT_FIELDS = ("phase", "stock_ns", "kv_ns", "stock_proc_ns", "kv_proc_ns", "admitted", "evicted", "hints", "running")
+UNIT_FIELDS = ("phase", "stock_ns", "kv_ns", "stock_proc_ns", "kv_proc_ns", "admitted", "evicted", "hints", "running",
+               "kv_settle_ns", "stock_wall_ns", "kv_wall_ns")
 STEP_PHASES = ("steady", "quiet", "quiet-admit")
 TARGET_RATIO = 1.03
 FLAT_NOISE_US = 10.0  # per-step noise allowance of the flatness verdict
@@ -36,7 +37,11 @@ def write_units(path: Path, units: Sequence[dict[str, Any]]) -> None:
 
 def read_units(path: Path) -> list[dict[str, Any]]:
     with open(path, newline="") as f:
-        return [{k: (v if k == "phase" else int(v)) for k, v in row.items()} for row in csv.DictReader(f)]
+        rows = [{k: (v if k == "phase" else int(v)) for k, v in row.items()} for row in csv.DictReader(f)]
+    for row in rows:
+        for key in ("kv_settle_ns", "stock_wall_ns", "kv_wall_ns"):
+            row.setdefault(key, 0)  # units written before deferred bookkeeping existed
+    return rows
 
 
 # ---------------------------------------------------------------- per-run analysis
@@ -51,6 +56,10 @@ def _ratios(units: Sequence[dict[str, Any]], key: str = "") -> dict[str, float]:
         "stock_median_ms": statistics.median(u[s] for u in units) / 1e6 if units else float("nan"),
         "kv_median_ms": statistics.median(u[k] for u in units) / 1e6 if units else float("nan"),
     }
+
+
+def _p90(values: Sequence[int]) -> float:
+    return statistics.quantiles(values, n=10)[-1] if len(values) >= 2 else float("nan")
 
 
 def churn_costs(units: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -71,6 +80,8 @@ def analyse(run: dict[str, Any], units: Sequence[dict[str, Any]]) -> dict[str, A
     quiet = [u for u in units if u["phase"] == "quiet" and u["admitted"] == 0 and u["evicted"] == 0]
     out: dict[str, Any] = {
         "steady": _ratios(steady),
+        "steady_wall": _ratios(steady, "_wall") if steady and steady[0]["stock_wall_ns"] else None,
+        "wall_p90": (_p90([u["stock_wall_ns"] for u in steady]) / 1e6, _p90([u["kv_wall_ns"] for u in steady]) / 1e6),
         "steady_proc": _ratios(steady, "_proc"),
         "quiet": _ratios(quiet),
         "quiet_steps": len(quiet),
@@ -80,6 +91,9 @@ def analyse(run: dict[str, Any], units: Sequence[dict[str, Any]]) -> dict[str, A
         "evicted_per_step": statistics.mean(u["evicted"] for u in steady) if steady else 0.0,
         "running_median": statistics.median(u["running"] for u in steady) if steady else 0,
         "hints_per_step": statistics.mean(u["hints"] for u in steady) if steady else 0.0,
+        # Deferred bookkeeping (journal.py): settled after each unit, outside kv_ns.
+        "settle_us_per_step": sum(u["kv_settle_ns"] for u in steady) / 1e3 / len(steady) if steady else 0.0,
+        "total_with_settle": (sum(u["kv_ns"] + u["kv_settle_ns"] for u in steady) / max(1, sum(u["stock_ns"] for u in steady))),
     }
     if not run["shape"]["hints_per_step"] and not run.get("aa"):  # hints: the caches differ; A/A: no bus to count blocks
         out["costs"] = churn_costs(units)
@@ -130,8 +144,13 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         "",
         "## Scheduler CPU per step, KvHint / stock",
         "",
-        "| run | live sessions | running | blocks admitted / evicted per step | stock median ms | KvHint median ms | median of per-step ratios | ratio of totals (thread) | ratio of totals (process) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Bookkeeping (`KVHINT_RESIDENCY_BOOKKEEPING`, kvhint_server/journal.py): inline runs the index and event work "
+        "inside vLLM's block-pool calls on the engine thread; deferred journals it there and settles it in order on the "
+        "sidecar's settler thread. Deferred runs here settle after each unit, outside the timed region, and that CPU is "
+        "the 'settle' column: the engine thread no longer pays it, the process still does (the last column).",
+        "",
+        "| run | live sessions | running | blocks admitted / evicted per step | stock median ms | KvHint median ms | median of per-step ratios | ratio of totals (thread) | ratio of totals (process) | deferred settle us per step | ratio of totals, engine thread + settle |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         a = analyses[r["name"]]
@@ -141,8 +160,31 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         lines.append(
             f"| {r['label']} | {live} | {a['running_median']:.0f} | {churn} | "
             f"{_f(s['stock_median_ms'], 3)} | {_f(s['kv_median_ms'], 3)} | {_f(s['median_ratio'], 3)}x | {_f(s['total_ratio'], 3)}x | "
-            f"{_f(p['total_ratio'], 3)}x |"
+            f"{_f(p['total_ratio'], 3)}x | {_f(a['settle_us_per_step'], 0) if a['settle_us_per_step'] else '-'} | "
+            f"{_f(a['total_with_settle'], 3) + 'x' if a['settle_us_per_step'] else '-'} |"
         )
+    waits = [r for r in runs if r["shape"].get("gpu_wait_s")]
+    if waits:
+        lines += [
+            "",
+            "## The engine thread's wall time with a device wait per step",
+            "",
+            "Each side sleeps the device's share of a step after it (the GIL free, as while EngineCore waits on the "
+            "GPU), and deferred bookkeeping is settled by the journal's own settler thread, as on an engine. Wall time "
+            "of the same timed regions as the CPU columns: a settler that held the GIL while the engine thread "
+            "needed it would show here. The settler's own CPU is not in either column.",
+            "",
+            "| run | median of per-step CPU ratios | ratio of CPU totals | median of per-step wall ratios | ratio of wall totals | stock wall p90 ms | KvHint wall p90 ms |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in waits:
+            a = analyses[r["name"]]
+            s, w = a["steady"], a["steady_wall"] or {}
+            lines.append(
+                f"| {r['label']} | {_f(s['median_ratio'], 3)}x | {_f(s['total_ratio'], 3)}x | "
+                f"{_f(w.get('median_ratio', float('nan')), 3)}x | {_f(w.get('total_ratio', float('nan')), 3)}x | "
+                f"{_f(a.get('wall_p90', (float('nan'), 0))[0], 3)} | {_f(a.get('wall_p90', (0, float('nan')))[1], 3)} |"
+            )
     lines += [
         "",
         "## Costs per block and per step",
@@ -283,18 +325,40 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
     return lines
 
 
+def _bookkeeping(run: dict[str, Any]) -> str:
+    """The KvHint side's bookkeeping in a run (runs before it existed were inline)."""
+    shape = run["shape"]
+    mode = shape.get("bookkeeping", "inline")
+    if mode == "auto":
+        mode = "deferred" if shape.get("async_scheduling") else "inline"
+    return mode
+
+
 def verdicts(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str]:
     runs = [r for r in raw["runs"] if not r["shape"]["hints_per_step"] and not r.get("aa")
             and not r["shape"].get("stock_kv_events")]  # targets are against plain stock
     big = [r for r in runs if r["shape"]["sessions"] == max(x["shape"]["sessions"] for x in runs)]
     out = ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
-    if big:
-        worst = max(big, key=lambda r: analyses[r["name"]]["steady"]["total_ratio"])
+    for mode in ("inline", "deferred"):
+        of_mode = [r for r in big if _bookkeeping(r) == mode]
+        if not of_mode:
+            continue
+        worst = max(of_mode, key=lambda r: analyses[r["name"]]["steady"]["total_ratio"])
         a = analyses[worst["name"]]["steady"]
         met = a["total_ratio"] <= TARGET_RATIO and a["median_ratio"] <= TARGET_RATIO
+        settle = ""
+        if mode == "deferred":
+            measured = [analyses[r["name"]]["total_with_settle"] for r in of_mode if analyses[r["name"]]["settle_us_per_step"]]
+            if analyses[worst["name"]]["settle_us_per_step"]:
+                settle = (f"; with the settling CPU counted (another thread on an engine), "
+                          f"{analyses[worst['name']]['total_with_settle']:.3f}x of totals")
+            elif measured:
+                settle = (f"; its settler thread's CPU is not in these figures (the runs that settle after each "
+                          f"step count it: up to {max(measured):.3f}x of totals)")
         out.append(
-            f"| <= {TARGET_RATIO}x scheduler CPU, {worst['shape']['sessions']} sessions, no hints | worst run ({worst['label']}): "
-            f"{a['median_ratio']:.3f}x median of per-step ratios, {a['total_ratio']:.3f}x of totals | {'met' if met else 'missed'} |"
+            f"| <= {TARGET_RATIO}x scheduler CPU, {worst['shape']['sessions']} sessions, no hints, {mode} bookkeeping "
+            f"| worst run ({worst['label']}): engine thread {a['median_ratio']:.3f}x median of per-step ratios, "
+            f"{a['total_ratio']:.3f}x of totals{settle} | {'met' if met else 'missed'} |"
         )
     fit = _memory_fit(raw["runs"])
     if fit:

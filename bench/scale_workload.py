@@ -54,12 +54,29 @@ class Shape:
     stock_kv_events: bool = False
     # Both sides run vLLM's AsyncScheduler (the GPU default) instead of the Scheduler.
     async_scheduling: bool = False
+    # KvHint's residency bookkeeping (ServerConfig.residency_bookkeeping): "auto" is what
+    # KvHintScheduler picks (deferred under async scheduling), or "inline" / "deferred".
+    bookkeeping: str = "auto"
+    # Deferred bookkeeping settled by the journal's own settler thread, as on an engine, instead
+    # of by the driver after each unit (its CPU then is not in kv_settle_ns; waits for the GIL
+    # show in the wall times).
+    settler_thread: bool = False
+    # After each side's step, sleep this long with the GIL free: the device's share of a step on
+    # a GPU engine, in which a settler thread runs.
+    gpu_wait_s: float = 0.0
 
     @property
     def label(self) -> str:
         hints = f", {self.hints_per_step / self.step_seconds:.0f} hints/s" if self.hints_per_step else ""
         events = ", against stock with vLLM's KV events on" if self.stock_kv_events else ""
         mode = ", async scheduling" if self.async_scheduling else ""
+        deferred = self.bookkeeping == "deferred" or (self.bookkeeping == "auto" and self.async_scheduling)
+        if self.async_scheduling and not deferred:
+            mode += ", inline bookkeeping"
+        elif deferred:
+            mode += ", deferred bookkeeping" + (" (settler thread)" if self.settler_thread else "")
+        if self.gpu_wait_s:
+            mode += f", {self.gpu_wait_s * 1e3:.0f} ms device wait per step"
         return f"{self.pool_blocks} blocks, {self.sessions} sessions{hints}{events}{mode}"
 
 

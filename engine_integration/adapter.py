@@ -13,8 +13,15 @@ BlocksRemoved, QueryResidency) while every residency group (the
 full-attention groups) holds a copy; copies in sliding-window groups are the
 window tails a hit also reads, protected and evicted with their block.
 
-Thread model: everything here runs on the engine thread, except `info()` and
-`request_wakeup()`.
+Thread model: everything here runs on the engine thread, except `info()`,
+`request_wakeup()` and the `_book_*` steps. The residency hooks (`on_*`) read
+what vLLM may change later and hand the rest to `KvHintCore.record` as a
+`_book_*` step: run at once (inline bookkeeping), or journaled and run in
+order on the sidecar's settler thread under the journal's lock (deferred;
+kvhint_server/journal.py). The state those steps change (`_digest`,
+`_resident`, the core's index and events) is read by the engine thread only
+inside `KvHintCore.exclusive()` sections (hints, queries, snapshots), which
+settle the journal first, or while nothing is deferred (tiers attached).
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ class VllmAdapter:
         self.groups: GroupLayout = layout_of(None)
         self._residency_suffixes: frozenset[bytes] = frozenset()
         self._cacheable_suffixes: tuple[bytes, ...] = ((0).to_bytes(4, "big"),)
+        self._several_residency = False  # several residency groups (hook-time check per block)
         self._wake_pending = False
         self._wake_lock = threading.Lock()
         self._max_id = core.config.max_id_length
@@ -94,6 +102,7 @@ class VllmAdapter:
         # Pool-key suffixes of every cacheable group (vLLM's make_block_hash_with_group_id:
         # digest + 4-byte big-endian group id), precomputed for the per-block paths.
         self._cacheable_suffixes = tuple(g.to_bytes(4, "big") for g in self.groups.cacheable)
+        self._several_residency = len(self.groups.residency) > 1
 
     # ------------------------------------------------------------ hashes
 
@@ -265,27 +274,37 @@ class VllmAdapter:
         group_id: int,
         block_mask: list[bool] | None,
     ) -> None:
+        # Engine thread, inside vLLM's cache_blocks: read only what vLLM may change later
+        # (the request's block list, the pool map) and book the rest through the core's
+        # journal (inline or deferred, in order; kvhint_server/journal.py).
         hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, block_size)
+        span = blocks[num_cached_blocks:num_full_blocks]
+        mask = None if block_mask is None else list(block_mask)
+        held = None
+        if self._several_residency and group_id in self.groups.residency:  # resident once every residency group holds it
+            residency = self.groups.residency
+            held = [self._held_by_all(hashes[i], residency) for i in range(num_cached_blocks, num_full_blocks)]
+        self.core.record(self._book_stored, request, hashes, span, mask, num_cached_blocks, group_id, held)
+
+    def _book_stored(
+        self, request: Any, hashes: Any, span: list[Any], mask: list[bool] | None, num_cached_blocks: int,
+        group_id: int, held: list[bool] | None,
+    ) -> None:
+        keep = [j for j, block in enumerate(span) if not block.is_null and (mask is None or mask[j])]
         ext = self.external
-        fresh = [
-            hashes[i]
-            for i in range(num_cached_blocks, num_full_blocks)
-            if not blocks[i].is_null and (block_mask is None or block_mask[i - num_cached_blocks])
-        ]
         if self._int_hashes:
-            self._digest.update((ext(h), h) for h in fresh)
-        groups = self.groups
-        if group_id not in groups.residency:
+            self._digest.update((ext(hashes[num_cached_blocks + j]), hashes[num_cached_blocks + j]) for j in keep)
+        if group_id not in self.groups.residency:
             return  # a window-tail copy: resolved through its logical block, not reported
-        if len(groups.residency) > 1:  # resident once the last residency group holds it
-            fresh = [h for h in fresh if self._held_by_all(h, groups.residency)]
-        new = [ext(h) for h in fresh]
+        if held is not None:
+            keep = [j for j in keep if held[j]]
+        new = [ext(hashes[num_cached_blocks + j]) for j in keep]
         self._resident.update(new)
-        parent = ext(hashes[num_cached_blocks - 1]) if num_cached_blocks > 0 else None
+        parent = self.external(hashes[num_cached_blocks - 1]) if num_cached_blocks > 0 else None
         coords = request_coords(request, self._max_id)
         core = self.core
         if coords and parent is not None and coords.session_id and not self._is_member(parent, coords.session_id):
-            self._record_hit(request, hashes, num_cached_blocks, coords)
+            self._record_hit(hashes, num_cached_blocks, coords)
         core.on_stored(
             new,
             first_position=num_cached_blocks,
@@ -296,19 +315,21 @@ class VllmAdapter:
         )
 
     def on_prefix_hit(self, request: Any, num_computed_tokens: int) -> None:
+        n = num_computed_tokens // self.scheduler.block_size
+        if n <= 0:
+            return
+        hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, self.scheduler.block_size)
+        self.core.record(self._book_hit, request, hashes, n)
+
+    def _book_hit(self, request: Any, hashes: Any, n: int) -> None:
         coords = request_coords(request, self._max_id)
         if not coords:
             return
-        block_size = self.scheduler.block_size
-        n = num_computed_tokens // block_size
-        if n <= 0:
-            return
-        hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, block_size)
         if coords.session_id and self._is_member(self.external(hashes[n - 1]), coords.session_id):
             return
-        self._record_hit(request, hashes, n, coords)
+        self._record_hit(hashes, n, coords)
 
-    def _record_hit(self, request: Any, hashes: Any, n: int, coords: Any) -> None:
+    def _record_hit(self, hashes: Any, n: int, coords: Any) -> None:
         self.core.on_stored(
             [self.external(hashes[i]) for i in range(n)],
             first_position=0,
@@ -324,23 +345,36 @@ class VllmAdapter:
         return node is not None and node.has_member(session)
 
     def on_keys_removed(self, keys: list[bytes], cause: RemovalCause) -> None:
-        """Hash keys (digest + 4-byte group id) were popped from the pool's map;
-        report the logical blocks that stopped being resident: a residency
-        group lost its last copy."""
-        cache = vllm_private.cached_block_map(self.pool)
+        """Hash keys (digest + 4-byte group id) were popped from the pool's map.
+        Engine thread: keep the keys that left with their group's last copy (and,
+        with several groups, whether any group still holds the logical block), then
+        book the removal through the core's journal."""
+        cache = self.pool.cached_block_hash_to_block._cache  # vllm_private.cached_block_map, inlined (hot)
+        popped = [key for key in keys if key not in cache]  # else another copy in the same group
+        if not popped:
+            return
+        anywhere = None
+        suffixes = self._cacheable_suffixes
+        if len(suffixes) > 1:
+            anywhere = [any(key[:-4] + suffix in cache for suffix in suffixes) for key in popped]
+        self.core.record(self._book_removed, popped, anywhere, cause)
+
+    def _book_removed(self, popped: list[bytes], anywhere: list[bool] | None, cause: RemovalCause) -> None:
+        """Report the logical blocks that stopped being resident: a residency group lost its last copy."""
         resident = self._resident
-        ext_of, residency, single = self.external, self._residency_suffixes, self.groups.single
+        ext_of, residency = self.external, self._residency_suffixes
         gone = []
         # A key popped twice in one batch (two copies in a group) left with its
         # last copy: report it there, in vLLM's order.
-        for key in reversed(dict.fromkeys(reversed(keys))):
-            if key in cache:
-                continue  # another copy in the same group
+        last = {key: i for i, key in enumerate(popped)}
+        for i, key in enumerate(popped):
+            if last[key] != i:
+                continue
             ext = ext_of(key[:-4])
             if key[-4:] in residency and ext in resident:
                 resident.discard(ext)
                 gone.append(ext)
-            if self._int_hashes and (single or not self._copies(ext)):
+            if self._int_hashes and (anywhere is None or not anywhere[i]):
                 self._digest.pop(ext, None)
         if not gone:
             return
@@ -357,9 +391,12 @@ class VllmAdapter:
         # One entry per logical block (a pinned block can have a copy per group).
         hashes = list(dict.fromkeys(self.external(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None))
         log.info("kvhint: breaking %d pinned blocks under memory pressure (shortfall %d)", len(hashes), shortfall)
-        self.core.on_pin_broken(hashes, shortfall)
+        self.core.record(self.core.on_pin_broken, hashes, shortfall)
 
     def on_device_cleared(self) -> None:
+        self.core.record(self._book_cleared)
+
+    def _book_cleared(self) -> None:
         self._digest.clear()
         self._resident.clear()
         self.core.on_cleared(Tier.DEVICE)

@@ -98,11 +98,13 @@ class KvHintScheduler(Scheduler):
         if not self.cache_config.enable_prefix_caching:
             raise ValueError("KvHintScheduler needs prefix caching (do not pass --no-enable-prefix-caching)")
         config = _config_for(self.vllm_config)
+        self._kvhint_in_step = 0
         self.kvhint_core = KvHintCore(config)
         self.kvhint_adapter = VllmAdapter(self.kvhint_core, self, _find_engine_core())
         self.kvhint_adapter.attach_pool(install(self, self.kvhint_adapter))
         self._kvhint_tiers_init()
         self.kvhint_core.attach(self.kvhint_adapter)
+        self._kvhint_bookkeeping(config.residency_bookkeeping)
         self.kvhint_server = KvHintServer(self.kvhint_core, config, metrics=process_metrics())
         self.kvhint_server.start()
 
@@ -114,16 +116,46 @@ class KvHintScheduler(Scheduler):
 
         self.kvhint_adapter.tiers = TierRuntime.maybe_create(self, self.kvhint_adapter)
 
+    def _kvhint_bookkeeping(self, mode: str) -> None:
+        """Start the journal's settler for deferred bookkeeping (kvhint_server/journal.py).
+        auto: deferred under async scheduling, where the engine thread waits on the device
+        while the settler runs; inline on the synchronous scheduler."""
+        if mode == "auto":
+            mode = "deferred" if isinstance(self, AsyncScheduler) else "inline"
+        if mode == "deferred" and self.kvhint_adapter.tiers is not None:
+            log.info("kvhint: residency bookkeeping inline (lower KV tiers are attached)")
+            mode = "inline"
+        if mode == "deferred":
+            self.kvhint_core.journal.start(busy=self._kvhint_stepping)
+        self.kvhint_bookkeeping = mode
+        log.info("kvhint: residency bookkeeping %s", mode)
+
+    def _kvhint_stepping(self) -> bool:
+        """The engine thread is in schedule() or update_from_output() (the settler waits)."""
+        return self._kvhint_in_step > 0
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        self.kvhint_core.run_pending()
-        tiers = self.kvhint_adapter.tiers
-        if tiers is not None:
-            tiers.on_step()
-        return super().schedule(*args, **kwargs)
+        self._kvhint_in_step += 1
+        try:
+            self.kvhint_core.run_pending()
+            tiers = self.kvhint_adapter.tiers
+            if tiers is not None:
+                tiers.on_step()
+            return super().schedule(*args, **kwargs)
+        finally:
+            self._kvhint_in_step -= 1
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        self._kvhint_in_step += 1
+        try:
+            return super().update_from_output(*args, **kwargs)
+        finally:
+            self._kvhint_in_step -= 1
 
     def add_request(self, request: Any) -> None:
         if getattr(request, "kv_hints", None) is not None:
-            apply_request_envelope(self.kvhint_core.executor, request)
+            with self.kvhint_core.exclusive():
+                apply_request_envelope(self.kvhint_core.executor, request)
         super().add_request(request)
 
     def shutdown(self) -> None:

@@ -122,6 +122,15 @@ class ServerConfig:
     # (0: one second's worth). 0 rate: unlimited.
     rate_limit_hints_per_s: float = 0.0
     rate_limit_burst: int = 0
+    # Where the index and event bookkeeping of residency changes runs
+    # (kvhint_server/journal.py): "inline" on the engine thread inside vLLM's
+    # block-pool calls; "deferred" journaled there and settled by the
+    # sidecar's settler thread (and before any hint, query or snapshot, so
+    # those see every change); "auto" deferred under vLLM's async scheduling
+    # (the GPU default, where the engine thread waits on the device while the
+    # settler runs) and inline otherwise. Deferred falls back to inline while
+    # retention grants are in effect or lower tiers are attached.
+    residency_bookkeeping: str = "auto"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> ServerConfig:
@@ -213,6 +222,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "rate_limit_burst": (0.0, MAX_COUNT, True),
 }
 _SECRET = frozenset({"auth_token"})
+BOOKKEEPING_MODES = ("auto", "inline", "deferred")
 
 
 def _check_field(name: str, value: object) -> None:
@@ -230,6 +240,8 @@ def _check_field(name: str, value: object) -> None:
     elif isinstance(value, str):
         if name == "address" or (name == "metrics_address" and value):
             _check_address(value, env)
+        elif name == "residency_bookkeeping" and value not in BOOKKEEPING_MODES:
+            raise ConfigError(f"{env}={value!r}: expected one of {', '.join(BOOKKEEPING_MODES)}")
         elif name in _SECRET and value and not (value.isascii() and value.isprintable() and " " not in value):
             raise ConfigError(f"{env} must be printable ASCII without spaces (it travels in an HTTP/2 header)")
 

@@ -28,8 +28,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from functools import partial
 from typing import TypeVar
 
@@ -48,6 +49,7 @@ from .events import (
 )
 from .executor import HintExecutor
 from .index import LeaveCause, Removal, SessionPrefixIndex
+from .journal import ResidencyJournal
 from .model import EngineInfo, RemovalCause, RequestCoords, RetentionView, Tier, session_of_owner
 from .operations import OperationRegistry
 from .overload import OverloadStats, QueueFull, queue_retry_after
@@ -117,6 +119,10 @@ class KvHintCore:
         self.queries = Queries(self)
         self._cutoffs = 0  # steps whose task budget ran out with tasks left
         self._recent_wait = 0.0  # EWMA of the queue wait of tasks run, seconds
+        # Residency bookkeeping, inline or deferred (journal.py): adapters report
+        # residency changes through `record`; `exclusive` sections see them all.
+        self.journal = ResidencyJournal()
+        self._exclusive = 0
 
     # ------------------------------------------------------------ wiring
 
@@ -200,24 +206,63 @@ class KvHintCore:
             if expired:
                 self.adapter.refile(expired)
 
+    # ------------------------------------------------------------ residency bookkeeping
+
+    def record(self, fn: Callable[..., object], *args: object) -> None:
+        """Engine thread: book a residency change, `fn(*args)` (one of the
+        `on_*` hooks below, or an adapter's step that reads the index first).
+        Deferred to the journal's settler when it runs, no retention grant is
+        in effect and no exclusive section is open; otherwise now, after
+        everything journaled before it. See journal.py."""
+        journal = self.journal
+        if journal.deferring and not self._exclusive and not self.ledger.grants:
+            journal.append(fn, args)
+        else:
+            journal.run(fn, args)
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Engine thread: a section that reads or changes the index, the ledger
+        or the event order (hints, queries, snapshots). Everything journaled
+        is settled first, the settler waits, and residency changes the section
+        causes (an Evict's removals) are booked inline."""
+        with self.journal.lock:
+            if self.journal.pending():
+                self.journal.settle()
+            self._exclusive += 1
+            try:
+                yield
+            finally:
+                self._exclusive -= 1
+
+    def settle(self) -> None:
+        """Apply every journaled residency change now (any thread); after it,
+        the index and the event stream include every change reported so far."""
+        self.journal.settle()
+
     def run_pending(self) -> None:
         """Engine thread, at a step boundary: expire retention, run queued
         tasks for at most config.step_apply_budget_ms (at least one), then
         slices for at most SLICE_BUDGET_S. Asks for another wakeup when work
         is left."""
-        self.expire_retention()
-        if self._tasks:
-            self._run_tasks()
-        if self._slices:
-            deadline = time.perf_counter() + SLICE_BUDGET_S
-            ran = False
-            while self._slices and not (ran and time.perf_counter() >= deadline):
-                with self._tasks_lock:
-                    if not self._slices:
-                        break
-                    fn, future = self._slices.popleft()
-                ran = True
-                _run(future, partial(fn, deadline))
+        if self.ledger.grants:
+            with self.exclusive():
+                self.expire_retention()
+        if not (self._tasks or self._slices):
+            return
+        with self.exclusive():
+            if self._tasks:
+                self._run_tasks()
+            if self._slices:
+                deadline = time.perf_counter() + SLICE_BUDGET_S
+                ran = False
+                while self._slices and not (ran and time.perf_counter() >= deadline):
+                    with self._tasks_lock:
+                        if not self._slices:
+                            break
+                        fn, future = self._slices.popleft()
+                    ran = True
+                    _run(future, partial(fn, deadline))
         if self._tasks or self._slices:
             self.adapter.request_wakeup()
 
@@ -241,7 +286,8 @@ class KvHintCore:
             _run(future, fn)
 
     def stop(self) -> None:
-        """Fail queued tasks; later submits fail immediately."""
+        """Fail queued tasks; later submits fail immediately. Settles the journal."""
+        self.journal.stop()
         with self._tasks_lock:
             self._stopped = True
             futures = [t[1] for t in self._tasks] + [t[1] for t in self._slices]

@@ -128,6 +128,15 @@ class KvHintMetrics:
                                         "ApplyHints batches that waited past a spent step budget.", **kw)
         self.budget_exhausted = Counter("kvhint_step_budget_exhausted",
                                         "Engine steps whose hint-work budget ran out with tasks left.", **kw)
+        self.journal_settled = Counter("kvhint_residency_deferred",
+                                       "Residency changes booked off the engine thread's step (deferred bookkeeping).",
+                                       **kw)
+        self.journal_pending = Gauge("kvhint_residency_journal_pending",
+                                     "Residency changes journaled, not yet booked.", **live, **kw)
+        self.journal_backpressure = Counter("kvhint_residency_journal_backpressure",
+                                            "Times the engine thread booked a full journal itself.", **kw)
+        self.journal_errors = Counter("kvhint_residency_bookkeeping_errors",
+                                      "Journaled residency changes whose booking raised (logged).", **kw)
 
     # ------------------------------------------------------------ per event
 
@@ -176,6 +185,7 @@ class MetricsExporter:
         self._interval = interval_s
         self._cursor = core.bus.last_sequence
         self._overload_seen = OverloadStats()
+        self._journal_seen = (0, 0, 0)  # settled, backpressure, errors
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -220,6 +230,7 @@ class MetricsExporter:
         self._m.in_flight.set(len(self._core.operations.pending()))
         self._m.queue_depth.set(self._core.pending_tasks())
         self._count_overload()
+        self._count_journal()
         if self._subscribers is not None:
             count, lag = self._subscribers()
             self._m.subscribers.set(count)
@@ -230,6 +241,15 @@ class MetricsExporter:
                 if limit is not None:
                     self._m.tenant_budget.labels(tenant, budget).set(limit)
 
+
+    def _count_journal(self) -> None:
+        journal, m = self._core.journal, self._m
+        m.journal_pending.set(journal.pending())
+        now = (journal.settled, journal.backpressure, journal.errors)
+        for counter, before, after in zip((m.journal_settled, m.journal_backpressure, m.journal_errors), self._journal_seen, now):
+            if after > before:
+                counter.inc(after - before)
+        self._journal_seen = now
 
     def _count_overload(self) -> None:
         now, seen, m = dataclasses.replace(self._core.overload), self._overload_seen, self._m

@@ -109,6 +109,8 @@ def platform_info(opts: Options) -> dict[str, Any]:
         "mode": "cpu" if opts.cpu else "gpu",
         "cuda_available": bool(torch.cuda.is_available()),
         "enforce_eager": eager_from_env(),
+        # ServerConfig.residency_bookkeeping as the engines get it (auto: deferred under async scheduling).
+        "residency_bookkeeping": os.environ.get("KVHINT_RESIDENCY_BOOKKEEPING", "auto"),
     }
     if info["cuda_available"]:
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -215,7 +217,8 @@ def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Ste
         "",
         f"Command: `scripts/gpu_check.sh{' --cpu' if opts.cpu else ''}{' --quick' if opts.quick else ''}`; "
         f"{where}; vLLM {info['vllm']}, torch {info['torch']}, Python {info['python']}"
-        f"{'; engines eager (torch.compile off)' if info['enforce_eager'] else ''}; {wall:.0f} s in all. "
+        f"{'; engines eager (torch.compile off)' if info['enforce_eager'] else ''}; "
+        f"residency bookkeeping {info.get('residency_bookkeeping', 'auto')}; {wall:.0f} s in all. "
         f"Overall: **{'PASS' if ok else 'FAIL'}**.",
         "",
     ]

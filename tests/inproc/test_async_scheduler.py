@@ -141,6 +141,7 @@ def run(phases: list[Phase], scheduler: Any, client: KvHintClient | None, after_
         if after_phase is not None:
             after_phase(p)
     if client is not None:
+        scheduler.kvhint_core.settle()  # async: deferred bookkeeping (journal.py); sync: a no-op
         trace.events = [_event_key(e) for e in scheduler.kvhint_core.bus.read_after(0, 1_000_000)]
     return trace
 
@@ -159,6 +160,10 @@ def test_scheduler_cls_keeps_vllms_mode(async_scheduling: bool) -> None:
         assert isinstance(scheduler, KvHintScheduler)
         assert isinstance(scheduler, AsyncScheduler) is async_scheduling
         assert (type(scheduler) is KvHintAsyncScheduler) is async_scheduling
+        # auto bookkeeping: deferred (journal.py) exactly under async scheduling, so every
+        # sync == async comparison below also compares inline with deferred bookkeeping.
+        assert scheduler.kvhint_bookkeeping == ("deferred" if async_scheduling else "inline")
+        assert scheduler.kvhint_core.journal.deferring is async_scheduling
 
 
 def test_async_mro_puts_kvhint_before_async_scheduler() -> None:
@@ -281,6 +286,7 @@ def test_sync_and_async_agree_on_random_sequences(phases: list[Phase], hybrid: b
 
 def _device_hashes_from_events(scheduler: Any) -> set[bytes]:
     resident: set[bytes] = set()
+    scheduler.kvhint_core.settle()
     for event in scheduler.kvhint_core.bus.read_after(0, 1_000_000):
         p = event.payload
         if isinstance(p, BlocksStored) and p.tier is Tier.DEVICE:

@@ -37,6 +37,11 @@ type KvHintServiceClient interface {
 	// Streams residency and hint events. Semantics follow etcd's watch API: a
 	// start position, progress notifications (heartbeats), and an explicit
 	// terminal resync signal when the requested history is not available.
+	// Residency events are published in the order the engine made the changes,
+	// but an engine may publish them a few milliseconds after the step that made
+	// them (it books them off the step's critical path); every change is
+	// published before a later ApplyHints, QueryResidency, ListSessions or
+	// snapshot reads the engine's state, so their event positions cover it.
 	WatchEvents(ctx context.Context, in *WatchEventsRequest, opts ...grpc.CallOption) (KvHintService_WatchEventsClient, error)
 	// Returns the current state of a deferred operation (see
 	// HintResult.operation_id).
@@ -152,6 +157,11 @@ type KvHintServiceServer interface {
 	// Streams residency and hint events. Semantics follow etcd's watch API: a
 	// start position, progress notifications (heartbeats), and an explicit
 	// terminal resync signal when the requested history is not available.
+	// Residency events are published in the order the engine made the changes,
+	// but an engine may publish them a few milliseconds after the step that made
+	// them (it books them off the step's critical path); every change is
+	// published before a later ApplyHints, QueryResidency, ListSessions or
+	// snapshot reads the engine's state, so their event positions cover it.
 	WatchEvents(*WatchEventsRequest, KvHintService_WatchEventsServer) error
 	// Returns the current state of a deferred operation (see
 	// HintResult.operation_id).

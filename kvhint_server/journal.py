@@ -1,0 +1,167 @@
+"""ResidencyJournal: where residency bookkeeping runs, inline or deferred.
+
+vLLM calls KvHint's block-pool hooks on the engine thread, inside its own
+`allocate_slots` / `cache_blocks` / `free` calls. What the hooks must read
+from vLLM's state at that moment (which blocks, which keys left the pool) is
+cheap; the bookkeeping behind it (SessionPrefixIndex, published residency,
+events) is not, about 2 ms per step at GPU scale (bench/results/scale).
+
+Inline (`residency_bookkeeping=inline`, the default on the synchronous
+scheduler) runs that bookkeeping inside the hook, as before. Deferred
+appends `(fn, args)` to this journal instead, in hook order, and the
+settler thread applies the entries in the same order a few milliseconds
+later. Under vLLM's async scheduling (the GPU default) the engine thread
+spends most of a step waiting on the device with the GIL released; the
+settler runs there.
+
+Contract (what keeps deferred exactly equivalent to inline):
+  * one lock (`lock`, re-entrant) guards the state the entries change; the
+    settler holds it per chunk, and the engine thread holds it, after
+    settling everything journaled, for anything that reads or changes that
+    state: hint batches, queries, snapshot slices, request envelopes
+    (`KvHintCore.exclusive`). Hints therefore resolve against every change
+    vLLM made before them, and an Evict's removals are booked before its
+    outcome, as inline;
+  * entries are settled in the order they were recorded, so events come out
+    in the same order with the same contents; only their timestamps (and
+    the moment a WatchEvents subscriber receives them) move, by at most the
+    settle interval plus one chunk;
+  * the decision to defer is the core's (`KvHintCore.record`): never while
+    retention grants are in effect (the free-block filing reads them
+    synchronously) or inside an exclusive section;
+  * the journal is bounded: past `max_entries` the engine thread settles it
+    itself (back-pressure instead of unbounded memory when the settler
+    cannot keep up).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("kvhint.journal")
+
+SETTLE_INTERVAL_S = 0.002  # the settler's period when the journal is empty
+SETTLE_CHUNK_S = 0.0001  # the settler's work per lock hold (whole entries); the GIL is offered between chunks
+YIELD_S = 0.00005  # the pause between chunks: long enough for a waiting engine thread to take the GIL
+MAX_ENTRIES = 65_536
+# Past this many pending entries the settler works even while the engine is busy (a gate that
+# never opens must not leave everything to back-pressure on the engine thread).
+BUSY_BACKLOG = 4_096
+
+
+class ResidencyJournal:
+    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+        # Guards the engine-side state the entries change (the core's index,
+        # published residency, ledger and event order). Re-entrant: an
+        # exclusive section may record inline entries.
+        self.lock = threading.RLock()
+        self.max_entries = max_entries
+        self._entries: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._deferring = False
+        # Counters (read by metrics and benchmarks; written under `lock`).
+        self.settled = 0
+        self.errors = 0
+        self.backpressure = 0  # times the engine thread settled a full journal itself
+
+    @property
+    def deferring(self) -> bool:
+        """Deferred mode: `start()` was called and `stop()` was not."""
+        return self._deferring
+
+    def pending(self) -> int:
+        return len(self._entries)
+
+    # ------------------------------------------------------------ recording (engine thread)
+
+    def append(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Journal `fn(*args)` for the settler (deque.append is atomic)."""
+        entries = self._entries
+        entries.append((fn, args))
+        if len(entries) >= self.max_entries:
+            self.backpressure += 1
+            self.settle()
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Run `fn(*args)` now, after everything journaled before it."""
+        with self.lock:
+            if self._entries:
+                self._settle_locked(None, raise_errors=True)
+            fn(*args)
+
+    # ------------------------------------------------------------ settling
+
+    def settle(self, limit: int | None = None, deadline: float | None = None) -> int:
+        """Apply journaled entries, oldest first (at most `limit`, and none
+        started after `deadline`, a time.perf_counter() value; at least one);
+        returns how many."""
+        with self.lock:
+            return self._settle_locked(limit, raise_errors=False, deadline=deadline)
+
+    def _settle_locked(self, limit: int | None, raise_errors: bool, deadline: float | None = None) -> int:
+        entries = self._entries
+        n = 0
+        while entries and (limit is None or n < limit) and (deadline is None or n == 0 or time.perf_counter() < deadline):
+            fn, args = entries.popleft()
+            n += 1
+            try:
+                fn(*args)
+            except Exception:
+                self.errors += 1
+                if raise_errors:
+                    self.settled += n
+                    raise
+                log.exception("kvhint: residency bookkeeping entry %s failed", getattr(fn, "__qualname__", fn))
+        self.settled += n
+        return n
+
+    # ------------------------------------------------------------ the settler thread
+
+    def start(
+        self,
+        interval_s: float = SETTLE_INTERVAL_S,
+        chunk_s: float = SETTLE_CHUNK_S,
+        thread: bool = True,
+        busy: Callable[[], bool] | None = None,
+    ) -> None:
+        """Deferred mode. With `thread=False` nothing settles on its own: exclusive
+        sections, back-pressure and `settle()` calls do (tests and benchmarks that
+        choose when, and account its CPU time separately).
+
+        `busy()`: the engine thread is inside a scheduler step (schedule() or
+        update_from_output()). The settler then waits for the step to end, so it
+        works while the engine thread waits on the device, unless BUSY_BACKLOG
+        entries are pending."""
+        if self._deferring:
+            return
+        self._deferring = True
+        if not thread:
+            return
+        self._stop.clear()
+
+        def loop() -> None:
+            stop, entries = self._stop, self._entries
+            while not stop.wait(interval_s):
+                while entries and not stop.is_set():
+                    if busy is not None and busy() and len(entries) < BUSY_BACKLOG:
+                        break  # the engine is stepping: try again next interval
+                    self.settle(deadline=time.perf_counter() + chunk_s)
+                    time.sleep(YIELD_S)  # offer the GIL to a waiting engine thread between chunks
+
+        self._thread = threading.Thread(target=loop, name="kvhint-settler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the settler and apply what is left; later records run inline."""
+        self._deferring = False
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stop.set()
+            thread.join(timeout=5.0)
+        self.settle()

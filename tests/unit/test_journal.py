@@ -1,0 +1,133 @@
+"""ResidencyJournal (kvhint_server/journal.py): order, back-pressure, errors, the settler thread,
+and the core's deferral decision (KvHintCore.record / exclusive)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvhint_server.config import ConfigError, ServerConfig
+from kvhint_server.core import KvHintCore
+from kvhint_server.journal import ResidencyJournal
+
+
+def _wait(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.002)
+    return predicate()
+
+
+# Each step: ("defer", x), ("run", x) (an inline record) or ("settle", limit).
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("defer"), st.integers(0, 99)),
+        st.tuples(st.just("run"), st.integers(0, 99)),
+        st.tuples(st.just("settle"), st.one_of(st.none(), st.integers(0, 3))),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_ops, max_entries=st.integers(1, 8))
+def test_entries_apply_once_in_record_order_whatever_the_settle_points(ops: list[tuple[str, object]], max_entries: int) -> None:
+    journal = ResidencyJournal(max_entries=max_entries)
+    applied: list[object] = []
+    recorded: list[object] = []
+    for kind, x in ops:
+        if kind == "defer":
+            recorded.append(x)
+            journal.append(applied.append, (x,))
+            assert journal.pending() < max_entries  # back-pressure settles a full journal
+        elif kind == "run":
+            recorded.append(x)
+            journal.run(applied.append, (x,))
+            assert journal.pending() == 0  # an inline record applies everything before it first
+        else:
+            journal.settle(x)  # type: ignore[arg-type]
+        assert applied == recorded[: len(applied)]  # never out of order, never twice
+    journal.settle()
+    assert applied == recorded
+
+
+def test_a_failing_entry_is_logged_and_later_entries_still_apply(caplog: pytest.LogCaptureFixture) -> None:
+    journal = ResidencyJournal()
+    applied: list[int] = []
+
+    def boom() -> None:
+        raise ValueError("bad entry")
+
+    journal.append(applied.append, (1,))
+    journal.append(boom, ())
+    journal.append(applied.append, (2,))
+    assert journal.settle() == 3
+    assert applied == [1, 2] and journal.errors == 1
+    assert "bad entry" in caplog.text
+    # Inline, the error reaches the caller (as an inline hook's would), after the earlier entries.
+    journal.append(applied.append, (3,))
+    with pytest.raises(ValueError):
+        journal.run(boom, ())
+    assert applied == [1, 2, 3]
+
+
+def test_the_settler_thread_applies_entries_and_stop_applies_the_rest() -> None:
+    journal = ResidencyJournal()
+    applied: list[int] = []
+    journal.start(interval_s=0.001)
+    assert journal.deferring
+    for i in range(500):
+        journal.append(applied.append, (i,))
+    assert _wait(lambda: len(applied) == 500)
+    assert applied == list(range(500))
+    journal.stop()
+    assert not journal.deferring
+    journal.append(applied.append, (500,))  # stopped: nothing settles on its own now...
+    journal.stop()  # ...but stop settles what is left
+    assert applied[-1] == 500 and journal.pending() == 0
+
+
+def test_the_settler_waits_for_a_section_holding_the_lock() -> None:
+    journal = ResidencyJournal()
+    applied: list[int] = []
+    journal.start(interval_s=0.001)
+    try:
+        with journal.lock:
+            journal.append(applied.append, (1,))
+            time.sleep(0.05)
+            assert applied == []  # the settler cannot book under a section's feet
+        assert _wait(lambda: applied == [1])
+    finally:
+        journal.stop()
+
+
+def test_core_defers_only_when_the_settler_runs_and_no_grant_or_section_is_open() -> None:
+    core = KvHintCore(ServerConfig())
+    seen: list[int] = []  # what an adapter's booking steps booked, in order
+    core.record(seen.append, 1)
+    assert seen == [1]  # not deferring: inline
+    core.journal.start(thread=False)
+    core.record(seen.append, 2)
+    assert core.journal.pending() == 1 and len(seen) == 1
+    with core.exclusive():
+        assert core.journal.pending() == 0 and seen == [1, 2]  # settled first
+        core.record(seen.append, 3)  # inside a section: inline
+        assert seen == [1, 2, 3]
+    core.ledger.grants["owner"] = object()  # type: ignore[index,assignment]  # a grant in effect
+    core.record(seen.append, 4)
+    assert seen == [1, 2, 3, 4] and core.journal.pending() == 0
+    core.ledger.grants.clear()
+    core.record(seen.append, 5)
+    assert core.journal.pending() == 1
+    core.stop()  # stopping the core settles the journal
+    assert seen == [1, 2, 3, 4, 5]
+
+
+def test_the_bookkeeping_setting_is_checked() -> None:
+    assert ServerConfig().residency_bookkeeping == "auto"
+    assert ServerConfig.from_env({"KVHINT_RESIDENCY_BOOKKEEPING": "deferred"}).residency_bookkeeping == "deferred"
+    with pytest.raises(ConfigError, match="KVHINT_RESIDENCY_BOOKKEEPING='later': expected one of auto, inline, deferred"):
+        ServerConfig.from_env({"KVHINT_RESIDENCY_BOOKKEEPING": "later"})
