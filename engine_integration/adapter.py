@@ -89,7 +89,6 @@ class VllmAdapter:
         self.groups: GroupLayout = layout_of(None)
         self._residency_suffixes: frozenset[bytes] = frozenset()
         self._cacheable_suffixes: tuple[bytes, ...] = ((0).to_bytes(4, "big"),)
-        self._several_residency = False  # several residency groups (hook-time check per block)
         self._wake_pending = False
         self._wake_lock = threading.Lock()
         self._max_id = core.config.max_id_length
@@ -102,7 +101,6 @@ class VllmAdapter:
         # Pool-key suffixes of every cacheable group (vLLM's make_block_hash_with_group_id:
         # digest + 4-byte big-endian group id), precomputed for the per-block paths.
         self._cacheable_suffixes = tuple(g.to_bytes(4, "big") for g in self.groups.cacheable)
-        self._several_residency = len(self.groups.residency) > 1
 
     # ------------------------------------------------------------ hashes
 
@@ -281,8 +279,8 @@ class VllmAdapter:
         span = blocks[num_cached_blocks:num_full_blocks]
         mask = None if block_mask is None else list(block_mask)
         held = None
-        if self._several_residency and group_id in self.groups.residency:  # resident once every residency group holds it
-            residency = self.groups.residency
+        residency = self.groups.residency
+        if len(residency) > 1 and group_id in residency:  # resident once every residency group holds it
             held = [self._held_by_all(hashes[i], residency) for i in range(num_cached_blocks, num_full_blocks)]
         self.core.record(self._book_stored, request, hashes, span, mask, num_cached_blocks, group_id, held)
 
@@ -291,16 +289,17 @@ class VllmAdapter:
         group_id: int, held: list[bool] | None,
     ) -> None:
         keep = [j for j, block in enumerate(span) if not block.is_null and (mask is None or mask[j])]
+        fresh = [hashes[num_cached_blocks + j] for j in keep]
         ext = self.external
         if self._int_hashes:
-            self._digest.update((ext(hashes[num_cached_blocks + j]), hashes[num_cached_blocks + j]) for j in keep)
+            self._digest.update((ext(h), h) for h in fresh)
         if group_id not in self.groups.residency:
             return  # a window-tail copy: resolved through its logical block, not reported
         if held is not None:
-            keep = [j for j in keep if held[j]]
-        new = [ext(hashes[num_cached_blocks + j]) for j in keep]
+            fresh = [h for j, h in zip(keep, fresh) if held[j]]
+        new = [ext(h) for h in fresh]
         self._resident.update(new)
-        parent = self.external(hashes[num_cached_blocks - 1]) if num_cached_blocks > 0 else None
+        parent = ext(hashes[num_cached_blocks - 1]) if num_cached_blocks > 0 else None
         coords = request_coords(request, self._max_id)
         core = self.core
         if coords and parent is not None and coords.session_id and not self._is_member(parent, coords.session_id):
@@ -349,13 +348,13 @@ class VllmAdapter:
         Engine thread: keep the keys that left with their group's last copy (and,
         with several groups, whether any group still holds the logical block), then
         book the removal through the core's journal."""
-        cache = self.pool.cached_block_hash_to_block._cache  # vllm_private.cached_block_map, inlined (hot)
+        cache = vllm_private.cached_block_map(self.pool)
         popped = [key for key in keys if key not in cache]  # else another copy in the same group
         if not popped:
             return
         anywhere = None
-        suffixes = self._cacheable_suffixes
-        if len(suffixes) > 1:
+        if not self.groups.single:
+            suffixes = self._cacheable_suffixes
             anywhere = [any(key[:-4] + suffix in cache for suffix in suffixes) for key in popped]
         self.core.record(self._book_removed, popped, anywhere, cause)
 

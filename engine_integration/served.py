@@ -37,6 +37,8 @@ ENFORCE_EAGER_ENV = "KVHINT_ENFORCE_EAGER"
 def eager_from_env() -> bool:
     """Whether ENFORCE_EAGER_ENV asks for eager engines (EngineSpec's default)."""
     return os.environ.get(ENFORCE_EAGER_ENV) == "1"
+
+
 DEFAULT_MODEL_DIR = Path(os.environ.get("KVHINT_MODEL_CACHE", Path.home() / ".cache" / "kvhint" / "models"))
 
 

@@ -101,6 +101,7 @@ def platform_info(opts: Options) -> dict[str, Any]:
     import vllm
 
     from engine_integration.served import eager_from_env
+    from kvhint_server.config import ServerConfig
 
     info: dict[str, Any] = {
         "python": platform.python_version(),
@@ -109,8 +110,8 @@ def platform_info(opts: Options) -> dict[str, Any]:
         "mode": "cpu" if opts.cpu else "gpu",
         "cuda_available": bool(torch.cuda.is_available()),
         "enforce_eager": eager_from_env(),
-        # ServerConfig.residency_bookkeeping as the engines get it (auto: deferred under async scheduling).
-        "residency_bookkeeping": os.environ.get("KVHINT_RESIDENCY_BOOKKEEPING", "auto"),
+        # The engines' residency bookkeeping setting (auto: deferred under async scheduling).
+        "residency_bookkeeping": ServerConfig.from_env().residency_bookkeeping,
     }
     if info["cuda_available"]:
         info["gpu"] = torch.cuda.get_device_name(0)
