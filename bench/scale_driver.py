@@ -145,7 +145,15 @@ class Side:
         return out
 
     def settle(self) -> None:
-        """Settle deferred bookkeeping now (after a unit, outside its timed region)."""
+        """Settle deferred bookkeeping now (after a unit, outside its timed region). With the
+        settler thread, wait for it instead: its CPU is its own, not the driver's."""
+        if self.core is not None and self.shape.settler_thread:
+            journal = self.core.journal
+            deadline = time.monotonic() + 5.0
+            while journal.pending() and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            with journal.lock:  # the chunk in progress, if any, is booked
+                pass
         if self.core is not None and self.core.journal.pending():
             t = thread_ns()
             self.core.settle()
