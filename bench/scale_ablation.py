@@ -1,7 +1,8 @@
 """Where KvHint's no-hints scheduler cost goes: `bench.scale`'s paired steps with one piece of
 KvHint's bookkeeping replaced by a no-op at a time.
 
-    python -m bench.scale_ablation [--pool 16384] [--sessions 10000] [--steps 150] [--out bench/results/scale_ablation.md]
+    python -m bench.scale_ablation [--pool 16384] [--sessions 10000] [--steps 150] [--bookkeeping auto]
+                                   [--out bench/results/scale_ablation.md]
 
 A diagnostic, not a configuration anyone runs: a no-op'd callback leaves the index and the event
 stream wrong (e.g. without removals the index only grows). Each variant is a fresh stock/KvHint
@@ -14,7 +15,14 @@ the steady steps are measured. Variants:
   * no index on admission: `KvHintCore.on_stored` does nothing;
   * no index on removal: `KvHintCore.on_removed` does nothing;
   * hooks only: the adapter's residency callbacks (`on_blocks_cached`, `on_keys_removed`,
-    `on_prefix_hit`) do nothing, so what is left is the hooked vLLM methods themselves.
+    `on_prefix_hit`) do nothing, so what is left is the hooked vLLM methods themselves;
+  * vLLM's own classes: after the fill, the KvHint side's BlockPool, KVCacheManager and
+    scheduler methods are vLLM's own again (no KvHint code runs in its steps; the sidecar and
+    the index the fill built stay in the process), so what is left is the side's data;
+  * A/A: both sides stock (the pairing's own noise);
+  * A/A, ballast: both sides stock, and every admission of the second side's fill is followed
+    by `BALLAST_PER_FILL` small unrelated Python objects kept alive, as KvHint's index is (the
+    row names their deep size): the same vLLM code over a heap laid out like the KvHint side's.
 
 The difference between two variants is what the removed piece cost, within the run-to-run noise
 of `bench.scale` (single figures move by about +-5%).
@@ -34,6 +42,8 @@ from typing import Any
 
 from .scale_driver import Pair
 from .scale_workload import Shape
+
+BALLAST_PER_FILL = 20  # small dicts (each with a tuple, a str and a list) per fill admission
 
 
 def _noop(*_a: Any, **_k: Any) -> None:
@@ -59,20 +69,68 @@ def _callbacks(pair: Pair) -> None:
     adapter.on_prefix_hit = _noop
 
 
-# name -> (what it changes, collector on)
-VARIANTS: dict[str, tuple[Callable[[Pair], None] | None, bool]] = {
-    "full": (None, True),
-    "no collector": (None, False),
-    "no event publishing": (_publish, True),
-    "no index on admission": (_stored, True),
-    "no index on removal": (_removed, True),
-    "hooks only": (_callbacks, True),
+def _stock_classes(pair: Pair) -> None:
+    from functools import partial
+
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    side = pair.kv
+    sched, stock_cls = side.sched, type(pair.stock.sched)
+    sched.kv_cache_manager.block_pool.__class__ = BlockPool
+    sched.kv_cache_manager.__class__ = KVCacheManager
+    sched.add_request = partial(stock_cls.add_request, sched)
+    side.time_steps(partial(stock_cls.schedule, sched), partial(stock_cls.update_from_output, sched))
+
+
+# name -> (what it changes, collector on, pair: "kvhint" | "aa" | "aa-ballast")
+VARIANTS: dict[str, tuple[Callable[[Pair], None] | None, bool, str]] = {
+    "full": (None, True, "kvhint"),
+    "no collector": (None, False, "kvhint"),
+    "no event publishing": (_publish, True, "kvhint"),
+    "no index on admission": (_stored, True, "kvhint"),
+    "no index on removal": (_removed, True, "kvhint"),
+    "hooks only": (_callbacks, True, "kvhint"),
+    "vLLM's own classes": (_stock_classes, True, "kvhint"),
+    "A/A": (None, True, "aa"),
+    "A/A, ballast": (None, True, "aa-ballast"),
 }
 
 
+def _deep_size(obj: Any) -> int:
+    seen: set[int] = set()
+    stack, total = [obj], 0
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        total += sys.getsizeof(o)
+        if isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return total
+
+
+def _add_ballast(pair: Pair, ballast: list[Any]) -> None:
+    side, fill = pair.kv, pair.kv.fill
+
+    def fill_then_ballast(turn: Any) -> bool:
+        ok = fill(turn)
+        ballast.append([{"k": (i, str(i)), "v": [i]} for i in range(BALLAST_PER_FILL)])
+        return ok
+
+    side.fill = fill_then_ballast  # type: ignore[method-assign]
+
+
 def measure(shape: Shape, name: str) -> dict[str, Any]:
-    change, collector = VARIANTS[name]
-    pair = Pair(shape)
+    change, collector, kind = VARIANTS[name]
+    pair = Pair(shape, aa=kind != "kvhint")
+    ballast: list[Any] = []
+    if kind == "aa-ballast":
+        _add_ballast(pair, ballast)
     try:
         pair.fill_and_freeze()
         if change is not None:
@@ -90,6 +148,7 @@ def measure(shape: Shape, name: str) -> dict[str, Any]:
         kv = sum(u.kv_ns for u in units)
         return {
             "variant": name,
+            "ballast_bytes": _deep_size(ballast) if ballast else None,
             "steps": len(units),
             "median_ratio": round(statistics.median(u.kv_ns / u.stock_ns for u in units), 4),
             "ratio_of_totals": round(kv / stock, 4),
@@ -116,10 +175,17 @@ def markdown(raw: dict[str, Any]) -> str:
     ]
     for r in rows:
         against = "-" if full is None or r is full else f"{r['extra_us_per_step'] - full['extra_us_per_step']:+.0f}"
+        variant = r["variant"]
+        if r.get("ballast_bytes"):
+            variant += f" ({r['ballast_bytes'] / 2**20:.0f} MiB)"
         out.append(
-            f"| {r['variant']} | {r['median_ratio']:.3f}x | {r['ratio_of_totals']:.3f}x | {r['stock_ms_per_step']:.3f} "
+            f"| {variant} | {r['median_ratio']:.3f}x | {r['ratio_of_totals']:.3f}x | {r['stock_ms_per_step']:.3f} "
             f"| {r['extra_us_per_step']:.0f} | {against} |"
         )
+    out.append("")
+    out.append("KvHint side: the second side (for A/A, a second stock scheduler). Bookkeeping: "
+               f"{raw.get('bookkeeping', 'auto')} (KVHINT_RESIDENCY_BOOKKEEPING; a deferred side's journal is "
+               "settled after each step, outside the timed region).")
     out.append("")
     return "\n".join(out)
 
@@ -130,14 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool", type=int, default=16384)
     ap.add_argument("--sessions", type=int, default=10000)
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--bookkeeping", default="auto", choices=("auto", "inline", "deferred"))
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", default="bench/results/scale_ablation.md")
     a = ap.parse_args(argv)
-    shape = Shape(a.pool, a.sessions, steps=a.steps)
+    shape = Shape(a.pool, a.sessions, steps=a.steps, bookkeeping=a.bookkeeping)
     command = "python -m bench.scale_ablation" + "".join(
-        f" --{k} {v}" for k, v, d in (("pool", a.pool, 16384), ("sessions", a.sessions, 10000), ("steps", a.steps, 150)) if v != d
+        f" --{k} {v}" for k, v, d in (
+            ("pool", a.pool, 16384), ("sessions", a.sessions, 10000), ("steps", a.steps, 150),
+            ("bookkeeping", a.bookkeeping, "auto"),
+        ) if v != d
     ) + ("" if a.out == "bench/results/scale_ablation.md" else f" --out {a.out}")
-    raw: dict[str, Any] = {"command": command, "shape": shape.label, "rows": []}
+    raw: dict[str, Any] = {"command": command, "shape": shape.label, "bookkeeping": a.bookkeeping, "rows": []}
     t0 = time.monotonic()
     for name in a.variants:
         raw["rows"].append(measure(shape, name))

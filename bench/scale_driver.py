@@ -103,27 +103,25 @@ class Side:
             journal.stop()
             if shape.bookkeeping == "deferred" or (shape.bookkeeping == "auto" and shape.async_scheduling):
                 journal.start(thread=shape.settler_thread)
-        orig_schedule, orig_update = self.sched.schedule, self.sched.update_from_output
+        self.time_steps(self.sched.schedule, self.sched.update_from_output)
 
-        def schedule(*a: Any, **k: Any) -> Any:
-            t, p, w = thread_ns(), process_ns(), wall_ns()
-            try:
-                return orig_schedule(*a, **k)
-            finally:
-                self.cpu_ns += thread_ns() - t
-                self.proc_ns += process_ns() - p
-                self.wall_ns += wall_ns() - w
+    def time_steps(self, schedule_fn: Callable[..., Any], update_fn: Callable[..., Any]) -> None:
+        """Make the scheduler's schedule() / update_from_output() these callables, timed into
+        this side's CPU and wall clocks (bench.scale_ablation swaps in vLLM's own methods)."""
 
-        def update(*a: Any, **k: Any) -> Any:
-            t, p, w = thread_ns(), process_ns(), wall_ns()
-            try:
-                return orig_update(*a, **k)
-            finally:
-                self.cpu_ns += thread_ns() - t
-                self.proc_ns += process_ns() - p
-                self.wall_ns += wall_ns() - w
+        def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*a: Any, **k: Any) -> Any:
+                t, p, w = thread_ns(), process_ns(), wall_ns()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.cpu_ns += thread_ns() - t
+                    self.proc_ns += process_ns() - p
+                    self.wall_ns += wall_ns() - w
 
-        self.sched.schedule, self.sched.update_from_output = schedule, update
+            return call
+
+        self.sched.schedule, self.sched.update_from_output = timed(schedule_fn), timed(update_fn)
 
     def request(self, turn: Turn) -> Any:
         req = self.inproc.make_request(

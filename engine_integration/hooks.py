@@ -17,7 +17,13 @@ call the stock methods and add:
     queue (`ProtectedFreeBlocks`) and counted as free; the queue (ordinary,
     LRU) is consumed first, then retained blocks by priority, then pins.
 
-With no hints in effect every added branch is a constant-time check, and the
+Two classes share this: `KvHintBlockPool` adds only the admission and removal
+reports, and `KvHintRetainingBlockPool` adds the retention order on top. The
+pool is the retaining class while a free block is protected, a pin is being
+broken or a retention grant is in effect, and the plain class otherwise
+(`kvh_sync_mode`, on the engine thread: after every re-filing, and at each
+step boundary). So with no hints in effect `get_num_free_blocks`,
+`_maybe_evict_cached_block`, `touch` and `free_blocks` are vLLM's own, and the
 eviction order and allocation results are exactly stock vLLM's.
 """
 
@@ -73,28 +79,13 @@ class KvHintBlockPool(BlockPool):
         self._kvh.on_blocks_cached(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
 
     def _emit_block_removed_events(self, block_hashes):  # type: ignore[no-untyped-def]
-        _emit_removed(self, block_hashes)
+        if self.enable_kv_cache_events:  # stock returns at once without it (one call per evicted block)
+            _emit_removed(self, block_hashes)
         pending = self._kvh_pending
         if pending is not None:
             pending.append((block_hashes, self._kvh_cause))
         else:
             self._kvh.on_keys_removed(block_hashes, self._kvh_cause)
-
-    def _maybe_evict_cached_block(self, block):  # type: ignore[no-untyped-def]
-        protected = self._kvh_protected
-        if protected.count and protected.remove(block):
-            # A protected free block losing its hash (connector invalidation):
-            # it is an ordinary free block again.
-            self.free_block_queue.prepend_n([block])
-        broken = self._kvh_broken
-        if broken and block.block_id in broken:
-            broken.discard(block.block_id)
-            previous, self._kvh_cause = self._kvh_cause, RemovalCause.PIN_BROKEN
-            try:
-                return _maybe_evict(self, block)
-            finally:
-                self._kvh_cause = previous
-        return _maybe_evict(self, block)
 
     def reset_prefix_cache(self) -> bool:
         protected = self._kvh_protected
@@ -110,15 +101,8 @@ class KvHintBlockPool(BlockPool):
 
     # ------------------------------------------------------------ allocation
 
-    def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks + self._kvh_protected.count
-
     def get_new_blocks(self, num_blocks: int):  # type: ignore[no-untyped-def]
-        if self._kvh_protected.count:
-            self._kvh.core.expire_retention()
-            shortfall = num_blocks - self.free_block_queue.num_free_blocks
-            if shortfall > 0:
-                self._kvh_reclaim(shortfall)
+        # Removals inside one allocation are reported together (one journal entry per call).
         self._kvh_pending = []
         try:
             return _get_new_blocks(self, num_blocks)
@@ -137,6 +121,91 @@ class KvHintBlockPool(BlockPool):
                 keys, cause = [], batch_cause
             keys.extend(batch)
         self._kvh.on_keys_removed(keys, cause)
+
+    # ------------------------------------------------------------ used by the adapter
+
+    def kvh_refile_block(self, block: Any, view: RetentionView | None = None) -> None:
+        """File one free cached block by its current retention class (`view`,
+        when the caller already has it)."""
+        if block.ref_cnt != 0 or block.is_null:
+            return
+        protected = self._kvh_protected
+        if view is None:
+            view = self._kvh.retention_of_block(block)
+        filed = protected.filed_as(block)
+        if view.cls is RetentionClass.ORDINARY:
+            if filed is not None:
+                protected.remove(block)
+                self.free_block_queue.prepend_n([block])
+            return
+        if filed == (view.cls, view.priority, view.reuse_at):
+            return
+        if filed is None:
+            self.free_block_queue.remove(block)
+        protected.add(block, view.cls, view.priority, view.reuse_at)
+        if self.__class__ is KvHintBlockPool:
+            self.__class__ = KvHintRetainingBlockPool  # something is protected now
+
+    def kvh_to_queue_head(self, block: Any) -> None:
+        """Make a free block the next eviction candidate."""
+        if block.ref_cnt != 0 or block.is_null:
+            return
+        if not self._kvh_protected.remove(block):
+            self.free_block_queue.remove(block)
+        self.free_block_queue.prepend_n([block])
+
+    def kvh_evict(self, block: Any, cause: RemovalCause) -> bool:
+        """Drop a free block's hash now and put it at the queue head."""
+        if block.ref_cnt != 0 or block.is_null:
+            return False
+        self.kvh_to_queue_head(block)
+        previous, self._kvh_cause = self._kvh_cause, cause
+        try:
+            return super()._maybe_evict_cached_block(block)
+        finally:
+            self._kvh_cause = previous
+
+    def kvh_sync_mode(self) -> None:
+        """Engine thread: the retaining class while a free block is protected, a pin is being
+        broken or a retention grant is in effect; this class otherwise. Called after every
+        re-filing (grants, releases, expiry) and at each step boundary; `kvh_refile_block`
+        switches to the retaining class itself when it protects a block."""
+        active = self._kvh_protected.count or self._kvh_broken or self._kvh.retention_active()
+        cls = KvHintRetainingBlockPool if active else KvHintBlockPool
+        if self.__class__ is not cls:
+            self.__class__ = cls
+
+
+class KvHintRetainingBlockPool(KvHintBlockPool):
+    """The pool while retention is in effect: protected free blocks are kept out of vLLM's free
+    queue, counted as free, and reclaimed in class order when the queue runs dry."""
+
+    def _maybe_evict_cached_block(self, block):  # type: ignore[no-untyped-def]
+        protected = self._kvh_protected
+        if protected.count and protected.remove(block):
+            # A protected free block losing its hash (connector invalidation):
+            # it is an ordinary free block again.
+            self.free_block_queue.prepend_n([block])
+        broken = self._kvh_broken
+        if broken and block.block_id in broken:
+            broken.discard(block.block_id)
+            previous, self._kvh_cause = self._kvh_cause, RemovalCause.PIN_BROKEN
+            try:
+                return _maybe_evict(self, block)
+            finally:
+                self._kvh_cause = previous
+        return _maybe_evict(self, block)
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks + self._kvh_protected.count
+
+    def get_new_blocks(self, num_blocks: int):  # type: ignore[no-untyped-def]
+        if self._kvh_protected.count:
+            self._kvh.core.expire_retention()
+            shortfall = num_blocks - self.free_block_queue.num_free_blocks
+            if shortfall > 0:
+                self._kvh_reclaim(shortfall)
+        return KvHintBlockPool.get_new_blocks(self, num_blocks)
 
     def _kvh_reclaim(self, shortfall: int) -> None:
         """Move `shortfall` protected blocks to the queue head, in class order."""
@@ -166,47 +235,6 @@ class KvHintBlockPool(BlockPool):
         for block in blocks:
             if block.ref_cnt == 0 and block.block_hash is not None and block.pool in (None, self):
                 self.kvh_refile_block(block)
-
-    # ------------------------------------------------------------ used by the adapter
-
-    def kvh_refile_block(self, block: Any, view: RetentionView | None = None) -> None:
-        """File one free cached block by its current retention class (`view`,
-        when the caller already has it)."""
-        if block.ref_cnt != 0 or block.is_null:
-            return
-        protected = self._kvh_protected
-        if view is None:
-            view = self._kvh.retention_of_block(block)
-        filed = protected.filed_as(block)
-        if view.cls is RetentionClass.ORDINARY:
-            if filed is not None:
-                protected.remove(block)
-                self.free_block_queue.prepend_n([block])
-            return
-        if filed == (view.cls, view.priority, view.reuse_at):
-            return
-        if filed is None:
-            self.free_block_queue.remove(block)
-        protected.add(block, view.cls, view.priority, view.reuse_at)
-
-    def kvh_to_queue_head(self, block: Any) -> None:
-        """Make a free block the next eviction candidate."""
-        if block.ref_cnt != 0 or block.is_null:
-            return
-        if not self._kvh_protected.remove(block):
-            self.free_block_queue.remove(block)
-        self.free_block_queue.prepend_n([block])
-
-    def kvh_evict(self, block: Any, cause: RemovalCause) -> bool:
-        """Drop a free block's hash now and put it at the queue head."""
-        if block.ref_cnt != 0 or block.is_null:
-            return False
-        self.kvh_to_queue_head(block)
-        previous, self._kvh_cause = self._kvh_cause, cause
-        try:
-            return super()._maybe_evict_cached_block(block)
-        finally:
-            self._kvh_cause = previous
 
 
 class KvHintKVCacheManager(KVCacheManager):

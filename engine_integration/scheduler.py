@@ -138,6 +138,7 @@ class KvHintScheduler(Scheduler):
         self._kvhint_in_step += 1
         try:
             self.kvhint_core.run_pending()
+            self.kvhint_adapter.pool.kvh_sync_mode()  # back to the plain pool class once nothing is retained
             tiers = self.kvhint_adapter.tiers
             if tiers is not None:
                 tiers.on_step()

@@ -12,13 +12,34 @@ SMALL = Shape(2048, 50, steps=4, warmup_steps=2, system_tokens=256, first_contex
 
 
 def test_every_variant_gives_a_row_and_the_table_lists_them() -> None:
+    names = ("full", "hooks only", "A/A, ballast")
     raw = {"command": "python -m bench.scale_ablation", "shape": SMALL.label,
-           "rows": [scale_ablation.measure(SMALL, name) for name in ("full", "hooks only")]}
-    assert [r["variant"] for r in raw["rows"]] == ["full", "hooks only"]
+           "rows": [scale_ablation.measure(SMALL, name) for name in names]}
+    assert [r["variant"] for r in raw["rows"]] == list(names)
     for row in raw["rows"]:
         assert row["steps"] == SMALL.steps and row["stock_ms_per_step"] > 0 and row["median_ratio"] > 0
+    assert raw["rows"][0]["ballast_bytes"] is None and raw["rows"][2]["ballast_bytes"] > 0
     text = scale_ablation.markdown(raw)
-    assert "| full |" in text and "| hooks only |" in text
+    assert "| full |" in text and "| hooks only |" in text and "| A/A, ballast (" in text
+
+
+def test_vllms_own_classes_run_no_kvhint_code_in_the_steps() -> None:
+    """The variant that measures the KvHint side's data alone: after the swap its steps call
+    nothing of KvHint's (no residency callback, no hint pass) and still run vLLM's work."""
+    pair = Pair(SMALL)
+    try:
+        pair.fill()
+        adapter, core = pair.kv.sched.kvhint_adapter, pair.kv.core
+        calls: list[str] = []
+        for name in ("on_blocks_cached", "on_keys_removed", "on_prefix_hit"):
+            setattr(adapter, name, lambda *a, _n=name, **k: calls.append(_n))
+        core.run_pending = lambda: calls.append("run_pending")  # type: ignore[method-assign]
+        scale_ablation.VARIANTS["vLLM's own classes"][0](pair)
+        pair.steps(3, "steady")
+        assert calls == []
+        assert pair.units[-1].kv_ns > 0 and pair.kv.running() == pair.stock.running()
+    finally:
+        pair.close()
 
 
 def test_hooks_only_leaves_the_index_and_the_event_stream_alone() -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pool_support import BLOCK_SIZE, Cache, retain, session, tokens
+from pool_support import BLOCK_SIZE, Cache, pin, release, retain, session, tokens
+from vllm.v1.core.block_pool import BlockPool
 
-from engine_integration.hooks import KvHintBlockPool
+from engine_integration.hooks import KvHintBlockPool, KvHintRetainingBlockPool
 from kvhint_server.events import BlocksStored
 
 NUM_BLOCKS = 20
@@ -98,3 +99,45 @@ def test_queue_order_of_ordinary_blocks_is_stock_while_a_grant_is_active():
     protected = set(hooked.filed())
     assert len(protected) == 3
     assert hooked.free_queue() == [b for b in stock.free_queue() if b not in protected]
+
+
+# The pool methods the retention order changes: vLLM's own while nothing is retained.
+RETENTION_METHODS = ("get_num_free_blocks", "_maybe_evict_cached_block", "touch", "free_blocks")
+
+
+def runs_stock_methods(cache: Cache) -> bool:
+    return all(getattr(type(cache.pool), m) is getattr(BlockPool, m) for m in RETENTION_METHODS)
+
+
+def test_the_pool_runs_vllms_own_methods_while_nothing_is_retained():
+    """The retention overrides are on the pool only while a grant is in effect or a block is
+    protected: a Retain switches them on before its outcome, and a Release, an expiry or a
+    broken pin's eviction switches them off again."""
+    cache = Cache(NUM_BLOCKS)
+    assert type(cache.pool) is KvHintBlockPool and runs_stock_methods(cache)
+    cache.run("kept", tokens(0, 3 * BLOCK_SIZE), "keep")
+    [granted] = cache.apply(retain(session("keep"), ttl_s=5.0))
+    assert granted.affected
+    assert type(cache.pool) is KvHintRetainingBlockPool and not runs_stock_methods(cache)
+    assert len(cache.filed()) == 3
+    assert cache.pool.get_num_free_blocks() == NUM_BLOCKS - 1  # protected blocks still count as free
+    cache.apply(release(session("keep")))
+    assert not cache.filed() and runs_stock_methods(cache)
+
+    # Expiry: the next allocation expires the grant and re-files its blocks.
+    cache.run("second", tokens(1, 3 * BLOCK_SIZE), "second")
+    [granted] = cache.apply(retain(session("second"), ttl_s=5.0))
+    assert granted.affected and not runs_stock_methods(cache)
+    cache.clock.advance(6.0)
+    cache.allocate(1)
+    assert not cache.filed() and runs_stock_methods(cache)
+
+    # A pin broken under pressure: retaining until its blocks are gone and nothing else is held.
+    cache.run("third", tokens(2, 3 * BLOCK_SIZE), "third")
+    [pinned] = cache.apply(pin(session("third"), ttl_s=60.0))
+    assert pinned.affected and not runs_stock_methods(cache)
+    taken = cache.allocate(cache.pool.get_num_free_blocks())  # every free block, the pinned ones last
+    assert len(taken) == NUM_BLOCKS - 2 and not cache.filed()  # all but the null block and the one taken above
+    assert not cache.core.ledger.grants  # the broken pin's grant left with its blocks
+    cache.pool.kvh_sync_mode()  # what KvHintScheduler.schedule() does at every step boundary
+    assert runs_stock_methods(cache)
