@@ -62,11 +62,18 @@ MUTANTS = (
         "kvh_refile_block does nothing: Pin and Retain protect nothing",
     ),
     Mutant(
-        "free-order-idle",
+        "sync-always-plain",
         "engine_integration/hooks.py",
-        r"super\(\)\.free_blocks\(ordered_blocks\)(\n\s+return)",
-        r"super().free_blocks(list(ordered_blocks)[::-1])\1",
-        "free_blocks reverses vLLM's free order when no grant is in effect",
+        r"cls = KvHintRetainingBlockPool if active else KvHintBlockPool",
+        "cls = KvHintBlockPool",
+        "the pool drops its retention overrides at every sync, grants in effect or not",
+    ),
+    Mutant(
+        "sync-stays-retaining",
+        "engine_integration/hooks.py",
+        r"cls = KvHintRetainingBlockPool if active else KvHintBlockPool",
+        "cls = KvHintRetainingBlockPool",
+        "the pool keeps its retention overrides once anything was retained (no longer vLLM's own methods)",
     ),
     Mutant(
         "free-order-active",
@@ -99,8 +106,8 @@ MUTANTS = (
     Mutant(
         "evict-ignores-in-use",
         "engine_integration/adapter.py",
-        r"(def evict\(self.*?)if any\(b\.ref_cnt > 0 for b in copies\):",
-        r"\1if False:",
+        r"if any\(b\.ref_cnt > 0 for b in copies\):(\n\s+in_use\.append\(h\))",
+        r"if False:\1",
         "Evict does not check whether a block is in use",
     ),
     Mutant(
