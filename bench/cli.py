@@ -25,16 +25,49 @@ from bench.simulate import analyze
 from bench.trace import Trace, TraceError
 
 
+class UsageError(ValueError):
+    """A bad command-line value (reported as `python -m bench CMD: error: ...`, exit 2)."""
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    if default is None:
+        return True
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, type(default))
+
+
 def _params(preset: str, sets: list[str]) -> TraceParams:
     p = PRESETS[preset]
+    fields = TraceParams.__dataclass_fields__
     kw: dict[str, Any] = {}
     for s in sets:
-        key, _, val = s.partition("=")
-        if key not in TraceParams.__dataclass_fields__:
-            raise SystemExit(f"unknown parameter {key!r}")
-        v = json.loads(val)
-        kw[key] = tuple(v) if isinstance(v, list) else v
-    return replace(p, **kw)
+        key, eq, val = s.partition("=")
+        if not eq:
+            raise UsageError(f"--set {s!r}: expected KEY=JSON, e.g. --set concurrency=4")
+        if key not in fields:
+            raise UsageError(f"--set {key}: unknown parameter (known: {', '.join(sorted(fields))})")
+        try:
+            v = json.loads(val)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--set {key}={val}: the value is not JSON ({e.msg}); a string needs quotes, "
+                             f"e.g. --set {key}='\"{val}\"'") from None
+        if isinstance(v, list):  # ranges and the tools table: tuples, as in TraceParams
+            v = tuple(tuple(x) if isinstance(x, list) else x for x in v)
+        default = getattr(p, key)
+        if not _same_kind(v, default):
+            raise UsageError(f"--set {key}={val}: expected a value like the preset's {json.dumps(default)}")
+        kw[key] = v
+    params = replace(p, **kw)
+    try:
+        params.validate()
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"--set: {e}") from None
+    return params
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -144,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         a.trace = a.trace_path or a.trace_option
     try:
         return int(a.fn(a) or 0)
-    except (TraceError, OSError) as e:
+    except (TraceError, OSError, UsageError) as e:
         print(f"python -m bench {a.cmd}: error: {e}", file=sys.stderr)
         return 2
 

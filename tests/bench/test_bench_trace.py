@@ -231,3 +231,29 @@ def test_cli_takes_the_trace_as_an_argument_or_as_trace_and_reports_bad_files(tm
     assert rc == 2 and "the header has no num_gpu_blocks" in err and "--num-gpu-blocks N" in err
     rc, _, _ = _cli(["analyze", "--trace", str(nopool), "--num-gpu-blocks", "9", "--no-tiers"], capsys)
     assert rc == 0
+
+
+@pytest.mark.parametrize(
+    "setting,message",
+    [
+        ("agents=10", "--set agents: unknown parameter (known: "),
+        ("concurrency", "--set 'concurrency': expected KEY=JSON"),
+        ("num_sessions=abc", "--set num_sessions=abc: the value is not JSON"),
+        ("num_sessions=\"12\"", "--set num_sessions=\"12\": expected a value like the preset's 16"),
+        ("turns=5", "--set turns=5: expected a value like the preset's ["),
+        ("turns=[4,2]", "--set: turns: bad range (4, 2)"),
+    ],
+)
+def test_generate_rejects_a_bad_setting_with_a_message_and_writes_nothing(tmp_path, capsys, setting, message):
+    out = tmp_path / "t.jsonl"
+    rc, _, err = _cli(["generate", "--preset", "default", "--set", setting, "-o", str(out)], capsys)
+    assert rc == 2 and f"python -m bench generate: error: {message}" in err
+    assert not out.exists()
+
+
+def test_generate_takes_json_settings(tmp_path, capsys):
+    out = tmp_path / "t.jsonl"
+    rc, _, _ = _cli(["generate", "--preset", "fast", "--set", "concurrency=2", "--set", "turns=[2,3]", "-o", str(out)], capsys)
+    assert rc == 0
+    params = Trace.load(out).header.params
+    assert params["concurrency"] == 2 and params["turns"] == [2, 3]
