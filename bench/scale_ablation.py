@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .scale_driver import Pair
+from .scale_probes import deep_stats
 from .scale_workload import Shape
 
 BALLAST_PER_FILL = 20  # small dicts (each with a tuple, a str and a list) per fill admission
@@ -97,23 +98,6 @@ VARIANTS: dict[str, tuple[Callable[[Pair], None] | None, bool, str]] = {
 }
 
 
-def _deep_size(obj: Any) -> int:
-    seen: set[int] = set()
-    stack, total = [obj], 0
-    while stack:
-        o = stack.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        total += sys.getsizeof(o)
-        if isinstance(o, dict):
-            stack.extend(o.keys())
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-    return total
-
-
 def _add_ballast(pair: Pair, ballast: list[Any]) -> None:
     side, fill = pair.kv, pair.kv.fill
 
@@ -148,7 +132,7 @@ def measure(shape: Shape, name: str) -> dict[str, Any]:
         kv = sum(u.kv_ns for u in units)
         return {
             "variant": name,
-            "ballast_bytes": _deep_size(ballast) if ballast else None,
+            "ballast_bytes": deep_stats([ballast])[0] if ballast else None,
             "steps": len(units),
             "median_ratio": round(statistics.median(u.kv_ns / u.stock_ns for u in units), 4),
             "ratio_of_totals": round(kv / stock, 4),

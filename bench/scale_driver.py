@@ -101,7 +101,7 @@ class Side:
             # (settle_ns).
             journal = self.core.journal
             journal.stop()
-            if shape.bookkeeping == "deferred" or (shape.bookkeeping == "auto" and shape.async_scheduling):
+            if shape.deferred:
                 journal.start(thread=shape.settler_thread)
         self.time_steps(self.sched.schedule, self.sched.update_from_output)
 

@@ -66,11 +66,17 @@ class Shape:
     gpu_wait_s: float = 0.0
 
     @property
+    def deferred(self) -> bool:
+        """The KvHint side books residency deferred (what KvHintScheduler's "auto" picks: deferred
+        under async scheduling)."""
+        return self.bookkeeping == "deferred" or (self.bookkeeping == "auto" and self.async_scheduling)
+
+    @property
     def label(self) -> str:
         hints = f", {self.hints_per_step / self.step_seconds:.0f} hints/s" if self.hints_per_step else ""
         events = ", against stock with vLLM's KV events on" if self.stock_kv_events else ""
         mode = ", async scheduling" if self.async_scheduling else ""
-        deferred = self.bookkeeping == "deferred" or (self.bookkeeping == "auto" and self.async_scheduling)
+        deferred = self.deferred
         if self.async_scheduling and not deferred:
             mode += ", inline bookkeeping"
         elif deferred:

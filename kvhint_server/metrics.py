@@ -241,7 +241,6 @@ class MetricsExporter:
                 if limit is not None:
                     self._m.tenant_budget.labels(tenant, budget).set(limit)
 
-
     def _count_journal(self) -> None:
         journal, m = self._core.journal, self._m
         m.journal_pending.set(journal.pending())
