@@ -409,8 +409,10 @@ class Pair:
     def close(self) -> None:
         self.stock.close()
         self.kv.close()
+        # The pair's objects become ordinary garbage again. No collection here: the next pair's
+        # fill_and_freeze collects before it freezes (each full collection of a large heap
+        # costs a noticeable fraction of a second).
         gc.unfreeze()
-        gc.collect()
 
 
 class _Rid:

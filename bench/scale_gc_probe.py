@@ -1,27 +1,162 @@
 """Where bench.scale's garbage-collection cost lands: the collections that run during each side's
-steps, per generation, on one stock/KvHint pair (16384 blocks, 10000 sessions by default).
+steps, per generation, on one stock/KvHint pair (16384 blocks, 10000 sessions by default), and
+what each side's steps leave in the collector's young generation.
 
-    python -m bench.scale_gc_probe [--pool 16384] [--sessions 10000] [--steps 100]
+    python -m bench.scale_gc_probe [--pool 16384] [--sessions 10000] [--steps 150] [--bookkeeping deferred]
+                                   [--out bench/results/scale_gc_probe.md]
 
-A diagnostic printed to stdout, not a results table. The pair is filled and warmed as in
-bench.scale (`scale_driver.Pair.fill_and_freeze`: the heap is frozen after the fill, as
-EngineCore freezes its start-up heap); then every collection during the measured steps is timed
-(`gc.callbacks`) and charged to the side whose step was running. Both sides live in one process, so a young
-collection that KvHint's allocations trigger also traverses the young objects of the stock side:
-what lands on KvHint here is an upper bound of what it would cost alone.
+The pair is filled and warmed as in bench.scale (`scale_driver.Pair.fill_and_freeze`: the heap is
+frozen after the fill, as EngineCore freezes its start-up heap). Then two passes of `--steps`
+steps each:
+
+* **Where collections land.** Every collection is timed (`gc.callbacks`) and charged to the side
+  whose step was running (or to neither: the driver between steps, and deferred settling).
+* **Young objects left per step.** With the collector off for the timed region only, the change
+  of the young generation's allocation count (`gc.get_count()[0]`) across each side's step and
+  across the KvHint side's settle. A young collection runs when that count passes its threshold
+  (700), so a side whose steps leave objects alive raises the chance that the crossing, and the
+  collection's cost, lands in its steps.
+
+Both sides live in one process, so a young collection that KvHint's allocations trigger also
+traverses the young objects of the stock side: what lands on KvHint here is an upper bound of what
+it would cost alone. Prints the table; with `--out`, writes it (markdown) and the raw figures
+(json, same name).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .scale_driver import Pair
 from .scale_workload import Shape
+
+
+def _wrap_steps(pair: Pair, around: Callable[[str, Callable[[], Any]], Any]) -> Callable[[], None]:
+    """Route each side's step (and the KvHint side's settle) through `around(region, call)`;
+    returns the undo."""
+    saved: list[tuple[Any, str, Any]] = []
+    for side in (pair.stock, pair.kv):
+        saved.append((side, "step", side.step))
+
+        def step(turns: Any, _step: Any = side.step, _name: str = side.name) -> Any:
+            return around(_name, lambda: _step(turns))
+
+        side.step = step  # type: ignore[method-assign]
+    kv = pair.kv
+    saved.append((kv, "settle", kv.settle))
+
+    def settle(_settle: Any = kv.settle) -> Any:
+        return around("settle", _settle)
+
+    kv.settle = settle  # type: ignore[method-assign]
+
+    def undo() -> None:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+
+    return undo
+
+
+def collections_pass(pair: Pair, steps: int) -> dict[str, Any]:
+    running = {"region": "neither"}
+    spent: dict[tuple[str, int], list[int]] = {}
+    started = [0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter_ns()
+        else:
+            spent.setdefault((running["region"], info["generation"]), []).append(time.perf_counter_ns() - started[0])
+
+    def around(region: str, call: Callable[[], Any]) -> Any:
+        running["region"] = region
+        try:
+            return call()
+        finally:
+            running["region"] = "neither"
+
+    undo = _wrap_steps(pair, around)
+    pair.units.clear()
+    gc.callbacks.append(on_gc)
+    try:
+        pair.steps(steps, "steady")
+    finally:
+        gc.callbacks.remove(on_gc)
+        undo()
+    units = pair.units
+    stock = sum(u.stock_ns for u in units)
+    kv = sum(u.kv_ns for u in units)
+    return {
+        "steps": len(units),
+        "median_ratio": round(statistics.median(u.kv_ns / u.stock_ns for u in units), 3),
+        "totals_ratio": round(kv / stock, 3),
+        "kv_minus_stock_us_per_step": round((kv - stock) / len(units) / 1e3),
+        "collections": [
+            {"region": region, "generation": generation, "count": len(times),
+             "ms_each": round(sum(times) / len(times) / 1e6, 2), "us_per_step": round(sum(times) / len(units) / 1e3)}
+            for (region, generation), times in sorted(spent.items())
+        ],
+    }
+
+
+def young_pass(pair: Pair, steps: int) -> dict[str, dict[str, float]]:
+    deltas: dict[str, list[int]] = {}
+
+    def around(region: str, call: Callable[[], Any]) -> Any:
+        gc.disable()
+        before = gc.get_count()[0]
+        try:
+            return call()
+        finally:
+            deltas.setdefault(region, []).append(gc.get_count()[0] - before)
+            gc.enable()
+
+    undo = _wrap_steps(pair, around)
+    try:
+        pair.steps(steps, "steady")
+    finally:
+        undo()
+    return {region: {"mean": round(statistics.mean(d), 1), "median": statistics.median(d), "max": max(d)}
+            for region, d in sorted(deltas.items())}
+
+
+def markdown(raw: dict[str, Any]) -> str:
+    c = raw["collections"]
+    lines = [
+        "# Where bench.scale's collections land",
+        "",
+        f"`{raw['command']}` on commit {raw['commit']}; {raw['shape']}.",
+        "",
+        f"Pass 1, {c['steps']} steps: KvHint / stock scheduler CPU per step, median of per-step ratios "
+        f"{c['median_ratio']:.3f}x, ratio of totals {c['totals_ratio']:.3f}x "
+        f"(KvHint - stock: {c['kv_minus_stock_us_per_step']} us per step).",
+        "",
+        "| during | generation | collections | ms each | us per step |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {r['region']} | {r['generation']} | {r['count']} | {r['ms_each']:.2f} | {r['us_per_step']} |"
+              for r in c["collections"]]
+    lines += [
+        "",
+        f"Pass 2, {raw['steps']} more steps with the collector off inside each region: change of the young "
+        "generation's allocation count (`gc.get_count()[0]`) across the region (settle: the KvHint side's "
+        "deferred bookkeeping, run by the driver between steps).",
+        "",
+        "| region | mean | median | max |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {region} | {d['mean']:+.1f} | {d['median']:+g} | {d['max']:+d} |" for region, d in raw["young"].items()]
+    lines += ["", "One run, single pair: a diagnostic, not a ratio to quote as the overhead (bench.scale is that).", ""]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,51 +164,30 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pool", type=int, default=16384)
     ap.add_argument("--sessions", type=int, default=10000)
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--bookkeeping", choices=("auto", "inline", "deferred"), default="auto",
+                    help="KvHint's residency bookkeeping (deferred: settled between steps, outside the timing)")
+    ap.add_argument("--out", default=None, help="write the table here (markdown) and the raw figures next to it (.json)")
     a = ap.parse_args(argv)
-    shape = Shape(a.pool, a.sessions, steps=a.steps)
+    shape = Shape(a.pool, a.sessions, steps=a.steps, bookkeeping=a.bookkeeping)
+    command = "python -m bench.scale_gc_probe" + "".join(
+        f" --{k} {v}" for k, v, d in (("pool", a.pool, 16384), ("sessions", a.sessions, 10000), ("steps", a.steps, 150),
+                                      ("bookkeeping", a.bookkeeping, "auto")) if v != d)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     pair = Pair(shape)
     try:
         pair.fill_and_freeze()
         pair.steps(shape.warmup_steps, "warmup")
-        pair.units.clear()
-        running: dict[str, str | None] = {"side": None}
-        spent: dict[tuple[str | None, int], list[int]] = {}
-        started = [0]
-
-        def on_gc(phase: str, info: dict[str, Any]) -> None:
-            if phase == "start":
-                started[0] = time.perf_counter_ns()
-            else:
-                spent.setdefault((running["side"], info["generation"]), []).append(time.perf_counter_ns() - started[0])
-
-        for side in (pair.stock, pair.kv):
-            step = side.step
-
-            def timed(turns: Any, step: Any = step, name: str = side.name) -> Any:
-                running["side"] = name
-                try:
-                    return step(turns)
-                finally:
-                    running["side"] = None
-
-            side.step = timed  # type: ignore[method-assign]
-        gc.callbacks.append(on_gc)
-        try:
-            pair.steps(a.steps, "steady")
-        finally:
-            gc.callbacks.remove(on_gc)
-        units = pair.units
-        stock = sum(u.stock_ns for u in units)
-        kv = sum(u.kv_ns for u in units)
-        print(f"{shape.label}; {len(units)} steps")
-        print(f"median of per-step ratios {statistics.median(u.kv_ns / u.stock_ns for u in units):.3f}x, "
-              f"ratio of totals {kv / stock:.3f}x, KvHint - stock {(kv - stock) / len(units) / 1e3:.0f} us per step")
-        for (side, generation), times in sorted(spent.items(), key=str):
-            print(f"  during {side or 'neither'} steps: generation {generation}: {len(times)} collections, "
-                  f"{sum(times) / len(times) / 1e6:.2f} ms each, {sum(times) / len(units) / 1e3:.0f} us per step")
+        raw = {"command": command, "commit": commit or "unknown", "shape": shape.label, "steps": a.steps,
+               "collections": collections_pass(pair, a.steps), "young": young_pass(pair, a.steps)}
     finally:
         pair.close()
+    text = markdown(raw)
+    print(text)
+    if a.out:
+        out = Path(a.out)
+        out.write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
     return 0
 
 

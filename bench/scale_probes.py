@@ -72,7 +72,7 @@ def memory(side: Side, gc_repeats: int = 3) -> dict[str, int]:
 
     sched = side.sched
     core, adapter, pool = sched.kvhint_core, sched.kvhint_adapter, sched.kv_cache_manager.block_pool
-    gc.collect()
+    collection = full_collection(gc_repeats)  # first: its collections also untrack what they can
     index = core.index
     sessions = len(index.sessions)
     owners = (core, adapter, pool, sched)
@@ -96,7 +96,7 @@ def memory(side: Side, gc_repeats: int = 3) -> dict[str, int]:
         # collection of the whole process (both schedulers and the workload).
         "kvhint_gc_objects": index_gc + map_gc + retention_gc + bus_gc,
         "index_gc_objects": index_gc,
-        **full_collection(gc_repeats),
+        **collection,
     }
 
 

@@ -276,18 +276,20 @@ class VllmAdapter:
         # Engine thread, inside vLLM's cache_blocks: read only what vLLM may change later
         # (the request's block list, the pool map) and book the rest through the core's
         # journal (inline or deferred, in order; kvhint_server/journal.py).
+        # The journal gets a plain function and the span's blocks as arguments, so the entry
+        # keeps no object of its own alive until it is settled (kvhint_server/journal.py).
         hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, block_size)
-        span = blocks[num_cached_blocks:num_full_blocks]
         mask = None if block_mask is None else list(block_mask)
         held = None
         residency = self.groups.residency
         if len(residency) > 1 and group_id in residency:  # resident once every residency group holds it
             held = [self._held_by_all(hashes[i], residency) for i in range(num_cached_blocks, num_full_blocks)]
-        self.core.record(self._book_stored, request, hashes, span, mask, num_cached_blocks, group_id, held)
+        self.core.record(VllmAdapter._book_stored, self, request, hashes, mask, num_cached_blocks, group_id, held,
+                         *blocks[num_cached_blocks:num_full_blocks])
 
     def _book_stored(
-        self, request: Any, hashes: Any, span: list[Any], mask: list[bool] | None, num_cached_blocks: int,
-        group_id: int, held: list[bool] | None,
+        self, request: Any, hashes: Any, mask: list[bool] | None, num_cached_blocks: int,
+        group_id: int, held: list[bool] | None, *span: Any,
     ) -> None:
         keep = [j for j, block in enumerate(span) if not block.is_null and (mask is None or mask[j])]
         fresh = [hashes[num_cached_blocks + j] for j in keep]
@@ -319,7 +321,7 @@ class VllmAdapter:
         if n <= 0:
             return
         hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, self.scheduler.block_size)
-        self.core.record(self._book_hit, request, hashes, n)
+        self.core.record(VllmAdapter._book_hit, self, request, hashes, n)
 
     def _book_hit(self, request: Any, hashes: Any, n: int) -> None:
         coords = request_coords(request, self._max_id)
@@ -357,9 +359,10 @@ class VllmAdapter:
         if not self.groups.single:
             suffixes = self._cacheable_suffixes
             anywhere = [any(key[:-4] + suffix in cache for suffix in suffixes) for key in popped]
-        self.core.record(self._book_removed, popped, anywhere, cause)
+        # The keys go into the journal entry itself (see on_blocks_cached).
+        self.core.record(VllmAdapter._book_removed, self, anywhere, cause, *popped)
 
-    def _book_removed(self, popped: list[bytes], anywhere: list[bool] | None, cause: RemovalCause) -> None:
+    def _book_removed(self, anywhere: list[bool] | None, cause: RemovalCause, *popped: bytes) -> None:
         """Report the logical blocks that stopped being resident: a residency group lost its last copy."""
         resident = self._resident
         ext_of, residency = self.external, self._residency_suffixes

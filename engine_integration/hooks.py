@@ -55,6 +55,7 @@ class KvHintBlockPool(BlockPool):
     _kvh_protected: ProtectedFreeBlocks
     _kvh_cause: RemovalCause
     _kvh_pending: list[Any] | None
+    _kvh_runs: list[tuple[int, RemovalCause]]
     _kvh_broken: set[int]
 
     def _kvh_init(self, adapter: VllmAdapter) -> None:
@@ -62,6 +63,7 @@ class KvHintBlockPool(BlockPool):
         self._kvh_protected = ProtectedFreeBlocks(adapter.core.monotonic)
         self._kvh_cause = RemovalCause.EVICTED
         self._kvh_pending = None
+        self._kvh_runs = []
         self._kvh_broken = set()
 
     # ------------------------------------------------------------ admission / removal
@@ -82,10 +84,15 @@ class KvHintBlockPool(BlockPool):
         if self.enable_kv_cache_events:  # stock returns at once without it (one call per evicted block)
             _emit_removed(self, block_hashes)
         pending = self._kvh_pending
-        if pending is not None:
-            pending.append((block_hashes, self._kvh_cause))
-        else:
+        if pending is None:
             self._kvh.on_keys_removed(block_hashes, self._kvh_cause)
+            return
+        # Inside get_new_blocks: buffer the keys flat, noting where a run of another cause
+        # (a broken pin's blocks) starts.
+        runs, cause = self._kvh_runs, self._kvh_cause
+        if not runs or runs[-1][1] is not cause:
+            runs.append((len(pending), cause))
+        pending.extend(block_hashes)
 
     def reset_prefix_cache(self) -> bool:
         protected = self._kvh_protected
@@ -102,25 +109,25 @@ class KvHintBlockPool(BlockPool):
     # ------------------------------------------------------------ allocation
 
     def get_new_blocks(self, num_blocks: int):  # type: ignore[no-untyped-def]
-        # Removals inside one allocation are reported together (one journal entry per call).
-        self._kvh_pending = []
+        # Removals inside one allocation are reported together (one journal entry per run of
+        # the same cause), after it.
+        self._kvh_pending = pending = []
+        self._kvh_runs = runs = []
         try:
             return _get_new_blocks(self, num_blocks)
         finally:
-            pending, self._kvh_pending = self._kvh_pending, None
+            self._kvh_pending = None
             if pending:
-                self._kvh_flush_removed(pending)
+                self._kvh_flush_removed(pending, runs)
 
-    def _kvh_flush_removed(self, pending: list[tuple[list[Any], RemovalCause]]) -> None:
-        """Report buffered removals, one call per run of the same cause."""
-        keys: list[Any] = []
-        cause = pending[0][1]
-        for batch, batch_cause in pending:
-            if batch_cause is not cause:
-                self._kvh.on_keys_removed(keys, cause)
-                keys, cause = [], batch_cause
-            keys.extend(batch)
-        self._kvh.on_keys_removed(keys, cause)
+    def _kvh_flush_removed(self, pending: list[Any], runs: list[tuple[int, RemovalCause]]) -> None:
+        """Report buffered removals: `runs` holds (start in `pending`, cause) per run."""
+        if len(runs) == 1:
+            self._kvh.on_keys_removed(pending, runs[0][1])
+            return
+        ends = [start for start, _ in runs[1:]] + [len(pending)]
+        for (start, cause), end in zip(runs, ends):
+            self._kvh.on_keys_removed(pending[start:end], cause)
 
     # ------------------------------------------------------------ used by the adapter
 

@@ -32,6 +32,16 @@ Contract (what keeps deferred exactly equivalent to inline):
   * the journal is bounded: past `max_entries` the engine thread settles it
     itself (back-pressure instead of unbounded memory when the settler
     cannot keep up).
+
+Storage: one flat deque of `fn, len(args), *args` per entry, extended in
+one call (atomic for the settler, which pops whole entries). An entry
+therefore leaves no container of its own alive until it is settled: a
+`(fn, args)` pair and its argument tuple would, and with dozens of entries
+per step those survivors were what pushed Python's young-generation count
+over its threshold during the engine's steps (bench.scale_gc_probe). For
+the same reason the hooks pass plain functions with their object as the
+first argument, not a bound method made per call, and flatten per-block
+lists into the arguments.
 """
 
 from __future__ import annotations
@@ -61,7 +71,9 @@ class ResidencyJournal:
         # exclusive section may record inline entries.
         self.lock = threading.RLock()
         self.max_entries = max_entries
-        self._entries: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
+        # fn, len(args), *args per entry (see "Storage" above).
+        self._entries: deque[Any] = deque()
+        self._recorded = 0  # entries appended (written by the recording thread only)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._deferring = False
@@ -76,15 +88,17 @@ class ResidencyJournal:
         return self._deferring
 
     def pending(self) -> int:
-        return len(self._entries)
+        """Entries recorded and not settled yet."""
+        return max(0, self._recorded - self.settled)
 
     # ------------------------------------------------------------ recording (engine thread)
 
     def append(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        """Journal `fn(*args)` for the settler (deque.append is atomic)."""
-        entries = self._entries
-        entries.append((fn, args))
-        if len(entries) >= self.max_entries:
+        """Journal `fn(*args)` for the settler. One `extend` of a tuple adds the whole
+        entry atomically (it runs no Python code, so the settler never sees part of it)."""
+        self._recorded += 1
+        self._entries.extend((fn, len(args)) + args)
+        if self._recorded - self.settled >= self.max_entries:
             self.backpressure += 1
             self.settle()
 
@@ -106,9 +120,11 @@ class ResidencyJournal:
 
     def _settle_locked(self, limit: int | None, raise_errors: bool, deadline: float | None = None) -> int:
         entries = self._entries
+        pop = entries.popleft
         n = 0
         while entries and (limit is None or n < limit) and (deadline is None or n == 0 or time.perf_counter() < deadline):
-            fn, args = entries.popleft()
+            fn = pop()
+            args = [pop() for _ in range(pop())]
             n += 1
             try:
                 fn(*args)
@@ -149,7 +165,7 @@ class ResidencyJournal:
             stop, entries = self._stop, self._entries
             while not stop.wait(interval_s):
                 while entries and not stop.is_set():
-                    if busy is not None and busy() and len(entries) < BUSY_BACKLOG:
+                    if busy is not None and busy() and self.pending() < BUSY_BACKLOG:
                         break  # the engine is stepping: try again next interval
                     self.settle(deadline=time.perf_counter() + chunk_s)
                     time.sleep(YIELD_S)  # offer the GIL to a waiting engine thread between chunks
