@@ -90,6 +90,8 @@ def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
     runs = [Run(f"p{p}_s{most}", Shape(p, most, **base), probes=p == mid) for p in pools]
     runs += [Run(f"p{mid}_s{s}", Shape(mid, s, **base)) for s in sessions[:-1]]
     runs.append(Run(f"p{mid}_s{most}_hints", Shape(mid, most, hints_per_step=hints, **base)))
+    # The smallest pool with hints too: the quiet-step verdict with grants compares two pool sizes.
+    runs.append(Run(f"p{pools[0]}_s{most}_hints", Shape(pools[0], most, hints_per_step=hints, **base)))
     runs.append(Run(f"p{mid}_s{most}_vs_events", Shape(mid, most, stock_kv_events=True, **base)))
     runs.append(Run(f"p{mid}_s{most}_deferred", Shape(mid, most, bookkeeping="deferred", **base)))
     runs.append(Run(f"p{mid}_s{most}_async", Shape(mid, most, async_scheduling=True, **base)))  # auto: deferred
@@ -107,7 +109,7 @@ def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
 
 def execute(run: Run, extras: dict[str, Any], out_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
     from .scale_driver import Pair
-    from .scale_probes import apply_sweep, attribution, event_bus, memory, shared_sweep
+    from .scale_probes import apply_sweep, attribution, event_bus, memory, quiet_lines, shared_sweep
 
     t0 = time.monotonic()
     pair = Pair(run.shape, aa=run.aa)
@@ -122,6 +124,8 @@ def execute(run: Run, extras: dict[str, Any], out_dir: Path, raw: dict[str, Any]
             "schedulers": [type(pair.stock.sched).__name__, type(pair.kv.sched).__name__],
             "units_csv": f"units_{run.name}.csv",
         }
+        if not run.aa:
+            entry["quiet_lines"] = quiet_lines(pair)
         # (the events and device-wait runs' KvHint sides are the same as their twins')
         if not run.aa and not run.shape.stock_kv_events and not run.shape.gpu_wait_s:
             entry["memory"] = memory(pair.kv, extras["gc_repeats"])

@@ -14,6 +14,7 @@ import threading
 import time
 import types
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from kvhint.v1 import kvhint_pb2 as pb
@@ -369,3 +370,53 @@ def event_bus(pair: Pair, steps: int, synthetic_events: int, subscribers: int = 
         return {"subscribers": subscribers, "sources": sources}
     finally:
         subs.close()
+
+
+# Where KvHint's own code lives: the lines counted per quiet step. engine_integration/inproc.py
+# is the in-process harness both sides step through (its stand-in model runner), not KvHint's.
+_ROOT = Path(__file__).resolve().parent.parent
+_KVHINT_DIRS = tuple(str(_ROOT / d) + "/" for d in ("kvhint_server", "engine_integration"))
+_HARNESS = str(_ROOT / "engine_integration" / "inproc.py")
+
+
+def quiet_lines(pair: Pair) -> dict[str, Any]:
+    """Lines of KvHint's code (kvhint_server/, engine_integration/ but its in-process harness) that
+    the KvHint side runs per strictly quiet step: one more quiet round (`Pair.quiet`) traced with
+    `sys.settrace`, counting the steps in which that side stored, evicted and freed no block (none
+    of its requests finished). A count, not a time: the same in every run unless some per-step work depends on
+    the pool or the sessions. The traced round's units are dropped (tracing slows the steps)."""
+    kv = pair.kv
+    step = kv.step
+    counts: list[tuple[int, bool]] = []
+    n = [0]
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            n[0] += 1
+        return local
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        name = frame.f_code.co_filename
+        return local if name.startswith(_KVHINT_DIRS) and name != _HARNESS else None
+
+    def traced(turns: Any) -> Any:
+        n[0] = 0
+        sys.settrace(on_call)
+        try:
+            finished = step(turns)
+        finally:
+            sys.settrace(None)
+        counts.append((n[0], bool(finished)))
+        return finished
+
+    start = len(pair.units)
+    kv.step = traced  # type: ignore[method-assign]
+    try:
+        pair.quiet(1)
+    finally:
+        kv.step = step  # type: ignore[method-assign]
+        units = pair.units[start:]
+        del pair.units[start:]
+    lines = [c for (c, finished), u in zip(counts, units)
+             if u.phase == "quiet" and not u.admitted and not u.evicted and not finished]
+    return {"steps": len(lines), "lines": sorted(set(lines))}

@@ -14,7 +14,7 @@ from bench.scale_driver import Side
 from bench.scale_report import read_units
 from bench.scale_workload import Shape, Turn, tokens
 
-RUNS = ("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_hints", "p8192_s200_vs_events", "p8192_s200_deferred",
+RUNS = ("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_hints", "p2048_s200_hints", "p8192_s200_vs_events", "p8192_s200_deferred",
         "p8192_s200_async", "p8192_s200_async_inline", "p8192_s200_async_inline_wait", "p8192_s200_async_auto_wait",
         "aa_p8192_s200")
 
@@ -98,10 +98,12 @@ def test_the_workload_churns_a_full_pool_and_quiet_steps_change_nothing(out: Pat
 
 def test_hints_are_applied_at_the_configured_rate(out: Path) -> None:
     raw = json.loads((out / "raw.json").read_text())
-    (run,) = [r for r in raw["runs"] if r["shape"]["hints_per_step"]]
-    batches = run["hint_batches"]
-    assert batches and all(b["hints"] == run["shape"]["hints_per_step"] for b in batches)
-    assert sum(b["blocks"] for b in batches) > 0, "hints should select resident blocks"
+    hinted = [r for r in raw["runs"] if r["shape"]["hints_per_step"]]
+    assert len(hinted) == 2  # the middle pool and the smallest
+    for run in hinted:
+        batches = run["hint_batches"]
+        assert batches and all(b["hints"] == run["shape"]["hints_per_step"] for b in batches)
+        assert sum(b["blocks"] for b in batches) > 0, "hints should select resident blocks"
 
 
 def test_apply_sweep_selects_what_it_asks_for_and_the_bus_loses_nothing(out: Path) -> None:
@@ -146,3 +148,27 @@ def test_the_events_baseline_publishes_vllms_kv_events() -> None:
         sub.close(0)
         ctx.term()
         side.close()
+
+
+def test_a_strictly_quiet_step_runs_the_same_kvhint_code_whatever_the_pool_and_the_sessions(out: Path) -> None:
+    """The deterministic half of "no per-step work proportional to the pool size or the session
+    count when nothing changes": the lines of KvHint's code per strictly quiet step (traced) are
+    the same at 2048 and 8192 blocks and at 50 and 200 sessions, and, with retention grants in
+    effect, the same at both pool sizes."""
+    runs = {r["name"]: r for r in json.loads((out / "raw.json").read_text())["runs"]}
+
+    def counts(*names: str) -> set[tuple[int, ...]]:
+        seen: set[tuple[int, ...]] = set()
+        for name in names:
+            q = runs[name]["quiet_lines"]
+            assert q["steps"] > 0, name
+            seen.add(tuple(q["lines"]))
+        return seen
+
+    (plain,) = counts("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_deferred", "p8192_s200_vs_events")
+    (hinted,) = counts("p8192_s200_hints", "p2048_s200_hints")
+    (plain_async,) = counts("p8192_s200_async", "p8192_s200_async_inline")
+    assert 0 < min(plain) <= min(hinted)  # grants in effect add the retaining pool's checks, a constant
+    assert min(plain_async) > 0
+    text = (out / "RESULTS.md").read_text()
+    assert "lines of KvHint's code per strictly quiet step" in text
