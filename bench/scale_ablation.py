@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -143,8 +144,30 @@ def measure(shape: Shape, name: str) -> dict[str, Any]:
         pair.close()
 
 
+def _summary(raw: dict[str, Any]) -> list[str]:
+    """With --repeat: per variant, the median and the range over its pairs."""
+    by_variant: dict[str, list[dict[str, Any]]] = {}
+    for r in raw["rows"]:
+        by_variant.setdefault(r["variant"], []).append(r)
+    out = [
+        f"Each variant measured on {raw['repeat']} fresh pairs, the variants taken in turn in each round (so a drift "
+        "of the machine reaches them all). Per variant, the median over its pairs and the range:",
+        "",
+        "| variant | pairs | median of per-step ratios: median (min - max) | ratio of totals: median (min - max) |",
+        "|---|---|---|---|",
+    ]
+    for variant, rows in by_variant.items():
+        med = [r["median_ratio"] for r in rows]
+        tot = [r["ratio_of_totals"] for r in rows]
+        out.append(f"| {variant} | {len(rows)} | {statistics.median(med):.3f}x ({min(med):.3f}x - {max(med):.3f}x) "
+                   f"| {statistics.median(tot):.3f}x ({min(tot):.3f}x - {max(tot):.3f}x) |")
+    out += ["", "Every pair:", ""]
+    return out
+
+
 def markdown(raw: dict[str, Any]) -> str:
     rows = raw["rows"]
+    repeat = raw.get("repeat", 1)
     full = next((r for r in rows if r["variant"] == "full"), None)
     out = [
         "# Where the no-hints scheduler cost goes (bench.scale's paired steps, one piece removed at a time)",
@@ -153,15 +176,20 @@ def markdown(raw: dict[str, Any]) -> str:
         "stock/KvHint pair. A no-op'd piece leaves KvHint's state wrong: this is a diagnostic (see the module doc "
         "of bench/scale_ablation.py).",
         "",
+        *(_summary(raw) if repeat > 1 else []),
         "| variant | median of per-step ratios | ratio of totals | stock ms per step | KvHint - stock us per step "
         "| us per step against full |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if repeat > 1:  # against the full variant of the same round
+            full = next((f for f in rows if f["variant"] == "full" and f.get("round") == r.get("round")), None)
         against = "-" if full is None or r is full else f"{r['extra_us_per_step'] - full['extra_us_per_step']:+.0f}"
         variant = r["variant"]
         if r.get("ballast_bytes"):
             variant += f" ({r['ballast_bytes'] / 2**20:.0f} MiB)"
+        if repeat > 1:
+            variant += f", pair {r['round'] + 1}"
         out.append(
             f"| {variant} | {r['median_ratio']:.3f}x | {r['ratio_of_totals']:.3f}x | {r['stock_ms_per_step']:.3f} "
             f"| {r['extra_us_per_step']:.0f} | {against} |"
@@ -182,20 +210,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--bookkeeping", default="auto", choices=("auto", "inline", "deferred"))
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measure every variant on this many fresh pairs, the variants in turn in each round")
     ap.add_argument("--out", default="bench/results/scale_ablation.md")
     a = ap.parse_args(argv)
+    if a.repeat < 1:
+        ap.error("--repeat must be at least 1")
     shape = Shape(a.pool, a.sessions, steps=a.steps, bookkeeping=a.bookkeeping)
     command = "python -m bench.scale_ablation" + "".join(
         f" --{k} {v}" for k, v, d in (
             ("pool", a.pool, 16384), ("sessions", a.sessions, 10000), ("steps", a.steps, 150),
-            ("bookkeeping", a.bookkeeping, "auto"),
+            ("bookkeeping", a.bookkeeping, "auto"), ("repeat", a.repeat, 1),
         ) if v != d
-    ) + ("" if a.out == "bench/results/scale_ablation.md" else f" --out {a.out}")
-    raw: dict[str, Any] = {"command": command, "shape": shape.label, "bookkeeping": a.bookkeeping, "rows": []}
+    ) + ("" if a.variants == list(VARIANTS) else " --variants " + " ".join(shlex.quote(v) for v in a.variants)) + (
+        "" if a.out == "bench/results/scale_ablation.md" else f" --out {a.out}")
+    raw: dict[str, Any] = {"command": command, "shape": shape.label, "bookkeeping": a.bookkeeping, "repeat": a.repeat,
+                           "rows": []}
     t0 = time.monotonic()
-    for name in a.variants:
-        raw["rows"].append(measure(shape, name))
-        print(f"[scale_ablation] {name}: {raw['rows'][-1]}", flush=True)
+    for round_ in range(a.repeat):
+        for name in a.variants:
+            row = measure(shape, name)
+            if a.repeat > 1:
+                row["round"] = round_
+            raw["rows"].append(row)
+            print(f"[scale_ablation] {name}: {row}", flush=True)
     raw["wall_s"] = round(time.monotonic() - t0, 1)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

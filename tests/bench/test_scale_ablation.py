@@ -3,6 +3,8 @@ and the no-op'd piece really is out of the KvHint side's path. Timings are not a
 
 from __future__ import annotations
 
+import pytest
+
 from bench import scale_ablation
 from bench.scale_driver import Pair
 from bench.scale_workload import Shape
@@ -55,3 +57,26 @@ def test_hooks_only_leaves_the_index_and_the_event_stream_alone() -> None:
         assert pair.counter.take() == (0, 0)
     finally:
         pair.close()
+
+
+def test_repeated_pairs_are_summarised_per_variant_and_listed_per_pair() -> None:
+    def row(variant: str, round_: int, median: float, totals: float, extra: float) -> dict[str, object]:
+        return {"variant": variant, "round": round_, "ballast_bytes": None, "steps": 4, "median_ratio": median,
+                "ratio_of_totals": totals, "stock_ms_per_step": 5.0, "extra_us_per_step": extra}
+
+    rows = [row("full", 0, 1.07, 1.15, 350), row("A/A", 0, 0.99, 1.0, -50),
+            row("full", 1, 1.04, 1.05, 200), row("A/A", 1, 1.02, 1.01, 100),
+            row("full", 2, 1.05, 1.08, 250), row("A/A", 2, 0.96, 0.97, -200)]
+    raw = {"command": "python -m bench.scale_ablation --repeat 3", "shape": SMALL.label, "bookkeeping": "deferred",
+           "repeat": 3, "rows": rows}
+    text = scale_ablation.markdown(raw)
+    assert "| full | 3 | 1.050x (1.040x - 1.070x) | 1.080x (1.050x - 1.150x) |" in text
+    assert "| A/A | 3 | 0.990x (0.960x - 1.020x) | 1.000x (0.970x - 1.010x) |" in text
+    # Each pair's row, compared with the full variant of its own round.
+    assert "| A/A, pair 2 | 1.020x | 1.010x | 5.000 | 100 | -100 |" in text
+
+
+def test_repeat_below_one_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit) as exc:
+        scale_ablation.main(["--repeat", "0"])
+    assert exc.value.code == 2
