@@ -75,7 +75,7 @@ class Run:
 def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
     """The runs: pools at the most sessions, sessions at the middle pool, hints, A/A."""
     if quick:
-        base: dict[str, Any] = dict(steps=20, warmup_steps=6, quiet_rounds=4, system_tokens=256, first_context_tokens=64,
+        base: dict[str, Any] = dict(steps=12, warmup_steps=4, quiet_rounds=2, system_tokens=256, first_context_tokens=64,
                                     max_tokens=16, arrivals_per_step=4, max_model_len=1024, max_num_seqs=64)
         pools, sessions, mid, hints, sweep, event_steps, event_count = (2048, 8192), (50, 200), 8192, 10, (1, 16, 64), 10, 2000
         wait = 0.005
@@ -102,7 +102,7 @@ def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
         runs.append(Run(f"p{mid}_s{most}_async_{mode}_wait", Shape(mid, most, async_scheduling=True, bookkeeping=mode,
                                                                    settler_thread=True, gpu_wait_s=wait, **base)))
     runs.append(Run(f"aa_p{mid}_s{most}", Shape(mid, most, **base), aa=True))
-    return runs, {"sweep": sweep, "event_steps": event_steps, "event_count": event_count, "attribution_steps": 10 if quick else 60,
+    return runs, {"sweep": sweep, "event_steps": event_steps, "event_count": event_count, "attribution_steps": 6 if quick else 60,
                   "gc_repeats": 1 if quick else 3,
                   "owners": (1, 10, 50) if quick else (1, 10, 100, 1000)}
 
@@ -147,7 +147,7 @@ def execute(run: Run, extras: dict[str, Any], out_dir: Path, raw: dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, < 1 min (for tests)")
-    parser.add_argument("--steps", type=int, default=None, help="steady steps per run (default 200; quick 20)")
+    parser.add_argument("--steps", type=int, default=None, help="steady steps per run (default 200; quick 12)")
     parser.add_argument("--only", action="append", default=[], help="run only these run names (repeatable)")
     parser.add_argument("--out", default=None, help=f"output folder (default {FULL_OUT}; quick {QUICK_OUT})")
     parser.add_argument("--report-only", action="store_true", help="regenerate RESULTS.md and the plot from raw data")
