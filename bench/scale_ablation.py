@@ -168,7 +168,6 @@ def _summary(raw: dict[str, Any]) -> list[str]:
 def markdown(raw: dict[str, Any]) -> str:
     rows = raw["rows"]
     repeat = raw.get("repeat", 1)
-    full = next((r for r in rows if r["variant"] == "full"), None)
     out = [
         "# Where the no-hints scheduler cost goes (bench.scale's paired steps, one piece removed at a time)",
         "",
@@ -181,9 +180,8 @@ def markdown(raw: dict[str, Any]) -> str:
         "| us per step against full |",
         "|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        if repeat > 1:  # against the full variant of the same round
-            full = next((f for f in rows if f["variant"] == "full" and f.get("round") == r.get("round")), None)
+    for r in rows:  # against the full variant of the same round (the only one without --repeat)
+        full = next((f for f in rows if f["variant"] == "full" and f.get("round") == r.get("round")), None)
         against = "-" if full is None or r is full else f"{r['extra_us_per_step'] - full['extra_us_per_step']:+.0f}"
         variant = r["variant"]
         if r.get("ballast_bytes"):

@@ -24,7 +24,8 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -405,6 +406,32 @@ class Pair:
         self.drain()
         self.quiet(shape.quiet_rounds)
         return fill
+
+    @contextmanager
+    def around_steps(self, around: Callable[[str, Callable[[], Any]], Any]) -> Iterator[None]:
+        """Inside the block, each side's step and the KvHint side's settle run as
+        `around(region, call)`: region is the side's name or "settle", `call()` does the work and
+        `around` returns its result (diagnostics that trace or count a region)."""
+        saved: list[tuple[Any, str, Any]] = []
+        for side in (self.stock, self.kv):
+            saved.append((side, "step", side.step))
+
+            def step(turns: Any, _step: Any = side.step, _name: str = side.name) -> Any:
+                return around(_name, lambda: _step(turns))
+
+            side.step = step  # type: ignore[method-assign]
+        kv = self.kv
+        saved.append((kv, "settle", kv.settle))
+
+        def settle(_settle: Any = kv.settle) -> Any:
+            return around("settle", _settle)
+
+        kv.settle = settle  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for obj, name, fn in saved:
+                setattr(obj, name, fn)
 
     def close(self) -> None:
         self.stock.close()

@@ -40,32 +40,6 @@ from .scale_driver import Pair
 from .scale_workload import Shape
 
 
-def _wrap_steps(pair: Pair, around: Callable[[str, Callable[[], Any]], Any]) -> Callable[[], None]:
-    """Route each side's step (and the KvHint side's settle) through `around(region, call)`;
-    returns the undo."""
-    saved: list[tuple[Any, str, Any]] = []
-    for side in (pair.stock, pair.kv):
-        saved.append((side, "step", side.step))
-
-        def step(turns: Any, _step: Any = side.step, _name: str = side.name) -> Any:
-            return around(_name, lambda: _step(turns))
-
-        side.step = step  # type: ignore[method-assign]
-    kv = pair.kv
-    saved.append((kv, "settle", kv.settle))
-
-    def settle(_settle: Any = kv.settle) -> Any:
-        return around("settle", _settle)
-
-    kv.settle = settle  # type: ignore[method-assign]
-
-    def undo() -> None:
-        for obj, name, fn in saved:
-            setattr(obj, name, fn)
-
-    return undo
-
-
 def collections_pass(pair: Pair, steps: int) -> dict[str, Any]:
     running = {"region": "neither"}
     spent: dict[tuple[str, int], list[int]] = {}
@@ -84,14 +58,13 @@ def collections_pass(pair: Pair, steps: int) -> dict[str, Any]:
         finally:
             running["region"] = "neither"
 
-    undo = _wrap_steps(pair, around)
     pair.units.clear()
     gc.callbacks.append(on_gc)
     try:
-        pair.steps(steps, "steady")
+        with pair.around_steps(around):
+            pair.steps(steps, "steady")
     finally:
         gc.callbacks.remove(on_gc)
-        undo()
     units = pair.units
     stock = sum(u.stock_ns for u in units)
     kv = sum(u.kv_ns for u in units)
@@ -120,11 +93,8 @@ def young_pass(pair: Pair, steps: int) -> dict[str, dict[str, float]]:
             deltas.setdefault(region, []).append(gc.get_count()[0] - before)
             gc.enable()
 
-    undo = _wrap_steps(pair, around)
-    try:
+    with pair.around_steps(around):
         pair.steps(steps, "steady")
-    finally:
-        undo()
     return {region: {"mean": round(statistics.mean(d), 1), "median": statistics.median(d), "max": max(d)}
             for region, d in sorted(deltas.items())}
 

@@ -386,10 +386,9 @@ def quiet_lines(pair: Pair) -> dict[str, Any]:
     """Lines of KvHint's code (kvhint_server/, engine_integration/ but its in-process harness) that
     the KvHint side runs per strictly quiet step: one more quiet round (`Pair.quiet`) traced with
     `sys.settrace`, counting the steps in which that side stored, evicted and freed no block (none
-    of its requests finished). A count, not a time: the same in every run unless some per-step work depends on
-    the pool or the sessions. The traced round's units are dropped (tracing slows the steps)."""
-    kv = pair.kv
-    step = kv.step
+    of its requests finished). A count, not a time: the same in every run unless some per-step
+    work depends on the pool or the sessions. The traced round's units are dropped (tracing slows
+    the steps)."""
     counts: list[tuple[int, bool]] = []
     n = [0]
 
@@ -402,22 +401,23 @@ def quiet_lines(pair: Pair) -> dict[str, Any]:
         name = frame.f_code.co_filename
         return local if name.startswith(_KVHINT_DIRS) and name != _HARNESS else None
 
-    def traced(turns: Any) -> Any:
+    def around(region: str, call: Any) -> Any:
+        if region != pair.kv.name:
+            return call()
         n[0] = 0
         sys.settrace(on_call)
         try:
-            finished = step(turns)
+            finished = call()
         finally:
             sys.settrace(None)
         counts.append((n[0], bool(finished)))
         return finished
 
     start = len(pair.units)
-    kv.step = traced  # type: ignore[method-assign]
     try:
-        pair.quiet(1)
+        with pair.around_steps(around):
+            pair.quiet(1)
     finally:
-        kv.step = step  # type: ignore[method-assign]
         units = pair.units[start:]
         del pair.units[start:]
     lines = [c for (c, finished), u in zip(counts, units)

@@ -76,10 +76,9 @@ class Shape:
         hints = f", {self.hints_per_step / self.step_seconds:.0f} hints/s" if self.hints_per_step else ""
         events = ", against stock with vLLM's KV events on" if self.stock_kv_events else ""
         mode = ", async scheduling" if self.async_scheduling else ""
-        deferred = self.deferred
-        if self.async_scheduling and not deferred:
+        if self.async_scheduling and not self.deferred:
             mode += ", inline bookkeeping"
-        elif deferred:
+        elif self.deferred:
             mode += ", deferred bookkeeping" + (" (settler thread)" if self.settler_thread else "")
         if self.gpu_wait_s:
             mode += f", {self.gpu_wait_s * 1e3:.0f} ms device wait per step"

@@ -275,9 +275,9 @@ class VllmAdapter:
     ) -> None:
         # Engine thread, inside vLLM's cache_blocks: read only what vLLM may change later
         # (the request's block list, the pool map) and book the rest through the core's
-        # journal (inline or deferred, in order; kvhint_server/journal.py).
-        # The journal gets a plain function and the span's blocks as arguments, so the entry
-        # keeps no object of its own alive until it is settled (kvhint_server/journal.py).
+        # journal (inline or deferred, in order). It gets a plain function and the span's
+        # blocks as arguments, so the entry keeps no object of its own alive until it is
+        # settled (kvhint_server/journal.py, "Storage").
         hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, block_size)
         mask = None if block_mask is None else list(block_mask)
         held = None
