@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from bench.runs import OFFLINE_LABELS, RUNS, RequestRecord, RunRecord, RunSpec, linear_fit
 from bench.simulate import (
@@ -83,8 +83,21 @@ def completion_times(run: Any) -> list[float]:
 TimelineChooser = Callable[[BlockPoolModel, int, int], list[int]]
 
 
+class TimelineObserver(Protocol):
+    """What a hint policy sees of a timeline (`bench.policy_timeline`): the clock, each
+    admission and completion (after the pool changed), and its own timed calls."""
+
+    def at(self, t: float) -> None: ...
+
+    def admitted(self, i: int, t: float) -> None: ...
+
+    def completed(self, i: int, t: float) -> None: ...
+
+
 def lru_timeline(bt: BlockTrace, admit: Sequence[float], finish: Sequence[float],
-                 choose: TimelineChooser | None = None, queue: bool = False) -> tuple[list[int | None], dict[str, int]]:
+                 choose: TimelineChooser | None = None, queue: bool = False, *,
+                 pool: BlockPoolModel | None = None, observer: TimelineObserver | None = None,
+                 timed: Sequence[tuple[float, Callable[[float], None]]] = ()) -> tuple[list[int | None], dict[str, int]]:
     """Two-phase LRU over overlapping requests (vLLM BlockPool semantics as in
     `bench.simulate`, but a request holds its blocks while it runs):
 
@@ -100,11 +113,15 @@ def lru_timeline(bt: BlockTrace, admit: Sequence[float], finish: Sequence[float]
     frees enough blocks (at the latest at its own recorded completion; None if
     not even then: `never_admitted`). `choose` replaces LRU's victim choice
     (the free queue's head); it is called with the index of the latest request
-    admitted so far.
+    admitted so far. `pool`: start from this pool (default: an empty one of the
+    trace's size). `observer` hears of the clock before each event and of each
+    admission and completion after it; `timed` calls run at their times, before
+    an admission or completion of the same time.
     """
     bs = bt.block_size
-    pool = BlockPoolModel(bt.num_gpu_blocks)
-    events = sorted([(admit[i], 0, i) for i in range(len(bt.requests))] + [(finish[i], 1, i) for i in range(len(bt.requests))])
+    pool = BlockPoolModel(bt.num_gpu_blocks) if pool is None else pool
+    events = sorted([(admit[i], 0, i) for i in range(len(bt.requests))] + [(finish[i], 1, i) for i in range(len(bt.requests))]
+                    + [(t, -1, k) for k, (t, _) in enumerate(timed)])
     held: dict[int, list[int]] = {}
     cached: list[int | None] = [None] * len(bt.requests)
     stats = {"no_room": 0, "never_admitted": 0}
@@ -114,7 +131,7 @@ def lru_timeline(bt: BlockTrace, admit: Sequence[float], finish: Sequence[float]
     def victims_for(n: int) -> list[int]:
         return pool.head(n) if choose is None or n <= 0 else choose(pool, n, latest)
 
-    def try_admit(i: int) -> bool:
+    def try_admit(i: int, t: float) -> bool:
         nonlocal latest
         r: BlockRequest = bt.requests[i]
         P = r.num_prompt_tokens
@@ -132,9 +149,11 @@ def lru_timeline(bt: BlockTrace, admit: Sequence[float], finish: Sequence[float]
             pool.cache(blocks[k], r.chain[k])
         held[i] = blocks
         cached[i] = len(hits) * bs
+        if observer is not None:
+            observer.admitted(i, t)
         return True
 
-    def complete(i: int) -> None:
+    def complete(i: int, t: float) -> None:
         r: BlockRequest = bt.requests[i]
         P = r.num_prompt_tokens
         blocks = held.pop(i)
@@ -148,21 +167,28 @@ def lru_timeline(bt: BlockTrace, admit: Sequence[float], finish: Sequence[float]
             if pool.block_hash[blocks[k]] is None:
                 pool.cache(blocks[k], r.chain[k])
         pool.free_request(blocks)
+        if observer is not None:
+            observer.completed(i, t)
 
-    for _, kind, i in events:
+    for t, kind, i in events:
+        if observer is not None:
+            observer.at(t)
+        if kind < 0:
+            timed[i][1](t)
+            continue
         if kind == 0:
-            if waiting or not try_admit(i):  # (only a queue has anyone waiting)
+            if waiting or not try_admit(i, t):  # (only a queue has anyone waiting)
                 stats["no_room"] += 1
                 if queue:
                     waiting.append(i)
             continue
         if i in waiting:  # its completion came while it waited: admitted now or never
             waiting.remove(i)
-            if not try_admit(i):
+            if not try_admit(i, t):
                 stats["never_admitted"] += 1
         if i in held:
-            complete(i)
-        while waiting and try_admit(waiting[0]):
+            complete(i, t)
+        while waiting and try_admit(waiting[0], t):
             waiting.pop(0)
     stats["never_admitted"] += len(waiting)
     return cached, stats
