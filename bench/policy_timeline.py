@@ -105,12 +105,14 @@ class _PolicyObserver:
 
 def policy_timeline(trace: Trace, bt: BlockTrace, times: RunTimes, *, clairvoyant: bool = False,
                     pin_budget_fraction: float = 0.5, pause_state: Mapping[str, Any] | None = None,
-                    queue: bool = True, policy: Any = None) -> tuple[list[int | None], dict[str, int]]:
+                    queue: bool = True, policy: Any = None,
+                    config: Mapping[str, Any] | None = None) -> tuple[list[int | None], dict[str, int]]:
     """`kvhint_client.policy` (through `bench.policy.LibraryPolicy`) on the two-phase timeline
     of one engine repeat: cached tokens per request (trace order) and the timeline's counters.
     `clairvoyant`: every pause predicted by its true end (each session's recorded send times).
     `policy`: another object with LibraryPolicy's methods instead (start, request, completed,
-    observe, tick)."""
+    observe, tick). `config`: fields of the policy's configuration that differ from
+    `bench.policy.library_config` (e.g. the engine run's code had another default)."""
     plan = build_plan(trace)
     pool = BlockPoolModel(bt.num_gpu_blocks)
     hp = HintedPool(bt, None, pin_budget_fraction)
@@ -120,7 +122,8 @@ def policy_timeline(trace: Trace, bt: BlockTrace, times: RunTimes, *, clairvoyan
         starts = {}
         for r, t in zip(bt.requests, times.send):
             starts.setdefault(r.session_id, []).append(t)
-    pol = policy or LibraryPolicy(bt.library_config, bt.shared_prefix_target, starts, pause_state)
+    cfg = dataclasses.replace(bt.library_config, **(config or {}))
+    pol = policy or LibraryPolicy(cfg, bt.shared_prefix_target, starts, pause_state)
     obs = _PolicyObserver(bt, plan, hp, pol)
     obs.apply(pol.start(0.0), 0.0)
     timed: list[tuple[float, Callable[[float], None]]] = [(times.send[i], obs.send(i)) for i in range(len(bt.requests))]
@@ -139,16 +142,17 @@ def _share(lru: int, belady: int, x: float) -> float:
     return (lru - x) / (lru - belady) if lru > belady else math.nan
 
 
-def model_repeat(trace: Trace, run: Any, pin_budget_fraction: float = 0.5) -> dict[str, Any]:
-    """One engine repeat against the models on its own timeline."""
+def model_repeat(trace: Trace, run: Any, pin_budget_fraction: float = 0.5,
+                 config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One engine repeat against the models on its own timeline (`config`: see `policy_timeline`)."""
     bt = compile_trace(trace, outputs=run.outputs)
     times = RunTimes.of(run)
     by_idx = sorted(run.records, key=lambda r: r.index)
     engine = [r.cached_tokens for r in by_idx]
     lru, _ = lru_timeline(bt, times.admit, times.finish, queue=True)
     belady, _ = belady_timeline(bt, times.admit, times.finish, queue=True)
-    policy, pstats = policy_timeline(trace, bt, times, pin_budget_fraction=pin_budget_fraction)
-    oracle, _ = policy_timeline(trace, bt, times, pin_budget_fraction=pin_budget_fraction, clairvoyant=True)
+    policy, pstats = policy_timeline(trace, bt, times, pin_budget_fraction=pin_budget_fraction, config=config)
+    oracle, _ = policy_timeline(trace, bt, times, pin_budget_fraction=pin_budget_fraction, clairvoyant=True, config=config)
     rec = {name: _recomputed(bt, c) for name, c in
            (("lru", lru), ("belady", belady), ("policy", policy), ("clairvoyant", oracle))}
     eng = sum(r.prompt_tokens - r.cached_tokens for r in by_idx)
@@ -165,14 +169,15 @@ def model_repeat(trace: Trace, run: Any, pin_budget_fraction: float = 0.5) -> di
     }
 
 
-def analyze_dir(d: str | Path) -> dict[str, Any]:
+def analyze_dir(d: str | Path, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     rep = load_report(d)
     pin = float(rep.capabilities.get("pin_budget_fraction") or 0.5)
     rows = []
     for name in DEVICE_RUNS:
         for k, run in enumerate(rep.runs.get(name, [])):
-            rows.append({"repeat": k + 1, **model_repeat(rep.trace, run, pin)})
+            rows.append({"repeat": k + 1, **model_repeat(rep.trace, run, pin, config)})
     return {"dir": str(d), "command": rep.command, "engine_commit": (rep.code_version or {}).get("commit"),
+            "policy_overrides": dict(config or {}),
             "num_gpu_blocks": rep.trace.header.num_gpu_blocks, "repeats": rows}
 
 
@@ -200,8 +205,10 @@ def markdown(results: Sequence[dict[str, Any]], command: str) -> str:
             f"## `{res['dir']}`",
             "",
             f"Engine results of `{res['command']}`, engine code {str(res['engine_commit'])[:7]}; "
-            f"pool {res['num_gpu_blocks']} blocks. The model runs this checkout's policy, the engine's "
-            "policy repeats ran that commit's.",
+            f"pool {res['num_gpu_blocks']} blocks. The model runs this checkout's policy"
+            + ("" if not res["policy_overrides"] else " with " + ", ".join(
+                f"{k}={json.dumps(v)}" for k, v in sorted(res["policy_overrides"].items())))
+            + "; the engine's policy repeats ran that commit's.",
             "",
             "| engine run | repeat | engine recomputed | model: LRU | Belady | policy | clairvoyant policy | engine's share | model policy's share | clairvoyant share | requests matched (model vs engine) |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -216,12 +223,32 @@ def markdown(results: Sequence[dict[str, Any]], command: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _policy_overrides(ap: argparse.ArgumentParser, items: Sequence[str]) -> dict[str, Any]:
+    from kvhint_client.policy import PolicyConfig
+
+    known = {f.name for f in dataclasses.fields(PolicyConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in known:
+            ap.error(f"--policy-set {item}: expected FIELD=JSON with FIELD one of {', '.join(sorted(known))}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError as err:
+            ap.error(f"--policy-set {item}: the value is not JSON ({err})")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.policy_timeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="+", metavar="DIR", help="bench.agentic_engine results directories")
     ap.add_argument("--out", help="write OUT (markdown) and OUT with .json")
+    ap.add_argument("--policy-set", action="append", default=[], metavar="FIELD=JSON",
+                    help="a kvhint_client.policy.PolicyConfig field for the modelled policy (repeatable), "
+                         "e.g. keep_while_running=false for the policy an older engine run ran")
     args = ap.parse_args(argv)
-    results = [analyze_dir(d) for d in args.dirs]
+    config = _policy_overrides(ap, args.policy_set)
+    results = [analyze_dir(d, config) for d in args.dirs]
     command = "python -m bench.policy_timeline " + " ".join(argv if argv is not None else sys.argv[1:])
     text = markdown(results, command)
     if args.out:

@@ -76,9 +76,18 @@ def test_hints_save_and_true_resume_times_capture_the_overlapped_belady(preset: 
     assert (lru - oracle) / (lru - belady) >= 0.99  # exact predictions: the engine order is Belady's
 
 
-def test_the_committed_timeline_table_is_the_tools_output() -> None:
+@pytest.mark.parametrize("name", ["timeline", "timeline_as_run"])
+def test_the_committed_timeline_tables_are_the_tools_output(name: str) -> None:
     folder = REPO / "bench" / "results" / "policy"
-    committed = json.loads((folder / "timeline.json").read_text())
-    fresh = [{**policy_timeline.analyze_dir(REPO / r["dir"]), "dir": r["dir"]} for r in committed["results"]]
+    committed = json.loads((folder / f"{name}.json").read_text())
+    fresh = [{**policy_timeline.analyze_dir(REPO / r["dir"], r["policy_overrides"]), "dir": r["dir"]}
+             for r in committed["results"]]
     assert fresh == committed["results"]
-    assert policy_timeline.markdown(fresh, committed["generated_by"]) == (folder / "timeline.md").read_text()
+    assert policy_timeline.markdown(fresh, committed["generated_by"]) == (folder / f"{name}.md").read_text()
+
+
+def test_a_policy_field_that_does_not_exist_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as err:
+        policy_timeline.main([str(REPO / "bench" / "results" / "default-seed0-policy-908a119"), "--policy-set", "quantil=0.5"])
+    assert err.value.code == 2
+    assert "--policy-set quantil=0.5" in capsys.readouterr().err

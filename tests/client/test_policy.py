@@ -353,6 +353,43 @@ def test_imminent_reuse_stays_imminent_until_the_request_comes_for_at_most_resum
     assert _keeps(sink, "p")[-1] != 1.0
 
 
+def test_a_request_sent_after_a_pause_keeps_its_session_due_until_it_completes() -> None:
+    """The engine reads a resumed session's blocks when it admits the request, and a busy engine
+    queues it: until it completes the session stays due now (re-sent every resume_s, for at most
+    resume_wait_s), instead of keeping the pause's expectation, which by then is passed (ranked
+    first for eviction) or later than now (ranked before sessions due sooner)."""
+    policy, sink = make(PolicyConfig(resume_s=1.0, refresh_lead_s=0.25, resume_wait_s=10.0))
+    policy.observe(ToolCallStarted("a", tools=("x",), t=0.0))
+    policy.observe(RequestSent("new", t=0.0))  # a session's first request: nothing of it to keep
+    policy.flush(sink, 0.0)
+    assert expected(last_keep(sink, "a")) > 1.0 and not _keeps(sink, "new")
+    policy.observe(RequestSent("a", t=2.0))
+    for t in (2.0, 2.5, 3.0, 4.0):
+        policy.flush(sink, t)
+    assert _keeps(sink, "a")[1:] == [1.0] * 3  # at 2, 3 and 4 s
+    for t in range(5, 20):
+        policy.flush(sink, float(t))
+    assert len(_keeps(sink, "a")) == 1 + 3 + 8  # 5..12 s (resume_wait_s after the send), then no more
+    policy.observe(RequestCompleted("a", t=20.0))
+    policy.observe(ToolCallStarted("a", tools=("x",), t=20.0))
+    policy.flush(sink, 20.0)
+    n = len(_keeps(sink, "a"))
+    assert _keeps(sink, "a")[-1] > 1.0  # paused again: the pause's prediction
+    for t in range(21, 25):
+        policy.flush(sink, float(t))
+    assert len(_keeps(sink, "a")) == n  # not kept due while paused
+
+
+def test_without_keep_while_running_a_sent_request_sends_nothing() -> None:
+    policy, sink = make(PolicyConfig(keep_while_running=False))
+    policy.observe(ToolCallStarted("a", tools=("x",), t=0.0))
+    policy.flush(sink, 0.0)
+    policy.observe(RequestSent("a", t=2.0))
+    for t in range(2, 10):
+        policy.flush(sink, float(t))
+    assert len(_keeps(sink, "a")) == 1
+
+
 def test_idle_session_after_completion_is_kept_until_a_tool_call_replaces_it() -> None:
     policy, sink = make()
     policy.observe(RequestSent("a", t=0.0))
