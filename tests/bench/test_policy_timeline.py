@@ -76,7 +76,7 @@ def test_hints_save_and_true_resume_times_capture_the_overlapped_belady(preset: 
     assert (lru - oracle) / (lru - belady) >= 0.99  # exact predictions: the engine order is Belady's
 
 
-@pytest.mark.parametrize("name", ["timeline", "timeline_as_run"])
+@pytest.mark.parametrize("name", ["timeline", "timeline_without_keep"])
 def test_the_committed_timeline_tables_are_the_tools_output(name: str) -> None:
     folder = REPO / "bench" / "results" / "policy"
     committed = json.loads((folder / f"{name}.json").read_text())
