@@ -129,8 +129,12 @@ def policy_timeline(trace: Trace, bt: BlockTrace, times: RunTimes, *, clairvoyan
     timed: list[tuple[float, Callable[[float], None]]] = [(times.send[i], obs.send(i)) for i in range(len(bt.requests))]
     timed += [(sig.t, lambda t, sig=sig: obs.apply(pol.observe(dataclasses.replace(sig, t=t)), t))
               for sig in plan.timed_signals]
-    return lru_timeline(bt, times.admit, times.finish, lambda p, n, i: hp.choose(p, n, bt.requests[i]),
-                        queue=queue, pool=pool, observer=obs, timed=timed)
+    cached, stats = lru_timeline(bt, times.admit, times.finish, lambda p, n, i: hp.choose(p, n, bt.requests[i]),
+                                 queue=queue, pool=pool, observer=obs, timed=timed)
+    inner = getattr(pol, "policy", None)  # LibraryPolicy's SessionPolicy
+    if inner is not None:
+        stats["hints_sent"] = inner.stats.get("sent", 0)
+    return cached, stats
 
 
 def _recomputed(bt: BlockTrace, cached: Sequence[int | None]) -> int:
@@ -163,6 +167,7 @@ def model_repeat(trace: Trace, run: Any, pin_budget_fraction: float = 0.5,
         "engine_recomputed": eng,
         "model_recomputed": rec,
         "queued_admissions": pstats["no_room"],
+        "policy_hints_sent": pstats["hints_sent"],
         "share_in_model": {k: _share(rec["lru"], rec["belady"], rec[k]) for k in ("policy", "clairvoyant")},
         "engine_share_in_model": _share(rec["lru"], rec["belady"], eng),
         "validation": {k: v for k, v in compare(engine, model, ids).items() if k != "first_mismatches"},
@@ -193,7 +198,8 @@ def markdown(results: Sequence[dict[str, Any]], command: str) -> str:
         "signals at the times the replay sent them, hints in effect at once) and the same policy with "
         "every pause predicted by its true end. Recomputed prompt tokens; share = (LRU - x) / (LRU - Belady), "
         "all on the same timeline. Validation: requests whose cached tokens the model (LRU for an LRU "
-        "repeat, the policy for a policy repeat) gets exactly as the engine did.",
+        "repeat, the policy for a policy repeat) gets exactly as the engine did. Hints: what the "
+        "modelled policy sent.",
         "",
         "The engine's share puts the engine's recomputed tokens against the model's LRU and Belady on "
         "the same timeline: on an LRU repeat it shows the model's error (0 is exact), on a policy repeat "
@@ -210,15 +216,15 @@ def markdown(results: Sequence[dict[str, Any]], command: str) -> str:
                 f"{k}={json.dumps(v)}" for k, v in sorted(res["policy_overrides"].items())))
             + "; the engine's policy repeats ran that commit's.",
             "",
-            "| engine run | repeat | engine recomputed | model: LRU | Belady | policy | clairvoyant policy | engine's share | model policy's share | clairvoyant share | requests matched (model vs engine) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| engine run | repeat | engine recomputed | model: LRU | Belady | policy | clairvoyant policy | engine's share | model policy's share | clairvoyant share | requests matched (model vs engine) | hints (model policy) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in res["repeats"]:
             m, s, v = r["model_recomputed"], r["share_in_model"], r["validation"]
             out.append(
                 f"| {r['run']} | {r['repeat']} | {r['engine_recomputed']} | {m['lru']} | {m['belady']} | {m['policy']} | "
                 f"{m['clairvoyant']} | {r['engine_share_in_model']:.2f} | {s['policy']:.2f} | {s['clairvoyant']:.2f} | "
-                f"{v['matched']}/{v['requests']} |"
+                f"{v['matched']}/{v['requests']} | {r['policy_hints_sent']} |"
             )
     return "\n".join(out) + "\n"
 

@@ -27,11 +27,11 @@ signals and on a timer (a few times a second is plenty), and it sends:
 * a declared template: Retain at `template_priority` (above every session),
   refreshed at half its TTL.
 * a request sent after a pause (`keep_while_running`): Retain "due in
-  `resume_s`", re-sent every `resume_s` until the request completes (for at
-  most `resume_wait_s`). The engine reads the session's blocks when it admits
-  the request, and a busy engine queues it; the pause's expectation would by
-  then be passed or later than now, ranking those blocks among the first
-  evicted.
+  `resume_s`", and as that passes, due within as long as the request has
+  waited (1, 2, 4, ... s), until it completes (for at most `resume_wait_s`).
+  The engine reads the session's blocks when it admits the request, and a
+  busy engine queues it; the pause's expectation would by then be passed or
+  later than now, ranking those blocks among the first evicted.
 * a session ended (or a dead branch): Release; a parent's unjoined children
   are released with it. The pause it ended counts as one that never came back
   (`PauseModel.observe_end`).
@@ -136,10 +136,11 @@ class PolicyConfig:
     #: A request sent after a pause reads the session's blocks when the engine admits it, which a
     #: busy engine's queue delays; until then the pause's expectation (passed, or later than now)
     #: ranks those blocks among the first evicted. With this on, the session is kept due from the
-    #: send (expected reuse resume_s, re-sent every resume_s for at most resume_wait_s) until the
-    #: request completes. Nothing changes where requests are admitted at once; on the default
-    #: trace's recorded engine timelines it raised the share of the overlapped Belady's savings
-    #: (bench/results/policy/timeline.md).
+    #: send until the request completes: expected reuse resume_s, then, each time that passes,
+    #: within as long as the request has waited (a few refreshes per request however long it
+    #: runs), for at most resume_wait_s. Nothing changes where requests are admitted at once; on
+    #: the default trace's slower recorded engine timelines it raised the share of the
+    #: overlapped Belady's savings (bench/results/policy/timeline.md).
     keep_while_running: bool = True
     release_on_end: bool = True
     #: Tiers: Demote a pause predicted at least this long; Prefetch this margin before the resume.
@@ -526,11 +527,17 @@ class SessionPolicy:
         for s in self.sessions.values():
             if s.cold or s.let_go:
                 continue
-            if s.state == "resuming" or (s.state == "waiting" and s.unstarted) or (s.state == "running" and s.awaiting):
-                # Due now until its (or its children's first) request comes, or until a sent
-                # request completes: keep it due.
+            if s.state == "resuming" or (s.state == "waiting" and s.unstarted):
+                # Due now until its (or its children's first) request comes: keep it due.
                 if s.review_at is not None and now >= s.review_at and now - s.due_since <= self.config.resume_wait_s:
                     self._keep(s, now, self.config.resume_s)
+                continue
+            if s.state == "running" and s.awaiting:
+                # A sent request, admitted or not: due within as long as it has waited (so one
+                # running for a minute costs about six refreshes, not sixty).
+                waited = now - s.due_since
+                if s.review_at is not None and now >= s.review_at and waited <= self.config.resume_wait_s:
+                    self._keep(s, now, max(self.config.resume_s, waited))
                 continue
             if s.state not in ("paused", "waiting"):
                 continue
