@@ -63,6 +63,10 @@ class RunTimes:
     @classmethod
     def of(cls, run: Any) -> RunTimes:
         recs = sorted(run.records, key=lambda r: r.index)
+        failed = [r.request_id for r in recs if r.error is not None]
+        if failed:
+            raise ValueError(f"run {run.spec.name}: {len(failed)} requests failed (first {failed[0]}); "
+                             "a repeat without every request's times cannot be modelled")
         offset = statistics.median(r.wall_send - r.t_send for r in recs)  # wall clock -> replay clock
         return cls([r.t_send for r in recs], [t - offset for t in admission_times(run)],
                    [t - offset for t in completion_times(run)])

@@ -91,3 +91,13 @@ def test_a_policy_field_that_does_not_exist_is_a_usage_error(capsys) -> None:
         policy_timeline.main([str(REPO / "bench" / "results" / "default-seed0-policy-908a119"), "--policy-set", "quantil=0.5"])
     assert err.value.code == 2
     assert "--policy-set quantil=0.5" in capsys.readouterr().err
+
+
+def test_a_repeat_with_a_failed_request_is_refused_by_name() -> None:
+    from bench.agentic_report import load_report
+
+    rep = load_report(REPO / "bench" / "results" / "default-seed0-policy")
+    run = rep.runs["lru"][0]
+    run.records[3].error = "timed out"
+    with pytest.raises(ValueError, match=r"run lru: 1 requests failed \(first r0003\)"):
+        RunTimes.of(run)
