@@ -2,9 +2,10 @@
 save if the engine did exactly what the model says, with the requests overlapping as they did.
 
 `bench.agentic_engine` reports the policy's share of Belady's savings on the real engine (run
-c2) next to the same policy in the sequential simulator, and the two differ a lot (0.18 / 0.30
-of the overlapped Belady on the engine against 0.55 sequentially on the default trace). This
-tool separates the causes. For each recorded engine repeat it takes that repeat's own request
+c2) next to the same policy in the sequential simulator, and the two can differ a lot (908a119's
+run: 0.18 of Belady's savings, 0.30 of the overlapped Belady's, against 0.55 sequentially on
+the default trace), partly because (c2) and run (a) do not share a timeline. This tool
+separates the causes. For each recorded engine repeat it takes that repeat's own request
 times (send, admission, completion) and runs, on the same timeline:
 
 * LRU (`lru_timeline`), the model the LRU validation checks against the engine;
