@@ -72,7 +72,7 @@ def test_every_committed_engine_run_rebuilds_to_its_committed_table(tmp_path: Pa
     assert (run / "results.md").read_text() == (src / "results.md").read_text()  # the table is the raw data's
 
 
-@pytest.mark.parametrize("name", ["default-seed0-policy", "default-seed0-policy-908a119", "default-seed0-policy-ec1b9ae"])
+@pytest.mark.parametrize("name", ["default-seed0-policy", "heldout-seed1001-policy", "default-seed0-policy-908a119", "default-seed0-policy-ec1b9ae"])
 def test_the_policy_runs_report_the_share_of_the_overlapped_belady(name: str) -> None:
     src = REPO / "bench" / "results" / name
     data = json.loads((src / "results.json").read_text())
