@@ -211,7 +211,7 @@ def belady_timeline(bt: BlockTrace, admit: Sequence[float], finish: Sequence[flo
     return out, stats
 
 
-def _timeline_summary(bt: BlockTrace, cached: Sequence[int | None], stats: dict[str, int]) -> dict[str, Any]:
+def timeline_summary(bt: BlockTrace, cached: Sequence[int | None], stats: dict[str, int]) -> dict[str, Any]:
     """A queued timeline's totals; a request never admitted counts as a full recompute."""
     prompt = sum(r.num_prompt_tokens for r in bt.requests)
     hit = sum(c or 0 for c in cached)
@@ -277,8 +277,8 @@ class OfflineRefs:
             "belady": _sim_summary(belady),
             "infinite": _sim_summary(infinite),
             "lru-sim": _sim_summary(lru_atomic),
-            "belady-concurrent": _timeline_summary(bt, *belady_timeline(bt, admit, finish, queue=True)),
-            "lru-concurrent": _timeline_summary(bt, *lru_timeline(bt, admit, finish, queue=True)),
+            "belady-concurrent": timeline_summary(bt, *belady_timeline(bt, admit, finish, queue=True)),
+            "lru-concurrent": timeline_summary(bt, *lru_timeline(bt, admit, finish, queue=True)),
         }
         val = cls.validate_concurrent(trace, run_a)
         if other_runs:

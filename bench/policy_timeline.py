@@ -45,6 +45,7 @@ from bench.agentic_report import (
     compare,
     load_report,
     lru_timeline,
+    timeline_summary,
 )
 from bench.policy import Action, LibraryPolicy
 from bench.simulate import BlockPoolModel, BlockTrace, HintedPool, compile_trace
@@ -88,11 +89,7 @@ class _PolicyObserver:
         self.hp.now = max(self.hp.now, t)
 
     def admitted(self, i: int, t: float) -> None:
-        r, hp = self.bt.requests[i], self.hp
-        hp.released.discard(r.session_id)  # a session that runs again is live
-        hp.chain_of[r.session_id] = r.chain
-        for h in r.chain:
-            hp.owners.setdefault(h, set()).add(r.session_id)
+        self.hp.note_running(self.bt.requests[i])
 
     def completed(self, i: int, t: float) -> None:
         sid = self.bt.requests[i].session_id
@@ -142,11 +139,6 @@ def policy_timeline(trace: Trace, bt: BlockTrace, times: RunTimes, *, clairvoyan
     return cached, stats
 
 
-def _recomputed(bt: BlockTrace, cached: Sequence[int | None]) -> int:
-    """Recomputed prompt tokens of a timeline (a request never admitted recomputes its prompt)."""
-    return sum(r.num_prompt_tokens - (c or 0) for r, c in zip(bt.requests, cached))
-
-
 def _share(lru: int, belady: int, x: float) -> float:
     return (lru - x) / (lru - belady) if lru > belady else math.nan
 
@@ -158,12 +150,16 @@ def model_repeat(trace: Trace, run: Any, pin_budget_fraction: float = 0.5,
     times = RunTimes.of(run)
     by_idx = sorted(run.records, key=lambda r: r.index)
     engine = [r.cached_tokens for r in by_idx]
-    lru, _ = lru_timeline(bt, times.admit, times.finish, queue=True)
-    belady, _ = belady_timeline(bt, times.admit, times.finish, queue=True)
-    policy, pstats = policy_timeline(trace, bt, times, pin_budget_fraction=pin_budget_fraction, config=config)
-    oracle, _ = policy_timeline(trace, bt, times, pin_budget_fraction=pin_budget_fraction, clairvoyant=True, config=config)
-    rec = {name: _recomputed(bt, c) for name, c in
-           (("lru", lru), ("belady", belady), ("policy", policy), ("clairvoyant", oracle))}
+    timelines = {
+        "lru": lru_timeline(bt, times.admit, times.finish, queue=True),
+        "belady": belady_timeline(bt, times.admit, times.finish, queue=True),
+        "policy": policy_timeline(trace, bt, times, pin_budget_fraction=pin_budget_fraction, config=config),
+        "clairvoyant": policy_timeline(trace, bt, times, pin_budget_fraction=pin_budget_fraction, clairvoyant=True,
+                                       config=config),
+    }
+    rec = {name: timeline_summary(bt, *t)["recomputed_tokens"] for name, t in timelines.items()}
+    policy, pstats = timelines["policy"]
+    lru = timelines["lru"][0]
     eng = sum(r.prompt_tokens - r.cached_tokens for r in by_idx)
     model = policy if run.spec.name == "policy" else lru
     ids = [r.request_id for r in by_idx]

@@ -652,12 +652,16 @@ class HintedPool:
     def run_request(self, req: BlockRequest) -> tuple[int, int]:
         self.now = max(self.now, req.t)
         res = _run_request(self.pool, req, self.choose, self.host)
+        self.note_running(req)
+        return res
+
+    def note_running(self, req: BlockRequest) -> None:
+        """`req` ran (or was admitted): its session is live again and owns its chain."""
         self.released.discard(req.session_id)  # a session that runs again is live
         self.demoted.discard(req.session_id)
         self.chain_of[req.session_id] = req.chain
         for h in req.chain:
             self.owners.setdefault(h, set()).add(req.session_id)
-        return res
 
 
 def _reuse_at(a: Pin | Retain, t: float) -> float | None:
