@@ -220,7 +220,7 @@ class VllmAdapter:
                 view = core.retention(h)
                 for block in copies:
                     refile_block(block, view)
-        self.pool.kvh_sync_mode()  # the retaining pool class while anything is retained
+        self.pool.kvh_sync_mode()  # the retention order on while anything is retained
 
     def demote_first(self, hashes: Iterable[bytes]) -> int:
         moved = 0  # logical blocks

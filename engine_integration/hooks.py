@@ -1,15 +1,21 @@
 """Hooks into vLLM's BlockPool and KVCacheManager.
 
-`install(scheduler, adapter)` swaps the classes of the scheduler's existing
-KVCacheManager and BlockPool to the subclasses below (vLLM builds them inside
-the Scheduler, so a class swap is the least invasive hook). The subclasses
-call the stock methods and add:
+KvHint's pool and manager are subclasses of vLLM's, built by vLLM itself:
+`hooked_construction()` is the window (KvHintScheduler's `super().__init__`)
+in which vLLM's Scheduler constructs `KvHintKVCacheManager`, whose coordinator
+constructs `KvHintBlockPool`. `install(scheduler, adapter)` then connects them
+to the adapter. They are built as these classes rather than re-classed after
+the fact: CPython (3.11 and 3.12) turns an instance's attribute storage into
+a plain dict when its `__class__` is assigned, and every `self.<attribute>`
+in vLLM's pool and manager code is slower from then on (bench.scale measured
+about 3 points of scheduler CPU; design-notes.md, "Hooks built, not
+re-classed"). The subclasses call the stock methods and add:
 
   * admission: every `cache_full_blocks`, of every KV-cache group, is
     reported with the owning request (so the index and the event stream see
     it with its session);
-  * prefix hits: `allocate_slots` reports the hit blocks of requests with
-    session coordinates (a hit establishes membership);
+  * prefix hits: `get_computed_blocks` reports the hit blocks of requests
+    with session coordinates (a hit establishes membership);
   * removal: `_emit_block_removed_events` reports each logical block that
     stops being resident (its last copy in a residency group is gone; see
     kv_groups), with a cause (eviction, Evict hint, pin broken, replaced);
@@ -17,21 +23,23 @@ call the stock methods and add:
     queue (`ProtectedFreeBlocks`) and counted as free; the queue (ordinary,
     LRU) is consumed first, then retained blocks by priority, then pins.
 
-Two classes share this: `KvHintBlockPool` adds only the admission and removal
-reports, and `KvHintRetainingBlockPool` adds the retention order on top. The
-pool is the retaining class while a free block is protected, a pin is being
-broken or a retention grant is in effect, and the plain class otherwise
-(`kvh_sync_mode`, on the engine thread: after every re-filing, and at each
-step boundary). So with no hints in effect `get_num_free_blocks`,
-`_maybe_evict_cached_block`, `touch` and `free_blocks` are vLLM's own, and the
-eviction order and allocation results are exactly stock vLLM's.
+The retention order is switched by a flag, `_kvh_retaining`: on while a free
+block is protected, a pin is being broken or a retention grant is in effect,
+and off otherwise (`kvh_sync_mode`, on the engine thread: after every
+re-filing, and at each step boundary). With it off, `get_num_free_blocks`,
+`_maybe_evict_cached_block`, `touch` and `free_blocks` go straight to vLLM's
+own code, so the eviction order and allocation results are exactly stock
+vLLM's (tests/inproc/test_pool_hooks_stock.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import vllm.v1.core.kv_cache_coordinator as _coordinator_module
+import vllm.v1.core.sched.scheduler as _scheduler_module
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
@@ -48,23 +56,29 @@ _emit_removed = BlockPool._emit_block_removed_events
 _maybe_evict = BlockPool._maybe_evict_cached_block
 _get_new_blocks = BlockPool.get_new_blocks
 _free_blocks = BlockPool.free_blocks
+_touch = BlockPool.touch
 
 
 class KvHintBlockPool(BlockPool):
+    """vLLM's BlockPool with KvHint's residency reports and retention order (module doc)."""
+
     _kvh: VllmAdapter
-    _kvh_protected: ProtectedFreeBlocks
-    _kvh_cause: RemovalCause
-    _kvh_pending: list[Any] | None
-    _kvh_runs: list[tuple[int, RemovalCause]]
-    _kvh_broken: set[int]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Every attribute exists from construction (the instance keeps CPython's compact
+        # attribute storage; see the module doc); `_kvh_init` gives them their values.
+        self._kvh = None  # type: ignore[assignment]
+        self._kvh_protected = ProtectedFreeBlocks()
+        self._kvh_cause = RemovalCause.EVICTED
+        self._kvh_pending: list[Any] | None = None
+        self._kvh_runs: list[tuple[int, RemovalCause]] = []
+        self._kvh_broken: set[int] = set()
+        self._kvh_retaining = False  # the retention order is on (module doc)
 
     def _kvh_init(self, adapter: VllmAdapter) -> None:
         self._kvh = adapter
         self._kvh_protected = ProtectedFreeBlocks(adapter.core.monotonic)
-        self._kvh_cause = RemovalCause.EVICTED
-        self._kvh_pending = None
-        self._kvh_runs = []
-        self._kvh_broken = set()
 
     # ------------------------------------------------------------ admission / removal
 
@@ -94,6 +108,24 @@ class KvHintBlockPool(BlockPool):
             runs.append((len(pending), cause))
         pending.extend(block_hashes)
 
+    def _maybe_evict_cached_block(self, block):  # type: ignore[no-untyped-def]
+        if not self._kvh_retaining:
+            return _maybe_evict(self, block)
+        protected = self._kvh_protected
+        if protected.count and protected.remove(block):
+            # A protected free block losing its hash (connector invalidation):
+            # it is an ordinary free block again.
+            self.free_block_queue.prepend_n([block])
+        broken = self._kvh_broken
+        if broken and block.block_id in broken:
+            broken.discard(block.block_id)
+            previous, self._kvh_cause = self._kvh_cause, RemovalCause.PIN_BROKEN
+            try:
+                return _maybe_evict(self, block)
+            finally:
+                self._kvh_cause = previous
+        return _maybe_evict(self, block)
+
     def reset_prefix_cache(self) -> bool:
         protected = self._kvh_protected
         if protected.count and self.num_gpu_blocks - self.get_num_free_blocks() == 1:
@@ -108,7 +140,16 @@ class KvHintBlockPool(BlockPool):
 
     # ------------------------------------------------------------ allocation
 
+    def get_num_free_blocks(self) -> int:
+        # Protected free blocks count as free (with nothing protected, count is 0: stock).
+        return self.free_block_queue.num_free_blocks + self._kvh_protected.count
+
     def get_new_blocks(self, num_blocks: int):  # type: ignore[no-untyped-def]
+        if self._kvh_retaining and self._kvh_protected.count:
+            self._kvh.core.expire_retention()
+            shortfall = num_blocks - self.free_block_queue.num_free_blocks
+            if shortfall > 0:
+                self._kvh_reclaim(shortfall)
         # Removals inside one allocation are reported together (one journal entry per run of
         # the same cause), after it.
         self._kvh_pending = pending = []
@@ -128,6 +169,36 @@ class KvHintBlockPool(BlockPool):
         ends = [start for start, _ in runs[1:]] + [len(pending)]
         for (start, cause), end in zip(runs, ends):
             self._kvh.on_keys_removed(pending[start:end], cause)
+
+    def _kvh_reclaim(self, shortfall: int) -> None:
+        """Move `shortfall` protected blocks to the queue head, in class order."""
+        retained, pinned = self._kvh_protected.take_victims(shortfall)
+        if pinned:
+            self._kvh_broken.update(b.block_id for b in pinned)
+            self._kvh.on_pins_broken(pinned, shortfall)
+        victims = retained + pinned
+        if victims:
+            self.free_block_queue.prepend_n(victims)
+
+    def touch(self, blocks) -> None:  # type: ignore[no-untyped-def]
+        if self._kvh_retaining:
+            protected = self._kvh_protected
+            if protected.count:
+                for block in blocks:
+                    if block.ref_cnt == 0 and protected.remove(block):
+                        # Back in the queue so the stock touch can take it out.
+                        self.free_block_queue.append(block)
+        _touch(self, blocks)
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        if not self._kvh_retaining or not self._kvh.retention_active():
+            _free_blocks(self, ordered_blocks)
+            return
+        blocks = list(ordered_blocks)
+        _free_blocks(self, blocks)
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None and block.pool in (None, self):
+                self.kvh_refile_block(block)
 
     # ------------------------------------------------------------ used by the adapter
 
@@ -150,8 +221,7 @@ class KvHintBlockPool(BlockPool):
         if filed is None:
             self.free_block_queue.remove(block)
         protected.add(block, view.cls, view.priority, view.reuse_at)
-        if self.__class__ is KvHintBlockPool:
-            self.__class__ = KvHintRetainingBlockPool  # something is protected now
+        self._kvh_retaining = True  # something is protected now
 
     def kvh_to_queue_head(self, block: Any) -> None:
         """Make a free block the next eviction candidate."""
@@ -168,84 +238,37 @@ class KvHintBlockPool(BlockPool):
         self.kvh_to_queue_head(block)
         previous, self._kvh_cause = self._kvh_cause, cause
         try:
-            return super()._maybe_evict_cached_block(block)
+            return _maybe_evict(self, block)
         finally:
             self._kvh_cause = previous
 
     def kvh_sync_mode(self) -> None:
-        """Engine thread: the retaining class while a free block is protected, a pin is being
-        broken or a retention grant is in effect; this class otherwise. Called after every
+        """Engine thread: the retention order is on while a free block is protected, a pin is
+        being broken or a retention grant is in effect, and off otherwise. Called after every
         re-filing (grants, releases, expiry) and at each step boundary; `kvh_refile_block`
-        switches to the retaining class itself when it protects a block."""
-        active = self._kvh_protected.count or self._kvh_broken or self._kvh.retention_active()
-        cls = KvHintRetainingBlockPool if active else KvHintBlockPool
-        if self.__class__ is not cls:
-            self.__class__ = cls
+        turns it on itself when it protects a block."""
+        self._kvh_retaining = bool(self._kvh_protected.count or self._kvh_broken or self._kvh.retention_active())
 
-
-class KvHintRetainingBlockPool(KvHintBlockPool):
-    """The pool while retention is in effect: protected free blocks are kept out of vLLM's free
-    queue, counted as free, and reclaimed in class order when the queue runs dry."""
-
-    def _maybe_evict_cached_block(self, block):  # type: ignore[no-untyped-def]
-        protected = self._kvh_protected
-        if protected.count and protected.remove(block):
-            # A protected free block losing its hash (connector invalidation):
-            # it is an ordinary free block again.
-            self.free_block_queue.prepend_n([block])
-        broken = self._kvh_broken
-        if broken and block.block_id in broken:
-            broken.discard(block.block_id)
-            previous, self._kvh_cause = self._kvh_cause, RemovalCause.PIN_BROKEN
-            try:
-                return _maybe_evict(self, block)
-            finally:
-                self._kvh_cause = previous
-        return _maybe_evict(self, block)
-
-    def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks + self._kvh_protected.count
-
-    def get_new_blocks(self, num_blocks: int):  # type: ignore[no-untyped-def]
-        if self._kvh_protected.count:
-            self._kvh.core.expire_retention()
-            shortfall = num_blocks - self.free_block_queue.num_free_blocks
-            if shortfall > 0:
-                self._kvh_reclaim(shortfall)
-        return KvHintBlockPool.get_new_blocks(self, num_blocks)
-
-    def _kvh_reclaim(self, shortfall: int) -> None:
-        """Move `shortfall` protected blocks to the queue head, in class order."""
-        retained, pinned = self._kvh_protected.take_victims(shortfall)
-        if pinned:
-            self._kvh_broken.update(b.block_id for b in pinned)
-            self._kvh.on_pins_broken(pinned, shortfall)
-        victims = retained + pinned
-        if victims:
-            self.free_block_queue.prepend_n(victims)
-
-    def touch(self, blocks) -> None:  # type: ignore[no-untyped-def]
-        protected = self._kvh_protected
-        if protected.count:
-            for block in blocks:
-                if block.ref_cnt == 0 and protected.remove(block):
-                    # Back in the queue so the stock touch can take it out.
-                    self.free_block_queue.append(block)
-        super().touch(blocks)
-
-    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
-        if not self._kvh.retention_active():
-            _free_blocks(self, ordered_blocks)
-            return
-        blocks = list(ordered_blocks)
-        _free_blocks(self, blocks)
-        for block in blocks:
-            if block.ref_cnt == 0 and block.block_hash is not None and block.pool in (None, self):
-                self.kvh_refile_block(block)
+    @property
+    def kvh_retaining(self) -> bool:
+        """The retention order is on (tests and diagnostics)."""
+        return self._kvh_retaining
 
 
 class KvHintKVCacheManager(KVCacheManager):
+    """vLLM's KVCacheManager whose coordinator builds a KvHintBlockPool (module doc)."""
+
     _kvh: VllmAdapter
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # KVCacheManager.__init__ builds exactly one coordinator, which builds the device pool.
+        saved = _coordinator_module.BlockPool
+        _coordinator_module.BlockPool = KvHintBlockPool
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            _coordinator_module.BlockPool = saved
+        self._kvh = None  # type: ignore[assignment]
 
     def get_computed_blocks(self, request):  # type: ignore[no-untyped-def]
         # Called when a waiting request is considered for admission (not per
@@ -257,17 +280,31 @@ class KvHintKVCacheManager(KVCacheManager):
         return result
 
 
+@contextmanager
+def hooked_construction() -> Iterator[None]:
+    """Inside the block, vLLM's Scheduler builds `KvHintKVCacheManager` (and through it a
+    `KvHintBlockPool`) where it would build its own KVCacheManager. Engine thread, around the
+    Scheduler's `__init__` only: it rebinds module globals of vLLM's scheduler and coordinator
+    modules for that long (construction is single-threaded in EngineCore)."""
+    saved = _scheduler_module.KVCacheManager
+    _scheduler_module.KVCacheManager = KvHintKVCacheManager
+    try:
+        yield
+    finally:
+        _scheduler_module.KVCacheManager = saved
+
+
 def install(scheduler: Any, adapter: VllmAdapter) -> KvHintBlockPool:
-    """Swap the scheduler's KV cache manager and block pool to the hooked classes."""
+    """Connect the scheduler's hooked KV cache manager and block pool (built inside
+    `hooked_construction`, or directly as KvHintKVCacheManager) to `adapter`."""
     manager = scheduler.kv_cache_manager
-    if type(manager) is not KVCacheManager or type(manager.block_pool) is not BlockPool:
+    if type(manager) is not KvHintKVCacheManager or type(manager.block_pool) is not KvHintBlockPool:
         raise RuntimeError(
-            f"kvhint expects vLLM's stock KVCacheManager/BlockPool, got {type(manager).__name__}/"
-            f"{type(manager.block_pool).__name__}"
+            "kvhint expects the scheduler's KVCacheManager/BlockPool to be built as KvHintKVCacheManager/"
+            f"KvHintBlockPool (engine_integration.hooks.hooked_construction), got {type(manager).__name__}/"
+            f"{type(manager.block_pool).__name__}: this vLLM builds them differently from vLLM 0.32"
         )
     pool = manager.block_pool
-    pool.__class__ = KvHintBlockPool
     pool._kvh_init(adapter)
-    manager.__class__ = KvHintKVCacheManager
     manager._kvh = adapter
     return pool

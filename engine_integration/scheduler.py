@@ -32,7 +32,7 @@ from kvhint_server.server import KvHintServer
 from .adapter import VllmAdapter
 from .dp import dp_rank_and_size
 from .envelope_hints import apply_request_envelope
-from .hooks import install
+from .hooks import hooked_construction, install
 
 log = logging.getLogger("kvhint.vllm")
 
@@ -93,7 +93,8 @@ class KvHintScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_environment()  # every KVHINT_* value, before vLLM builds the scheduler (H6)
-        super().__init__(*args, **kwargs)
+        with hooked_construction():  # vLLM builds KvHint's KVCacheManager and BlockPool (hooks.py)
+            super().__init__(*args, **kwargs)
         _route_logs_through_vllm()
         if not self.cache_config.enable_prefix_caching:
             raise ValueError("KvHintScheduler needs prefix caching (do not pass --no-enable-prefix-caching)")
@@ -138,7 +139,7 @@ class KvHintScheduler(Scheduler):
         self._kvhint_in_step += 1
         try:
             self.kvhint_core.run_pending()
-            self.kvhint_adapter.pool.kvh_sync_mode()  # back to the plain pool class once nothing is retained
+            self.kvhint_adapter.pool.kvh_sync_mode()  # the retention order off once nothing is retained
             tiers = self.kvhint_adapter.tiers
             if tiers is not None:
                 tiers.on_step()

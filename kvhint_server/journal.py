@@ -33,6 +33,21 @@ Contract (what keeps deferred exactly equivalent to inline):
     itself (back-pressure instead of unbounded memory when the settler
     cannot keep up).
 
+Garbage: the entries' bookkeeping creates the index nodes and events that
+live on, a few hundred container objects per step at GPU scale. Each one
+counts toward CPython's young-generation threshold, and the collection
+that crosses it runs on whichever thread allocates next: mostly the engine
+thread, in the middle of a step (a young collection there costs
+milliseconds, because vLLM's live requests are young too). So after the
+settler drains the journal, while the engine is not in a step, it runs the
+young collection itself once the count has reached a fifth of the
+threshold (`collect_young`): the garbage its own work made is collected
+off the engine thread, in smaller and cheaper collections. A collection
+that would reach the oldest generation is left to CPython's own trigger
+(its long-lived heuristic decides those), and a process that disabled the
+collector is left alone (bench.scale_ablation measured the effect;
+design-notes.md, "The settler collects its own garbage").
+
 Storage: one flat deque of `fn, len(args), *args` per entry, extended in
 one call (atomic for the settler, which pops whole entries). An entry
 therefore leaves no container of its own alive until it is settled: a
@@ -46,6 +61,7 @@ lists into the arguments.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -59,6 +75,9 @@ SETTLE_INTERVAL_S = 0.002  # the settler's period when the journal is empty
 SETTLE_CHUNK_S = 0.0001  # the settler's work per lock hold (whole entries); the GIL is offered between chunks
 YIELD_S = 0.00005  # the pause between chunks: long enough for a waiting engine thread to take the GIL
 MAX_ENTRIES = 65_536
+# The settler's young collection runs once the young generation's count reaches this fraction
+# of CPython's threshold (gc.get_threshold()[0]).
+YOUNG_COLLECT_FRACTION = 0.2
 # Past this many pending entries the settler works even while the engine is busy (a gate that
 # never opens must not leave everything to back-pressure on the engine thread).
 BUSY_BACKLOG = 4_096
@@ -81,6 +100,7 @@ class ResidencyJournal:
         self.settled = 0
         self.errors = 0
         self.backpressure = 0  # times the engine thread settled a full journal itself
+        self.collections = 0  # young collections run by collect_young
 
     @property
     def deferring(self) -> bool:
@@ -137,6 +157,26 @@ class ResidencyJournal:
         self.settled += n
         return n
 
+    def collect_young(self) -> bool:
+        """Run the young generation's collection now if its count has reached
+        YOUNG_COLLECT_FRACTION of the threshold: generation 0, or 1 when that one
+        is due as well (as CPython's own trigger would). Nothing when the
+        collector is disabled, or when the collection would reach the oldest
+        generation. Returns whether it collected. The settler calls it after
+        draining the journal, outside the engine's steps (see "Garbage")."""
+        if not gc.isenabled():
+            return False
+        t0, t1, t2 = gc.get_threshold()
+        c0, c1, c2 = gc.get_count()
+        if t0 <= 0 or c0 < max(1, int(t0 * YOUNG_COLLECT_FRACTION)):
+            return False
+        generation = 1 if c1 + 1 > t1 else 0
+        if generation == 1 and c2 + 1 > t2:
+            return False  # a full collection would be due: CPython's heuristic decides
+        gc.collect(generation)
+        self.collections += 1
+        return True
+
     # ------------------------------------------------------------ the settler thread
 
     def start(
@@ -153,7 +193,8 @@ class ResidencyJournal:
         `busy()`: the engine thread is inside a scheduler step (schedule() or
         update_from_output()). The settler then waits for the step to end, so it
         works while the engine thread waits on the device, unless BUSY_BACKLOG
-        entries are pending."""
+        entries are pending. After draining the journal it runs `collect_young`
+        (outside a step)."""
         if self._deferring:
             return
         self._deferring = True
@@ -164,11 +205,15 @@ class ResidencyJournal:
         def loop() -> None:
             stop, entries = self._stop, self._entries
             while not stop.wait(interval_s):
+                drained = False
                 while entries and not stop.is_set():
                     if busy is not None and busy() and self.pending() < BUSY_BACKLOG:
                         break  # the engine is stepping: try again next interval
                     self.settle(deadline=time.perf_counter() + chunk_s)
+                    drained = not entries
                     time.sleep(YIELD_S)  # offer the GIL to a waiting engine thread between chunks
+                if drained and not stop.is_set() and (busy is None or not busy()):
+                    self.collect_young()
 
         self._thread = threading.Thread(target=loop, name="kvhint-settler", daemon=True)
         self._thread.start()

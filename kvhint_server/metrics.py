@@ -137,6 +137,9 @@ class KvHintMetrics:
                                             "Times the engine thread booked a full journal itself.", **kw)
         self.journal_errors = Counter("kvhint_residency_bookkeeping_errors",
                                       "Journaled residency changes whose booking raised (logged).", **kw)
+        self.journal_collections = Counter("kvhint_settler_young_collections",
+                                           "Young-generation garbage collections the settler ran off the engine "
+                                           "thread (deferred bookkeeping).", **kw)
 
     # ------------------------------------------------------------ per event
 
@@ -185,7 +188,7 @@ class MetricsExporter:
         self._interval = interval_s
         self._cursor = core.bus.last_sequence
         self._overload_seen = OverloadStats()
-        self._journal_seen = (0, 0, 0)  # settled, backpressure, errors
+        self._journal_seen = (0, 0, 0, 0)  # settled, backpressure, errors, collections
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -244,8 +247,9 @@ class MetricsExporter:
     def _count_journal(self) -> None:
         journal, m = self._core.journal, self._m
         m.journal_pending.set(journal.pending())
-        now = (journal.settled, journal.backpressure, journal.errors)
-        for counter, before, after in zip((m.journal_settled, m.journal_backpressure, m.journal_errors), self._journal_seen, now):
+        now = (journal.settled, journal.backpressure, journal.errors, journal.collections)
+        counters = (m.journal_settled, m.journal_backpressure, m.journal_errors, m.journal_collections)
+        for counter, before, after in zip(counters, self._journal_seen, now):
             if after > before:
                 counter.inc(after - before)
         self._journal_seen = now

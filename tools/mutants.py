@@ -64,16 +64,16 @@ MUTANTS = (
     Mutant(
         "sync-always-plain",
         "engine_integration/hooks.py",
-        r"cls = KvHintRetainingBlockPool if active else KvHintBlockPool",
-        "cls = KvHintBlockPool",
-        "the pool drops its retention overrides at every sync, grants in effect or not",
+        r"self\._kvh_retaining = bool\(",
+        "self._kvh_retaining = False and bool(",
+        "the pool turns its retention order off at every sync, grants in effect or not",
     ),
     Mutant(
         "sync-stays-retaining",
         "engine_integration/hooks.py",
-        r"cls = KvHintRetainingBlockPool if active else KvHintBlockPool",
-        "cls = KvHintRetainingBlockPool",
-        "the pool keeps its retention overrides once anything was retained (no longer vLLM's own methods)",
+        r"self\._kvh_retaining = bool\(",
+        "self._kvh_retaining = True or bool(",
+        "the pool keeps its retention order on once anything was retained (no longer straight to vLLM's own methods)",
     ),
     Mutant(
         "free-order-active",

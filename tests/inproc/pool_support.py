@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request
 
 from engine_integration.adapter import VllmAdapter
-from engine_integration.hooks import install
+from engine_integration.hooks import KvHintKVCacheManager, install
 from engine_integration.inproc import make_request
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.config import ServerConfig
@@ -70,7 +70,7 @@ class Cache:
     def __init__(self, num_blocks: int = 24, *, hooked: bool = True, max_model_len: int = 256, **config: Any) -> None:
         spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
         kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-        self.manager = KVCacheManager(
+        self.manager = (KvHintKVCacheManager if hooked else KVCacheManager)(
             kv_config,
             max_model_len=max_model_len,
             scheduler_block_size=BLOCK_SIZE,

@@ -131,3 +131,98 @@ def test_the_bookkeeping_setting_is_checked() -> None:
     assert ServerConfig.from_env({"KVHINT_RESIDENCY_BOOKKEEPING": "deferred"}).residency_bookkeeping == "deferred"
     with pytest.raises(ConfigError, match="KVHINT_RESIDENCY_BOOKKEEPING='later': expected one of auto, inline, deferred"):
         ServerConfig.from_env({"KVHINT_RESIDENCY_BOOKKEEPING": "later"})
+
+
+# ---------------------------------------------------------------- the settler's young collections
+
+
+@pytest.fixture
+def collector() -> object:
+    """A known threshold for the test, the process's own restored after it."""
+    import gc
+
+    saved, enabled = gc.get_threshold(), gc.isenabled()
+    gc.set_threshold(10_000, 10, 10)
+    gc.enable()
+    gc.collect()
+    try:
+        yield gc
+    finally:
+        gc.set_threshold(*saved)
+        if not enabled:
+            gc.disable()
+
+
+def _young(gc, n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    kept = [[i] for i in range(n)]  # n young container objects, kept alive
+    assert gc.get_count()[0] >= n * 0.9
+    return kept
+
+
+def test_collect_young_waits_for_a_fifth_of_the_threshold(collector) -> None:  # type: ignore[no-untyped-def]
+    gc, journal = collector, ResidencyJournal()
+    kept = _young(gc, 1_000)  # a tenth of 10 000
+    assert not journal.collect_young() and journal.collections == 0
+    kept += _young(gc, 1_500)  # past 2 000
+    before = gc.get_count()[1]
+    assert journal.collect_young() and journal.collections == 1
+    assert gc.get_count()[0] < 100  # the young generation was collected...
+    assert gc.get_count()[1] == before + 1  # ...and only it (generation 1 counts one more)
+    assert len(kept) == 2_500
+
+
+def test_collect_young_includes_generation_1_when_due_and_leaves_full_collections_to_cpython(collector) -> None:  # type: ignore[no-untyped-def]
+    gc, journal = collector, ResidencyJournal()
+    for _ in range(10):
+        gc.collect(0)  # generation 1 is now due at the next collection
+    kept = _young(gc, 2_500)
+    assert journal.collect_young()
+    assert gc.get_count()[1] == 0  # generation 1 was collected with it
+    for _ in range(10):
+        gc.collect(1)  # now a collection of generation 1 would make a full collection due
+    kept += _young(gc, 2_500)
+    for _ in range(10):
+        gc.collect(0)
+    kept += _young(gc, 2_500)
+    assert not journal.collect_young() and journal.collections == 1
+    assert gc.get_count()[0] >= 2_000  # untouched
+
+
+def test_collect_young_does_nothing_with_the_collector_disabled(collector) -> None:  # type: ignore[no-untyped-def]
+    gc, journal = collector, ResidencyJournal()
+    kept = _young(gc, 3_000)
+    gc.disable()
+    try:
+        assert not journal.collect_young() and gc.get_count()[0] >= 2_000
+    finally:
+        gc.enable()
+    assert len(kept) == 3_000
+
+
+def test_the_settler_thread_collects_after_draining(collector) -> None:  # type: ignore[no-untyped-def]
+    gc, journal = collector, ResidencyJournal()
+    kept = _young(gc, 3_000)
+    journal.start()
+    try:
+        journal.append(lambda: None, ())
+        assert _wait(lambda: journal.collections >= 1)
+        assert gc.get_count()[0] < 2_000
+    finally:
+        journal.stop()
+    assert len(kept) == 3_000
+
+
+def test_the_settler_thread_does_not_collect_while_the_engine_steps(collector) -> None:  # type: ignore[no-untyped-def]
+    gc, journal = collector, ResidencyJournal()
+    kept = _young(gc, 3_000)
+    stepping = [True]
+    journal.start(busy=lambda: stepping[0])
+    try:
+        journal.append(lambda: None, ())
+        time.sleep(0.05)
+        assert journal.pending() == 1 and journal.collections == 0
+        stepping[0] = False
+        assert _wait(lambda: journal.collections >= 1 and journal.pending() == 0)
+    finally:
+        journal.stop()
+    assert len(kept) == 3_000
