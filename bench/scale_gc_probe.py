@@ -3,7 +3,7 @@ steps, per generation, on one stock/KvHint pair (16384 blocks, 10000 sessions by
 what each side's steps leave in the collector's young generation.
 
     python -m bench.scale_gc_probe [--pool 16384] [--sessions 10000] [--steps 150] [--bookkeeping deferred]
-                                   [--out bench/results/scale_gc_probe.md]
+                                   [--no-settler-gc] [--out bench/results/scale_gc_probe.md]
 
 The pair is filled and warmed as in bench.scale (`scale_driver.Pair.fill_and_freeze`: the heap is
 frozen after the fill, as EngineCore freezes its start-up heap). Then two passes of `--steps`
@@ -16,6 +16,10 @@ steps each:
   across the KvHint side's settle. A young collection runs when that count passes its threshold
   (700), so a side whose steps leave objects alive raises the chance that the crossing, and the
   collection's cost, lands in its steps.
+
+With deferred bookkeeping the driver settles the journal between steps as the settler thread
+does, including its young collection (`ResidencyJournal.collect_young`); `--no-settler-gc`
+leaves that collection out, so the collections land where CPython's own trigger puts them.
 
 Both sides live in one process, so a young collection that KvHint's allocations trigger also
 traverses the young objects of the stock side: what lands on KvHint here is an upper bound of what
@@ -137,14 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--bookkeeping", choices=("auto", "inline", "deferred"), default="auto",
                     help="KvHint's residency bookkeeping (deferred: settled between steps, outside the timing)")
+    ap.add_argument("--no-settler-gc", action="store_true",
+                    help="deferred: settle without the settler's young collection (ResidencyJournal.collect_young)")
     ap.add_argument("--out", default=None, help="write the table here (markdown) and the raw figures next to it (.json)")
     a = ap.parse_args(argv)
     shape = Shape(a.pool, a.sessions, steps=a.steps, bookkeeping=a.bookkeeping)
     command = "python -m bench.scale_gc_probe" + "".join(
         f" --{k} {v}" for k, v, d in (("pool", a.pool, 16384), ("sessions", a.sessions, 10000), ("steps", a.steps, 150),
                                       ("bookkeeping", a.bookkeeping, "auto")) if v != d)
+    command += " --no-settler-gc" if a.no_settler_gc else ""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     pair = Pair(shape)
+    if a.no_settler_gc and pair.kv.core is not None:
+        pair.kv.core.journal.collect_young = lambda: False  # type: ignore[method-assign]
     try:
         pair.fill_and_freeze()
         pair.steps(shape.warmup_steps, "warmup")
