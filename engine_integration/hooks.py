@@ -7,9 +7,10 @@ constructs `KvHintBlockPool`. `install(scheduler, adapter)` then connects them
 to the adapter. They are built as these classes rather than re-classed after
 the fact: CPython (3.11 and 3.12) turns an instance's attribute storage into
 a plain dict when its `__class__` is assigned, and every `self.<attribute>`
-in vLLM's pool and manager code is slower from then on (bench.scale measured
-about 3 points of scheduler CPU; design-notes.md, "Hooks built, not
-re-classed"). The subclasses call the stock methods and add:
+in vLLM's pool and manager code is slower from then on (about 4.5 points of
+scheduler CPU at 16k blocks, bench/results/scale_ablation_repeat.md;
+design-notes.md, "Hooks into vLLM 0.32"). The subclasses call the stock
+methods and add:
 
   * admission: every `cache_full_blocks`, of every KV-cache group, is
     reported with the owning request (so the index and the event stream see

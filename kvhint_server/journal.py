@@ -45,8 +45,8 @@ threshold (`collect_young`): the garbage its own work made is collected
 off the engine thread, in smaller and cheaper collections. A collection
 that would reach the oldest generation is left to CPython's own trigger
 (its long-lived heuristic decides those), and a process that disabled the
-collector is left alone (bench.scale_ablation measured the effect;
-design-notes.md, "The settler collects its own garbage").
+collector is left alone (bench.scale_gc_probe measures it, with and
+without; design-notes.md, "The settler collects its own garbage").
 
 Storage: one flat deque of `fn, len(args), *args` per entry, extended in
 one call (atomic for the settler, which pops whole entries). An entry
