@@ -71,6 +71,9 @@ def test_each_shared_engine_books_residency_in_the_mode_it_was_given(engine: Eng
     deferred = _wait_for(hybrid_engine, lambda t: _sample(t, "kvhint_residency_deferred_total") > 0)
     assert _sample(deferred, "kvhint_residency_deferred_total") > 0
     assert _sample(deferred, "kvhint_residency_bookkeeping_errors_total") == 0
+    # The settler's young collections are exported (how many depends on the garbage so far).
+    assert re.search(r"^kvhint_settler_young_collections_total ", deferred, re.M)
     inline = _wait_for(engine, lambda t: "kvhint_residency_journal_pending" in t)
     assert "kvhint_residency_journal_pending" in inline
     assert _sample(inline, "kvhint_residency_deferred_total") == 0
+    assert _sample(inline, "kvhint_settler_young_collections_total") == 0  # no settler inline
