@@ -38,9 +38,9 @@ live on, a few hundred container objects per step at GPU scale. Each one
 counts toward CPython's young-generation threshold, and the collection
 that crosses it runs on whichever thread allocates next: mostly the engine
 thread, in the middle of a step (a young collection there costs
-milliseconds, because vLLM's live requests are young too). So after the
-settler drains the journal, while the engine is not in a step, it runs the
-young collection itself once the count has reached a fifth of the
+milliseconds, because vLLM's live requests are young too). So once new
+entries have been settled (by the settler or by an exclusive section) and
+the engine is not in a step, the settler runs the young collection itself once the count has reached a fifth of the
 threshold (`collect_young`): the garbage its own work made is collected
 off the engine thread, in smaller and cheaper collections. A collection
 that would reach the oldest generation is left to CPython's own trigger
@@ -162,8 +162,8 @@ class ResidencyJournal:
         YOUNG_COLLECT_FRACTION of the threshold: generation 0, or 1 when that one
         is due as well (as CPython's own trigger would). Nothing when the
         collector is disabled, or when the collection would reach the oldest
-        generation. Returns whether it collected. The settler calls it after
-        draining the journal, outside the engine's steps (see "Garbage")."""
+        generation. Returns whether it collected. The settler calls it once new
+        entries have been settled, outside the engine's steps (see "Garbage")."""
         if not gc.isenabled():
             return False
         t0, t1, t2 = gc.get_threshold()
@@ -193,8 +193,8 @@ class ResidencyJournal:
         `busy()`: the engine thread is inside a scheduler step (schedule() or
         update_from_output()). The settler then waits for the step to end, so it
         works while the engine thread waits on the device, unless BUSY_BACKLOG
-        entries are pending. After draining the journal it runs `collect_young`
-        (outside a step)."""
+        entries are pending. Once the journal is drained (by it or by an exclusive
+        section) after new entries, it runs `collect_young` (outside a step)."""
         if self._deferring:
             return
         self._deferring = True
@@ -204,15 +204,18 @@ class ResidencyJournal:
 
         def loop() -> None:
             stop, entries = self._stop, self._entries
+            booked = self._recorded  # entries recorded when the settler last looked at the collector
             while not stop.wait(interval_s):
-                drained = False
                 while entries and not stop.is_set():
                     if busy is not None and busy() and self.pending() < BUSY_BACKLOG:
                         break  # the engine is stepping: try again next interval
                     self.settle(deadline=time.perf_counter() + chunk_s)
-                    drained = not entries
                     time.sleep(YIELD_S)  # offer the GIL to a waiting engine thread between chunks
-                if drained and not stop.is_set() and (busy is None or not busy()):
+                # Journal drained (by this thread or an exclusive section) since the last look,
+                # and the engine is not in a step: collect the young garbage the entries made.
+                recorded = self._recorded
+                if recorded != booked and not entries and not stop.is_set() and (busy is None or not busy()):
+                    booked = recorded
                     self.collect_young()
 
         self._thread = threading.Thread(target=loop, name="kvhint-settler", daemon=True)

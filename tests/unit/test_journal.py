@@ -226,3 +226,26 @@ def test_the_settler_thread_does_not_collect_while_the_engine_steps(collector) -
     finally:
         journal.stop()
     assert len(kept) == 3_000
+
+
+def test_the_settler_collects_after_a_drain_it_did_not_do(collector) -> None:  # type: ignore[no-untyped-def]
+    """An exclusive section on the engine thread settles the journal itself; the settler still
+    collects the garbage those entries made, at its next look outside a step."""
+    gc, journal = collector, ResidencyJournal()
+    stepping = [True]
+    journal.start(busy=lambda: stepping[0])
+    try:
+        journal.append(lambda: None, ())
+        assert journal.settle() == 1  # as KvHintCore.exclusive() does
+        kept = _young(gc, 3_000)
+        time.sleep(0.05)
+        assert journal.collections == 0  # the engine is stepping
+        stepping[0] = False
+        assert _wait(lambda: journal.collections >= 1)
+        count = journal.collections
+        kept += _young(gc, 3_000)  # garbage that no entry made
+        time.sleep(0.05)
+        assert journal.collections == count  # nothing new recorded: the settler leaves it alone
+    finally:
+        journal.stop()
+    assert len(kept) == 6_000
