@@ -156,7 +156,7 @@ class Side:
         if self.core is not None and self.core.journal.pending():
             t = thread_ns()
             self.core.settle()
-            self.core.journal.collect_young()  # what the settler thread does after draining
+            self.core.journal.collect_young()  # what the settler thread does once entries are settled
             self.settle_ns += thread_ns() - t
 
     def take_settle(self) -> int:

@@ -36,7 +36,7 @@ vLLM's (tests/inproc/test_pool_hooks_stock.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import vllm.v1.core.kv_cache_coordinator as _coordinator_module
@@ -263,12 +263,8 @@ class KvHintKVCacheManager(KVCacheManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # KVCacheManager.__init__ builds exactly one coordinator, which builds the device pool.
-        saved = _coordinator_module.BlockPool
-        _coordinator_module.BlockPool = KvHintBlockPool
-        try:
+        with _rebound(_coordinator_module, "BlockPool", KvHintBlockPool):
             super().__init__(*args, **kwargs)
-        finally:
-            _coordinator_module.BlockPool = saved
         self._kvh = None  # type: ignore[assignment]
 
     def get_computed_blocks(self, request):  # type: ignore[no-untyped-def]
@@ -282,17 +278,22 @@ class KvHintKVCacheManager(KVCacheManager):
 
 
 @contextmanager
-def hooked_construction() -> Iterator[None]:
+def _rebound(module: Any, name: str, value: Any) -> Iterator[None]:
+    """`module.name` is `value` inside the block, its own value again after it (also on error)."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def hooked_construction() -> AbstractContextManager[None]:
     """Inside the block, vLLM's Scheduler builds `KvHintKVCacheManager` (and through it a
     `KvHintBlockPool`) where it would build its own KVCacheManager. Engine thread, around the
     Scheduler's `__init__` only: it rebinds module globals of vLLM's scheduler and coordinator
     modules for that long (construction is single-threaded in EngineCore)."""
-    saved = _scheduler_module.KVCacheManager
-    _scheduler_module.KVCacheManager = KvHintKVCacheManager
-    try:
-        yield
-    finally:
-        _scheduler_module.KVCacheManager = saved
+    return _rebound(_scheduler_module, "KVCacheManager", KvHintKVCacheManager)
 
 
 def install(scheduler: Any, adapter: VllmAdapter) -> KvHintBlockPool:

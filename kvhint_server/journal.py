@@ -40,9 +40,10 @@ that crosses it runs on whichever thread allocates next: mostly the engine
 thread, in the middle of a step (a young collection there costs
 milliseconds, because vLLM's live requests are young too). So once new
 entries have been settled (by the settler or by an exclusive section) and
-the engine is not in a step, the settler runs the young collection itself once the count has reached a fifth of the
-threshold (`collect_young`): the garbage its own work made is collected
-off the engine thread, in smaller and cheaper collections. A collection
+the engine is not in a step, the settler runs the young collection itself
+once the count has reached a fifth of the threshold (`collect_young`):
+the garbage its own work made is collected off the engine thread, in
+smaller and cheaper collections. A collection
 that would reach the oldest generation is left to CPython's own trigger
 (its long-lived heuristic decides those), and a process that disabled the
 collector is left alone (bench.scale_gc_probe measures it, with and
