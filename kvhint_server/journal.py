@@ -34,7 +34,7 @@ Contract (what keeps deferred exactly equivalent to inline):
     cannot keep up).
 
 Garbage: the entries' bookkeeping creates the index nodes and events that
-live on, a few hundred container objects per step at GPU scale. Each one
+live on, container objects for every stored block and every event. Each one
 counts toward CPython's young-generation threshold, and the collection
 that crosses it runs on whichever thread allocates next: mostly the engine
 thread, in the middle of a step (a young collection there costs
