@@ -96,6 +96,15 @@ def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
     runs.append(Run(f"p{mid}_s{most}_deferred", Shape(mid, most, bookkeeping="deferred", **base)))
     runs.append(Run(f"p{mid}_s{most}_async", Shape(mid, most, async_scheduling=True, **base)))  # auto: deferred
     runs.append(Run(f"p{mid}_s{most}_async_inline", Shape(mid, most, async_scheduling=True, bookkeeping="inline", **base)))
+    # Hints under the GPU default (async scheduling, so deferred bookkeeping): grants are in effect
+    # throughout, and deferral goes on (the retention ledger is the engine thread's own).
+    runs.append(Run(f"p{mid}_s{most}_async_hints", Shape(mid, most, async_scheduling=True, hints_per_step=hints, **base)))
+    # Grants in effect and no hint changing (hints in the warm-up only, TTLs past the run), deferred
+    # as above and inline (what deferred bookkeeping fell back to while any grant was in effect).
+    for mode in ("auto", "inline"):
+        runs.append(Run(f"p{mid}_s{most}_async_grants" + ("_inline" if mode == "inline" else ""),
+                        Shape(mid, most, async_scheduling=True, bookkeeping=mode, hints_per_step=hints, hints_in_warmup_only=True,
+                              hint_ttl_steps=10_000, **base)))
     # A GPU-like duty cycle (each step then a device wait with the GIL free), the settler as a real
     # thread: does its work delay the engine thread (wall time) while it books the last step?
     for mode in ("inline", "auto"):

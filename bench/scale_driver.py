@@ -358,6 +358,8 @@ class Pair:
         for _ in range(n):
             turns = wl.arrivals() if arrivals else []
             plans = wl.hints()
+            if self.shape.hints_in_warmup_only and phase != "warmup":
+                plans = []
             if plans and self.sender is not None:
                 self.sender.submit(plans)
             stock_done, kv_done = self._both(lambda side: side.step(turns))

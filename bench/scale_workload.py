@@ -47,6 +47,12 @@ class Shape:
     system_tokens: int = 1024
     first_context_tokens: int = 128
     hints_per_step: int = 0
+    # Hints only in the warm-up steps: the measured steps then run with the grants they left in
+    # effect and no hint changing (the state of an engine that retains paused sessions).
+    hints_in_warmup_only: bool = False
+    # Retention TTLs in steps (Retain 3x this, Pin 1x): long enough, with hints_in_warmup_only,
+    # for the warm-up's grants to outlast the measured steps.
+    hint_ttl_steps: int = 100
     step_seconds: float = 0.02  # simulated GPU step: 50 steps/s (hint rate and TTLs use it)
     seed: int = 0
     # The stock side publishes vLLM's own KV cache events (ZMQ), as a router that follows
@@ -74,6 +80,8 @@ class Shape:
     @property
     def label(self) -> str:
         hints = f", {self.hints_per_step / self.step_seconds:.0f} hints/s" if self.hints_per_step else ""
+        if self.hints_per_step and self.hints_in_warmup_only:
+            hints = f", retention grants in effect (from {self.hints_per_step / self.step_seconds:.0f} hints/s in the warm-up), no hint changing"
         events = ", against stock with vLLM's KV events on" if self.stock_kv_events else ""
         mode = ", async scheduling" if self.async_scheduling else ""
         if self.async_scheduling and not self.deferred:
@@ -210,7 +218,7 @@ class Workload:
         if not n:
             return []
         rng = self._rng
-        ttl = 100 * self.shape.step_seconds
+        ttl = self.shape.hint_ttl_steps * self.shape.step_seconds
         plans = [HintPlan("release", sid) for sid in ended[:n]]
         plans += [HintPlan("retain", sid, ttl_s=3 * ttl, priority=rng.randrange(4)) for sid in finished[: n - len(plans)]]
         while len(plans) < n:

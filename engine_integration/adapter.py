@@ -21,7 +21,13 @@ order on the sidecar's settler thread under the journal's lock (deferred;
 kvhint_server/journal.py). The state those steps change (`_digest`,
 `_resident`, the core's index and events) is read by the engine thread only
 inside `KvHintCore.exclusive()` sections (hints, queries, snapshots), which
-settle the journal first, or while nothing is deferred (tiers attached).
+settle the journal first, or while nothing is deferred (tiers attached). One
+exception: retention expiry re-files an expired grant's blocks through
+`_digest`. Such a block stayed resident from its grant (an exclusive section,
+so its entry was settled) to its expiry (a removal ends the grant), so its
+entry is there. The retention ledger is the engine thread's alone: the hooks
+end a removed block's grants themselves (`KvHintCore.drop_grants`), and no
+`_book_*` step touches the ledger.
 """
 
 from __future__ import annotations
@@ -222,6 +228,19 @@ class VllmAdapter:
                     refile_block(block, view)
         self.pool.kvh_sync_mode()  # the retention order on while anything is retained
 
+    def refile_freed(self, blocks: list[Any]) -> None:
+        """Engine thread, after vLLM freed `blocks` with a grant in effect: file the free cached
+        ones a grant covers by their class. They were in use until now, so none is filed as
+        protected yet, and a block without a grant on its logical block stays where vLLM put
+        it (what re-filing it would do, without the retention view)."""
+        grants, pool = self.core.ledger.grants, self.pool
+        refile_block = pool.kvh_refile_block
+        tail = -8 if self._int_hashes else None  # external(): the digest, or its last 8 bytes
+        for block in blocks:
+            key = block.block_hash  # digest + 4-byte group id
+            if key is not None and block.ref_cnt == 0 and key[:-4][tail:] in grants and block.pool in (None, pool):
+                refile_block(block)
+
     def demote_first(self, hashes: Iterable[bytes]) -> int:
         moved = 0  # logical blocks
         # Chain order in, so the chain's tail ends up at the queue head.
@@ -350,7 +369,9 @@ class VllmAdapter:
         """Hash keys (digest + 4-byte group id) were popped from the pool's map.
         Engine thread: keep the keys that left with their group's last copy (and,
         with several groups, whether any group still holds the logical block), then
-        book the removal through the core's journal."""
+        book the removal through the core's journal. Grants on the logical blocks
+        that stopped being resident end here, on the engine thread that owns the
+        retention ledger (KvHintCore.drop_grants), whichever thread books the rest."""
         cache = vllm_private.cached_block_map(self.pool)
         popped = [key for key in keys if key not in cache]  # else another copy in the same group
         if not popped:
@@ -359,6 +380,9 @@ class VllmAdapter:
         if not self.groups.single:
             suffixes = self._cacheable_suffixes
             anywhere = [any(key[:-4] + suffix in cache for suffix in suffixes) for key in popped]
+        if self.core.ledger.grants:
+            residency, ext_of = self._residency_suffixes, self.external
+            self.core.drop_grants([ext_of(key[:-4]) for key in popped if key[-4:] in residency])
         # The keys go into the journal entry itself (see on_blocks_cached).
         self.core.record(VllmAdapter._book_removed, self, anywhere, cause, *popped)
 
@@ -382,24 +406,26 @@ class VllmAdapter:
         if not gone:
             return
         tiers = self.tiers
-        if tiers is None:
-            self.core.on_removed(gone, tier=Tier.DEVICE, medium=self.pool.medium, cause=cause)
+        if tiers is None:  # (grants: dropped by on_keys_removed)
+            self.core.on_removed(gone, tier=Tier.DEVICE, medium=self.pool.medium, cause=cause, grants_dropped=True)
             return
         tiers.reconcile(gone)  # lower-tier copies the index has not seen yet
         for run, run_cause in tiers.split_removed(gone, cause):  # Demote-reclaimed copies: DEMOTED
             self.core.on_removed(run, tier=Tier.DEVICE, medium=self.pool.medium, cause=run_cause,
-                                 remaining_tiers=tiers.residual_tiers)
+                                 remaining_tiers=tiers.residual_tiers, grants_dropped=True)
 
     def on_pins_broken(self, blocks: list[Any], shortfall: int) -> None:
         # One entry per logical block (a pinned block can have a copy per group).
         hashes = list(dict.fromkeys(self.external(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None))
         log.info("kvhint: breaking %d pinned blocks under memory pressure (shortfall %d)", len(hashes), shortfall)
-        self.core.record(self.core.on_pin_broken, hashes, shortfall)
+        sessions = self.core.drop_grants(hashes)  # engine thread: the ledger is its own
+        self.core.record(self.core.on_pin_broken, hashes, shortfall, sessions)
 
     def on_device_cleared(self) -> None:
+        self.core.clear_grants()  # engine thread, as drop_grants
         self.core.record(self._book_cleared)
 
     def _book_cleared(self) -> None:
         self._digest.clear()
         self._resident.clear()
-        self.core.on_cleared(Tier.DEVICE)
+        self.core.on_cleared(Tier.DEVICE, grants_dropped=True)

@@ -113,7 +113,9 @@ class KvHintBlockPool(BlockPool):
         if not self._kvh_retaining:
             return _maybe_evict(self, block)
         protected = self._kvh_protected
-        if protected.count and protected.remove(block):
+        # Inside get_new_blocks (pending is a list) the block came off the free queue, which
+        # holds no protected block: only other callers (connector invalidation) need the check.
+        if protected.count and self._kvh_pending is None and protected.remove(block):
             # A protected free block losing its hash (connector invalidation):
             # it is an ordinary free block again.
             self.free_block_queue.prepend_n([block])
@@ -197,9 +199,7 @@ class KvHintBlockPool(BlockPool):
             return
         blocks = list(ordered_blocks)
         _free_blocks(self, blocks)
-        for block in blocks:
-            if block.ref_cnt == 0 and block.block_hash is not None and block.pool in (None, self):
-                self.kvh_refile_block(block)
+        self._kvh.refile_freed(blocks)
 
     # ------------------------------------------------------------ used by the adapter
 

@@ -129,7 +129,7 @@ class ServerConfig:
     # those see every change); "auto" deferred under vLLM's async scheduling
     # (the GPU default, where the engine thread waits on the device while the
     # settler runs) and inline otherwise. Deferred falls back to inline while
-    # retention grants are in effect or lower tiers are attached.
+    # lower tiers are attached.
     residency_bookkeeping: str = "auto"
 
     @classmethod

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from functools import partial
@@ -211,11 +211,13 @@ class KvHintCore:
     def record(self, fn: Callable[..., object], *args: object) -> None:
         """Engine thread: book a residency change, `fn(*args)` (one of the
         `on_*` hooks below, or an adapter's step that reads the index first).
-        Deferred to the journal's settler when it runs, no retention grant is
-        in effect and no exclusive section is open; otherwise now, after
-        everything journaled before it. See journal.py."""
+        Deferred to the journal's settler when it runs and no exclusive
+        section is open; otherwise now, after everything journaled before it.
+        The entries never touch the retention ledger (the engine thread's: a
+        removal's grants end in `drop_grants`, before it is recorded), so
+        deferral goes on while grants are in effect. See journal.py."""
         journal = self.journal
-        if journal.deferring and not self._exclusive and not self.ledger.grants:
+        if journal.deferring and not self._exclusive:
             journal.append(fn, args)
         else:
             journal.run(fn, args)
@@ -245,9 +247,9 @@ class KvHintCore:
         tasks for at most config.step_apply_budget_ms (at least one), then
         slices for at most SLICE_BUDGET_S. Asks for another wakeup when work
         is left."""
-        if self.ledger.grants:
-            with self.exclusive():
-                self.expire_retention()
+        # The ledger and the pool's filing are the engine thread's alone (journal entries
+        # touch neither), so expiry needs no exclusive section (which would settle the journal).
+        self.expire_retention()
         if not (self._tasks or self._slices):
             return
         with self.exclusive():
@@ -300,6 +302,28 @@ class KvHintCore:
 
     def retention(self, h: bytes) -> RetentionView:
         return self.ledger.view(h, self.monotonic())
+
+    def drop_grants(self, hashes: Iterable[bytes]) -> list[str]:
+        """Engine thread, where the blocks' last device copies left (before the removal is
+        recorded): their retention grants end now, whether the removal's bookkeeping runs
+        inline or deferred. Returns the sessions of the grants' owners, first seen first.
+        Pass `grants_dropped=True` to the `on_removed` / `on_pin_broken` / `on_cleared`
+        that books the same change."""
+        ledger = self.ledger
+        sessions: list[str] = []
+        if not ledger.grants:
+            return sessions
+        for h in hashes:
+            for owner in ledger.drop_block(h):
+                s = session_of_owner(owner)
+                if s is not None and s not in sessions:
+                    sessions.append(s)
+        return sessions
+
+    def clear_grants(self) -> None:
+        """Engine thread: the device cache was cleared; every grant ends now (see
+        `drop_grants`; book it with `on_cleared(Tier.DEVICE, grants_dropped=True)`)."""
+        self.ledger = RetentionLedger(self.ledger.pin_budget_blocks)
 
     def on_stored(
         self,
@@ -365,15 +389,18 @@ class KvHintCore:
         medium: str,
         cause: RemovalCause,
         remaining_tiers: Callable[[bytes], int] | None = None,
+        grants_dropped: bool = False,
     ) -> None:
         """The last copy on `tier` of each block is gone. Publishes one
-        BlocksRemoved per run of blocks with the same admitting coordinates."""
+        BlocksRemoved per run of blocks with the same admitting coordinates.
+        Device blocks' grants end here unless `grants_dropped` (the engine
+        thread ended them already: `drop_grants`)."""
         if not hashes:
             return
         block_size = self.info.block_size
         ledger = self.ledger
         # Removals only drop grants (none are added meanwhile), so the check holds for the batch.
-        drop_grants = ledger.drop_block if tier is Tier.DEVICE and ledger.grants else None
+        drop_grants = ledger.drop_block if tier is Tier.DEVICE and not grants_dropped and ledger.grants else None
         nodes = self.index.nodes
         mark_removed = self.index.mark_removed
         resident = self.resident[tier]
@@ -414,21 +441,19 @@ class KvHintCore:
                 tier=tier,
             )
 
-    def on_cleared(self, tier: Tier) -> None:
+    def on_cleared(self, tier: Tier, grants_dropped: bool = False) -> None:
         self.resident[tier].clear()
         sessions = self.index.clear_tier(tier)
-        if tier is Tier.DEVICE:
-            self.ledger = RetentionLedger(self.ledger.pin_budget_blocks)
+        if tier is Tier.DEVICE and not grants_dropped:
+            self.clear_grants()
         self.bus.publish(AllBlocksCleared(tier), sessions=sorted(sessions), tier=tier)
 
-    def on_pin_broken(self, hashes: Sequence[bytes], shortfall_blocks: int) -> None:
-        """Pinned blocks are about to be evicted to serve an allocation."""
-        sessions: list[str] = []
-        for h in hashes:
-            for owner in self.ledger.drop_block(h):
-                s = session_of_owner(owner)
-                if s is not None and s not in sessions:
-                    sessions.append(s)
+    def on_pin_broken(self, hashes: Sequence[bytes], shortfall_blocks: int, sessions: Sequence[str] | None = None) -> None:
+        """Pinned blocks are about to be evicted to serve an allocation. Their grants end here,
+        unless the engine thread ended them already and passes the owners' `sessions`
+        (`drop_grants`)."""
+        if sessions is None:
+            sessions = self.drop_grants(hashes)
         self.bus.publish(PinBroken(tuple(hashes), tuple(sessions), shortfall_blocks), sessions=sessions)
 
     def on_transfer(

@@ -26,9 +26,12 @@ Contract (what keeps deferred exactly equivalent to inline):
     in the same order with the same contents; only their timestamps (and
     the moment a WatchEvents subscriber receives them) move, by at most the
     settle interval plus one chunk;
-  * the decision to defer is the core's (`KvHintCore.record`): never while
-    retention grants are in effect (the free-block filing reads them
-    synchronously) or inside an exclusive section;
+  * the decision to defer is the core's (`KvHintCore.record`): never inside
+    an exclusive section. Retention grants do not stop it: the ledger, which
+    the free-block filing reads synchronously, is the engine thread's, and no
+    entry touches it. A removed block's grants end on the engine thread when
+    it leaves (`KvHintCore.drop_grants`), before the removal is recorded, so
+    filing and expiry see what inline bookkeeping would show them;
   * the journal is bounded: past `max_entries` the engine thread settles it
     itself (back-pressure instead of unbounded memory when the settler
     cannot keep up).
@@ -87,8 +90,9 @@ BUSY_BACKLOG = 4_096
 class ResidencyJournal:
     def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
         # Guards the engine-side state the entries change (the core's index,
-        # published residency, ledger and event order). Re-entrant: an
-        # exclusive section may record inline entries.
+        # published residency and event order; not the retention ledger, which
+        # no entry touches). Re-entrant: an exclusive section may record inline
+        # entries.
         self.lock = threading.RLock()
         self.max_entries = max_entries
         # fn, len(args), *args per entry (see "Storage" above).

@@ -15,7 +15,8 @@ from bench.scale_report import read_units
 from bench.scale_workload import Shape, Turn, tokens
 
 RUNS = ("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_hints", "p2048_s200_hints", "p8192_s200_vs_events", "p8192_s200_deferred",
-        "p8192_s200_async", "p8192_s200_async_inline", "p8192_s200_async_inline_wait", "p8192_s200_async_auto_wait",
+        "p8192_s200_async", "p8192_s200_async_inline", "p8192_s200_async_hints",
+        "p8192_s200_async_grants", "p8192_s200_async_grants_inline", "p8192_s200_async_inline_wait", "p8192_s200_async_auto_wait",
         "aa_p8192_s200")
 
 
@@ -54,10 +55,19 @@ def test_deferred_runs_settle_outside_the_step_and_book_what_inline_books(out: P
         return [u for u in read_units(out / runs[name]["units_csv"]) if u["phase"] == "steady"]
 
     # Deferred, settled by the driver: its CPU is recorded apart from the step's.
-    for name in ("p8192_s200_deferred", "p8192_s200_async"):
+    # (the hinted one with retention grants in effect throughout: deferral goes on)
+    for name in ("p8192_s200_deferred", "p8192_s200_async", "p8192_s200_async_hints"):
         assert all(u["kv_settle_ns"] > 0 for u in steady(name) if u["admitted"] or u["evicted"]), name
     for name in ("p8192_s200", "p8192_s200_async_inline", "p8192_s200_async_auto_wait"):  # inline, or the settler thread
         assert all(u["kv_settle_ns"] == 0 for u in steady(name)), name
+    # Grants in effect through the measured steps, no hint among them: deferred goes on deferring,
+    # its inline twin books in the step.
+    for name in ("p8192_s200_async_grants", "p8192_s200_async_grants_inline"):
+        assert runs[name]["memory"]["retained_blocks"] > 0, name
+        assert sum(u["hints"] for u in steady(name)) == 0 and any(u["hints"] for u in read_units(out / runs[name]["units_csv"])
+                                                                if u["phase"] == "warmup"), name
+    assert all(u["kv_settle_ns"] > 0 for u in steady("p8192_s200_async_grants") if u["admitted"] or u["evicted"])
+    assert all(u["kv_settle_ns"] == 0 for u in steady("p8192_s200_async_grants_inline"))
     waited = steady("p8192_s200_async_auto_wait")  # wall time recorded next to CPU time, on both sides
     assert sum(u["kv_wall_ns"] for u in waited) >= sum(u["kv_ns"] for u in waited) > 0
     assert sum(u["stock_wall_ns"] for u in waited) >= sum(u["stock_ns"] for u in waited) > 0
@@ -99,7 +109,9 @@ def test_the_workload_churns_a_full_pool_and_quiet_steps_change_nothing(out: Pat
 def test_hints_are_applied_at_the_configured_rate(out: Path) -> None:
     raw = json.loads((out / "raw.json").read_text())
     hinted = [r for r in raw["runs"] if r["shape"]["hints_per_step"]]
-    assert len(hinted) == 2  # the middle pool and the smallest
+    # the middle pool and the smallest; the middle pool under async scheduling; and the two runs
+    # that send hints in the warm-up only
+    assert len(hinted) == 5
     for run in hinted:
         batches = run["hint_batches"]
         assert batches and all(b["hints"] == run["shape"]["hints_per_step"] for b in batches)

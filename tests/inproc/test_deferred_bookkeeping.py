@@ -7,7 +7,8 @@ scheduler and block pool (no model).
   cached blocks, on dense and hybrid pools.
 - With the settler thread running (what `auto` starts under async scheduling), events reach the
   bus without anyone settling, and a query right after a step sees that step's blocks.
-- While a retention grant is in effect, nothing is deferred.
+- While a retention grant is in effect, bookkeeping is still deferred; the grants of blocks that
+  leave the pool end on the engine thread at once.
 """
 
 from __future__ import annotations
@@ -99,12 +100,27 @@ def test_the_settler_thread_publishes_and_queries_see_every_change() -> None:
         assert core.journal.errors == 0
 
 
-def test_nothing_is_deferred_while_a_grant_is_in_effect() -> None:
+def test_bookkeeping_stays_deferred_while_a_grant_is_in_effect_and_grants_end_with_their_blocks() -> None:
+    """The retention ledger is the engine thread's: with a grant in effect, residency changes are
+    still journaled, and a granted block that leaves the pool loses its grant at once, before
+    its removal is booked."""
     with _scheduler(True) as (sched, client):
         core = sched.kvhint_core
         _serve(sched, list(range(100, 100 + 4 * BLOCK + 3)), "a", "sess-a")
         assert core.journal.pending() > 0  # deferred, not yet settled
         inproc.on_engine_thread(sched, lambda: client.apply(session("sess-a").retain(ttl=300, hint_id="r")))
-        assert core.journal.pending() == 0 and core.ledger.grants  # the hint settled the journal first
+        assert core.journal.pending() == 0  # the hint settled the journal first
+        granted = set(core.ledger.grants)
+        assert len(granted) == 4
         _serve(sched, list(range(900, 900 + 4 * BLOCK + 3)), "b", "sess-b")
-        assert core.journal.pending() == 0  # booked inline: the free-block filing reads the grants
+        assert core.journal.pending() > 0  # still deferred with the grant in effect
+        # Pressure: two prompts of the whole pool's size reclaim the retained blocks as well.
+        for i in range(2):
+            _serve(sched, list(range(5000 + 1000 * i, 5000 + 1000 * i + (POOL - 2) * BLOCK)), f"c{i}", f"sess-c{i}")
+        assert core.journal.pending() > 0
+        assert not granted & set(core.ledger.grants)  # ended on the engine thread, unsettled
+        core.settle()
+        removed = {h for e in core.bus.read_after(0, 10_000) or [] if type(e.payload).__name__ == "BlocksRemoved"
+                   for h in e.payload.block_hashes}
+        assert granted <= removed  # and booked, in order, by the settle
+        assert core.journal.errors == 0

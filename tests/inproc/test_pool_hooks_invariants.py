@@ -36,7 +36,8 @@ hint = st.tuples(
     st.sampled_from([5.0, 30.0]),  # ttl
 )
 tick = st.tuples(st.just("tick"), st.sampled_from([1.0, 10.0, 40.0]))
-operations = st.lists(st.one_of(admit, admit, free, decode, pressure, hint, hint, tick), min_size=1, max_size=40)
+invalidate = st.tuples(st.just("invalidate"), st.integers(0, 19))  # a KV connector drops a block's hash
+operations = st.lists(st.one_of(admit, admit, free, decode, pressure, hint, hint, tick, invalidate), min_size=1, max_size=40)
 
 
 def check_filing(cache: Cache) -> None:
@@ -112,5 +113,7 @@ def test_free_blocks_are_filed_by_their_retention_class(ops):
             apply_hint(cache, *op[1:])
         elif kind == "tick":
             cache.clock.advance(op[1])
+        elif kind == "invalidate":  # vLLM's BlockPool.evict_blocks: a free (maybe protected) or in-use block
+            cache.pool.evict_blocks({op[1] % cache.pool.num_gpu_blocks})
         cache.core.run_pending()
         check_filing(cache)

@@ -109,6 +109,22 @@ def test_a_retained_chain_outlives_ordinary_blocks_freed_after_it(cache):
     assert all(cache.is_cached(h) for h in cache.chain(kept))
 
 
+@pytest.mark.parametrize("grant", [retain, pin])
+def test_a_protected_block_a_connector_invalidates_is_an_ordinary_free_block_again(cache, grant):
+    """vLLM's `BlockPool.evict_blocks` (a KV connector invalidating blocks) drops the hash of a
+    protected free block: it leaves the protected classes for the free queue's head, still free."""
+    kept = cache.run("kept", tokens(0, 3 * BLOCK_SIZE), "keep")
+    [result] = cache.apply(grant(session("keep")))
+    assert result.outcome is Outcome.ACCEPTED and len(cache.filed()) == 3
+    free_before = cache.pool.get_num_free_blocks()
+    victim = kept.block_ids[1]
+    cache.pool.evict_blocks({victim})
+    assert victim not in cache.filed() and len(cache.filed()) == 2
+    assert cache.free_queue()[0] == victim
+    assert cache.pool.get_num_free_blocks() == free_before
+    assert cache.pool.blocks[victim].block_hash is None
+
+
 # ---------------------------------------------------------------- refile on grant, release, expiry
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvhint_server.config import ConfigError, ServerConfig
 from kvhint_server.core import KvHintCore
 from kvhint_server.journal import ResidencyJournal
+from kvhint_server.model import RemovalCause, Tier
 
 
 def _wait(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
@@ -104,7 +105,7 @@ def test_the_settler_waits_for_a_section_holding_the_lock() -> None:
         journal.stop()
 
 
-def test_core_defers_only_when_the_settler_runs_and_no_grant_or_section_is_open() -> None:
+def test_core_defers_only_when_the_settler_runs_and_no_section_is_open() -> None:
     core = KvHintCore(ServerConfig())
     seen: list[int] = []  # what an adapter's booking steps booked, in order
     core.record(seen.append, 1)
@@ -117,13 +118,37 @@ def test_core_defers_only_when_the_settler_runs_and_no_grant_or_section_is_open(
         core.record(seen.append, 3)  # inside a section: inline
         assert seen == [1, 2, 3]
     core.ledger.grants["owner"] = object()  # type: ignore[index,assignment]  # a grant in effect
-    core.record(seen.append, 4)
-    assert seen == [1, 2, 3, 4] and core.journal.pending() == 0
+    core.record(seen.append, 4)  # still deferred: entries never touch the ledger
+    assert seen == [1, 2, 3] and core.journal.pending() == 1
     core.ledger.grants.clear()
     core.record(seen.append, 5)
-    assert core.journal.pending() == 1
+    assert core.journal.pending() == 2
     core.stop()  # stopping the core settles the journal
     assert seen == [1, 2, 3, 4, 5]
+
+
+def test_grants_end_on_the_calling_thread_and_the_booking_leaves_the_ledger_alone(harness) -> None:  # type: ignore[no-untyped-def]
+    """`drop_grants` ends a removed block's grants at once; `on_removed(grants_dropped=True)`
+    and `on_cleared(..., grants_dropped=True)`, which a journal entry may run later on another
+    thread, do not touch the ledger (which the engine thread may have changed since)."""
+    core = harness.core
+
+    def steps() -> None:
+        now = core.monotonic()
+        core.ledger.grant("s:s", [b"a", b"b"], pinned=False, priority=0, deadline=now + 60, expires_at=now + 60)
+        assert core.drop_grants([b"a", b"x"]) == ["s"]
+        assert set(core.ledger.grants) == {b"b"}
+        core.on_removed([b"b"], tier=Tier.DEVICE, medium="GPU", cause=RemovalCause.EVICTED, grants_dropped=True)
+        assert set(core.ledger.grants) == {b"b"}  # left alone
+        core.on_removed([b"b"], tier=Tier.DEVICE, medium="GPU", cause=RemovalCause.EVICTED)
+        assert not core.ledger.grants  # an engine that books inline lets on_removed end them
+        core.ledger.grant("s:s", [b"c"], pinned=True, priority=0, deadline=now + 60, expires_at=now + 60)
+        core.on_cleared(Tier.DEVICE, grants_dropped=True)
+        assert set(core.ledger.grants) == {b"c"}
+        core.clear_grants()
+        assert not core.ledger.grants
+
+    harness.engine.run(steps)
 
 
 def test_the_bookkeeping_setting_is_checked() -> None:
@@ -144,10 +169,16 @@ def collector() -> object:
     saved, enabled = gc.get_threshold(), gc.isenabled()
     gc.set_threshold(10_000, 10, 10)
     gc.enable()
+    # The heap so far (vLLM's, the test session's) leaves the generations for the test, so the
+    # collection that zeroes every generation's count is quick; it is given back afterwards.
+    frozen_before = gc.get_freeze_count()
+    gc.freeze()
     gc.collect()
     try:
         yield gc
     finally:
+        if not frozen_before:
+            gc.unfreeze()
         gc.set_threshold(*saved)
         if not enabled:
             gc.disable()
