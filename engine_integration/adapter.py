@@ -233,12 +233,11 @@ class VllmAdapter:
         ones a grant covers by their class. They were in use until now, so none is filed as
         protected yet, and a block without a grant on its logical block stays where vLLM put
         it (what re-filing it would do, without the retention view)."""
-        grants, pool = self.core.ledger.grants, self.pool
+        grants, pool, ext = self.core.ledger.grants, self.pool, self.external
         refile_block = pool.kvh_refile_block
-        tail = -8 if self._int_hashes else None  # external(): the digest, or its last 8 bytes
         for block in blocks:
             key = block.block_hash  # digest + 4-byte group id
-            if key is not None and block.ref_cnt == 0 and key[:-4][tail:] in grants and block.pool in (None, pool):
+            if key is not None and block.ref_cnt == 0 and ext(key[:-4]) in grants and block.pool in (None, pool):
                 refile_block(block)
 
     def demote_first(self, hashes: Iterable[bytes]) -> int:

@@ -397,10 +397,9 @@ class KvHintCore:
         thread ended them already: `drop_grants`)."""
         if not hashes:
             return
+        if tier is Tier.DEVICE and not grants_dropped:
+            self.drop_grants(hashes)
         block_size = self.info.block_size
-        ledger = self.ledger
-        # Removals only drop grants (none are added meanwhile), so the check holds for the batch.
-        drop_grants = ledger.drop_block if tier is Tier.DEVICE and not grants_dropped and ledger.grants else None
         nodes = self.index.nodes
         mark_removed = self.index.mark_removed
         resident = self.resident[tier]
@@ -413,8 +412,6 @@ class KvHintCore:
         run_tokens: list[int] = []
         for h in hashes:
             removal = mark_removed(h, tier) if h in nodes else None
-            if drop_grants is not None:
-                drop_grants(h)
             if removal is None:
                 key: object = remaining_tiers(h) == 0 if remaining_tiers else True
                 tokens = 0
