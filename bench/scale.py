@@ -75,9 +75,9 @@ class Run:
 def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
     """The runs: pools at the most sessions, sessions at the middle pool, hints, A/A."""
     if quick:
-        base: dict[str, Any] = dict(steps=12, warmup_steps=4, quiet_rounds=2, system_tokens=256, first_context_tokens=64,
+        base: dict[str, Any] = dict(steps=12, warmup_steps=4, quiet_rounds=1, system_tokens=256, first_context_tokens=64,
                                     max_tokens=16, arrivals_per_step=4, max_model_len=1024, max_num_seqs=64)
-        pools, sessions, mid, hints, sweep, event_steps, event_count = (2048, 8192), (50, 200), 8192, 10, (1, 16, 64), 10, 2000
+        pools, sessions, mid, hints, sweep, event_steps, event_count = (1024, 4096), (50, 200), 4096, 10, (1, 16, 64), 10, 2000
         wait = 0.005
     else:
         base = dict(steps=200, quiet_rounds=20)
@@ -112,7 +112,7 @@ def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
                                                                    settler_thread=True, gpu_wait_s=wait, **base)))
     runs.append(Run(f"aa_p{mid}_s{most}", Shape(mid, most, **base), aa=True))
     return runs, {"sweep": sweep, "event_steps": event_steps, "event_count": event_count, "attribution_steps": 6 if quick else 60,
-                  "gc_repeats": 1 if quick else 3,
+                  "gc_repeats": 1 if quick else 3, "collect": not quick,
                   "owners": (1, 10, 50) if quick else (1, 10, 100, 1000)}
 
 
@@ -121,7 +121,7 @@ def execute(run: Run, extras: dict[str, Any], out_dir: Path, raw: dict[str, Any]
     from .scale_probes import apply_sweep, attribution, event_bus, memory, quiet_lines, shared_sweep
 
     t0 = time.monotonic()
-    pair = Pair(run.shape, aa=run.aa)
+    pair = Pair(run.shape, aa=run.aa, collect=extras["collect"])
     try:
         fill = pair.run()
         entry: dict[str, Any] = {

@@ -294,9 +294,15 @@ class SimClock:
 class Pair:
     """A stock side and a KvHint (or, for A/A, a second stock) side fed the same workload."""
 
-    def __init__(self, shape: Shape, aa: bool = False, sample: Callable[[str, int], int] | None = None) -> None:
+    def __init__(self, shape: Shape, aa: bool = False, sample: Callable[[str, int], int] | None = None,
+                 collect: bool = True) -> None:
         self.shape = shape
         self.aa = aa
+        # Collect before freezing (fill_and_freeze). Off only where timings are not the point
+        # (`bench.scale --quick`, for tests): earlier pairs' garbage is then frozen with the heap
+        # instead of freed, and each full collection of this heap costs a noticeable fraction
+        # of a second.
+        self.collect = collect
         self.stock = Side(shape, False, "stock", kv_events=shape.stock_kv_events)
         self.kv = Side(shape, not aa, "stock-b" if aa else "kvhint")
         self.rng = random.Random(shape.seed + 1)
@@ -397,7 +403,8 @@ class Pair:
         """`fill()`, then freeze the heap as EngineCore does after start-up: the pool's objects
         leave the GC's young generations. Returns what was admitted."""
         fill = self.fill()
-        gc.collect()
+        if self.collect:
+            gc.collect()
         gc.freeze()
         return fill
 

@@ -493,7 +493,7 @@ def simulate_infinite(bt: BlockTrace) -> SimResult:
 # --------------------------------------------------------------------------- hint-aware
 
 
-@dataclass
+@dataclass(frozen=True)
 class _HintState:
     kind: str  # "pin" | "retain"
     deadline: float = math.inf
@@ -521,6 +521,10 @@ class HintedPool:
         self.pins: dict[Target, _HintState] = {}
         self.retains: dict[Target, _HintState] = {}
         self.released: set[str] = set()
+        # `_protection()`'s last result, reused while no hint changed (`_hints_version`) and no
+        # hint it counted has expired: (version, computed at, valid before, result).
+        self._hints_version = 0
+        self._protection_cache: tuple[int, float, float, Any] | None = None
         self.stats = {"pins": 0, "pins_clipped_blocks": 0, "pins_broken": 0, "retains": 0, "releases": 0, "demotes": 0}
 
     # ---- hints
@@ -543,6 +547,7 @@ class HintedPool:
 
     def apply(self, a: Action, t: float) -> None:
         self.now = max(self.now, t)
+        self._hints_version += 1
         tgt = a.target
         if isinstance(a, Pin):
             self.stats["pins"] += 1
@@ -588,22 +593,30 @@ class HintedPool:
     # ---- eviction order
     def _protection(self) -> tuple[set[int], dict[int, int], dict[int, float]]:
         """(pinned blocks, retained block -> highest priority, block -> earliest expected reuse)
-        of the unexpired hints."""
+        of the unexpired hints. Callers only read the result."""
         now = self.now
+        cached = self._protection_cache
+        if cached is not None and cached[0] == self._hints_version and cached[1] <= now < cached[2]:
+            return cached[3]
         pinned: set[int] = set()
         retained: dict[int, int] = {}
         reuse: dict[int, float] = {}  # block -> earliest expected reuse among its unexpired hints
+        valid_before = math.inf  # the first deadline among the hints counted
         for st in self.pins.values():
             if st.deadline > now:
                 pinned |= st.hashes
                 _note_reuse(reuse, st)
+                valid_before = min(valid_before, st.deadline)
         for st in self.retains.values():
             if st.deadline > now:
                 for h in st.hashes:
                     if retained.get(h, -(10**9)) < st.priority:
                         retained[h] = st.priority
                 _note_reuse(reuse, st)
-        return pinned, retained, reuse
+                valid_before = min(valid_before, st.deadline)
+        result = (pinned, retained, reuse)
+        self._protection_cache = (self._hints_version, now, valid_before, result)
+        return result
 
     def host_order(self, blocks: list[int]) -> list[int]:
         """The host tier's eviction order when it honours retention (`HostTier.order`; the
@@ -627,27 +640,39 @@ class HintedPool:
         return [h for _, h in keyed]
 
     def choose(self, pool: BlockPoolModel, n: int, req: BlockRequest) -> list[int]:
+        """The `n` free blocks to evict: by class (unhashed, released, ordinary, retained,
+        pinned), LRU (free-list position) within the first three, and by priority then
+        `_reuse_order` then position within the protected two."""
         now = self.now
         pinned, retained, reuse = self._protection()
-        rel = self.released
-        keyed = []
+        rel, demoted, owners_of, block_hash = self.released, self.demoted, self.owners, pool.block_hash
+        gone = rel or demoted  # else no session is released or demoted: no owner check
+        unhashed: list[int] = []
+        released: list[int] = []
+        ordinary: list[int] = []
+        protected: list[tuple[tuple[Any, ...], int]] = []
         for pos, b in enumerate(pool.free):
-            h = pool.block_hash[b]
+            h = block_hash[b]
             if h is None:
-                key: tuple[Any, ...] = (self.T_UNHASHED, 0, 0, 0.0, pos)
+                unhashed.append(b)
+                if len(unhashed) == n:  # the first n in LRU order go before anything else
+                    break
             elif h in pinned or h in retained:
-                order = _reuse_order(reuse.get(h), now)
                 cls = (self.T_PINNED, 0) if h in pinned else (self.T_RETAINED, retained[h])
-                key = (*cls, *order, pos)
+                protected.append(((*cls, *_reuse_order(reuse.get(h), now), pos), b))
             else:
-                owners = self.owners.get(h, ())
-                released = bool(owners) and all(o in rel or o in self.demoted for o in owners)
-                key = (self.T_RELEASED if released else self.T_ORDINARY, 0, 0, 0.0, pos)
-            keyed.append((key, b))
-        keyed.sort(key=lambda kb: kb[0])
-        chosen = keyed[:n]
-        self.stats["pins_broken"] += sum(1 for k, _ in chosen if k[0] == self.T_PINNED)
-        return [b for _, b in chosen]
+                owners = owners_of.get(h) if gone else None
+                if owners and all(o in rel or o in demoted for o in owners):
+                    released.append(b)
+                else:
+                    ordinary.append(b)
+        chosen = (unhashed + released + ordinary)[:n]
+        if len(chosen) < n:
+            protected.sort(key=lambda kb: kb[0])
+            taken = protected[: n - len(chosen)]
+            self.stats["pins_broken"] += sum(1 for k, _ in taken if k[0] == self.T_PINNED)
+            chosen += [b for _, b in taken]
+        return chosen
 
     def run_request(self, req: BlockRequest) -> tuple[int, int]:
         self.now = max(self.now, req.t)

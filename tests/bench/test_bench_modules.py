@@ -10,6 +10,7 @@ names its importers used before the split.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -38,8 +39,10 @@ def bench_imports(path: Path) -> set[str]:
     return out
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
-    """Every module of bench/ -> the bench modules it imports."""
+    """Every module of bench/ -> the bench modules it imports (parsed once per test session:
+    callers only read it)."""
     return {p.stem: bench_imports(p) for p in sorted(BENCH.glob("*.py")) if p.stem != "__init__"}
 
 

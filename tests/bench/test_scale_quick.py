@@ -14,10 +14,10 @@ from bench.scale_driver import Side
 from bench.scale_report import read_units
 from bench.scale_workload import Shape, Turn, tokens
 
-RUNS = ("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_hints", "p2048_s200_hints", "p8192_s200_vs_events", "p8192_s200_deferred",
-        "p8192_s200_async", "p8192_s200_async_inline", "p8192_s200_async_hints",
-        "p8192_s200_async_grants", "p8192_s200_async_grants_inline", "p8192_s200_async_inline_wait", "p8192_s200_async_auto_wait",
-        "aa_p8192_s200")
+RUNS = ("p1024_s200", "p4096_s200", "p4096_s50", "p4096_s200_hints", "p1024_s200_hints", "p4096_s200_vs_events", "p4096_s200_deferred",
+        "p4096_s200_async", "p4096_s200_async_inline", "p4096_s200_async_hints",
+        "p4096_s200_async_grants", "p4096_s200_async_grants_inline", "p4096_s200_async_inline_wait", "p4096_s200_async_auto_wait",
+        "aa_p4096_s200")
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,8 @@ def test_every_run_writes_its_units_and_the_report_its_sections(out: Path) -> No
         phases = {u["phase"] for u in read_units(out / run["units_csv"])}
         assert {"fill", "steady", "quiet"} <= phases, run["name"]
     classes = {r["name"]: r["schedulers"] for r in raw["runs"]}
-    assert classes["p8192_s200_async"] == ["AsyncScheduler", "KvHintAsyncScheduler"]
-    assert classes["p8192_s200"] == ["Scheduler", "KvHintScheduler"]
+    assert classes["p4096_s200_async"] == ["AsyncScheduler", "KvHintAsyncScheduler"]
+    assert classes["p4096_s200"] == ["Scheduler", "KvHintScheduler"]
     text = (out / "RESULTS.md").read_text()
     for section in ("## Scheduler CPU per step", "## Costs per block", "## Memory of the KvHint structures",
                     "## ApplyHints apply time", "## Event bus", "## Targets"):
@@ -56,24 +56,24 @@ def test_deferred_runs_settle_outside_the_step_and_book_what_inline_books(out: P
 
     # Deferred, settled by the driver: its CPU is recorded apart from the step's.
     # (the hinted one with retention grants in effect throughout: deferral goes on)
-    for name in ("p8192_s200_deferred", "p8192_s200_async", "p8192_s200_async_hints"):
+    for name in ("p4096_s200_deferred", "p4096_s200_async", "p4096_s200_async_hints"):
         assert all(u["kv_settle_ns"] > 0 for u in steady(name) if u["admitted"] or u["evicted"]), name
-    for name in ("p8192_s200", "p8192_s200_async_inline", "p8192_s200_async_auto_wait"):  # inline, or the settler thread
+    for name in ("p4096_s200", "p4096_s200_async_inline", "p4096_s200_async_auto_wait"):  # inline, or the settler thread
         assert all(u["kv_settle_ns"] == 0 for u in steady(name)), name
     # Grants in effect through the measured steps, no hint among them: deferred goes on deferring,
     # its inline twin books in the step.
-    for name in ("p8192_s200_async_grants", "p8192_s200_async_grants_inline"):
+    for name in ("p4096_s200_async_grants", "p4096_s200_async_grants_inline"):
         assert runs[name]["memory"]["retained_blocks"] > 0, name
         assert sum(u["hints"] for u in steady(name)) == 0 and any(u["hints"] for u in read_units(out / runs[name]["units_csv"])
                                                                 if u["phase"] == "warmup"), name
-    assert all(u["kv_settle_ns"] > 0 for u in steady("p8192_s200_async_grants") if u["admitted"] or u["evicted"])
-    assert all(u["kv_settle_ns"] == 0 for u in steady("p8192_s200_async_grants_inline"))
-    waited = steady("p8192_s200_async_auto_wait")  # wall time recorded next to CPU time, on both sides
+    assert all(u["kv_settle_ns"] > 0 for u in steady("p4096_s200_async_grants") if u["admitted"] or u["evicted"])
+    assert all(u["kv_settle_ns"] == 0 for u in steady("p4096_s200_async_grants_inline"))
+    waited = steady("p4096_s200_async_auto_wait")  # wall time recorded next to CPU time, on both sides
     assert sum(u["kv_wall_ns"] for u in waited) >= sum(u["kv_ns"] for u in waited) > 0
     assert sum(u["stock_wall_ns"] for u in waited) >= sum(u["stock_ns"] for u in waited) > 0
     # The same workload books the same index, whichever thread books it.
     keys = ("cached_blocks", "index_nodes", "sessions", "memberships")
-    inline, deferred = runs["p8192_s200"]["memory"], runs["p8192_s200_deferred"]["memory"]
+    inline, deferred = runs["p4096_s200"]["memory"], runs["p4096_s200_deferred"]["memory"]
     assert {k: deferred[k] for k in keys} == {k: inline[k] for k in keys}
 
 
@@ -165,7 +165,7 @@ def test_the_events_baseline_publishes_vllms_kv_events() -> None:
 def test_a_strictly_quiet_step_runs_the_same_kvhint_code_whatever_the_pool_and_the_sessions(out: Path) -> None:
     """The deterministic half of "no per-step work proportional to the pool size or the session
     count when nothing changes": the lines of KvHint's code per strictly quiet step (traced) are
-    the same at 2048 and 8192 blocks and at 50 and 200 sessions, and, with retention grants in
+    the same at 1024 and 4096 blocks and at 50 and 200 sessions, and, with retention grants in
     effect, the same at both pool sizes."""
     runs = {r["name"]: r for r in json.loads((out / "raw.json").read_text())["runs"]}
 
@@ -177,9 +177,9 @@ def test_a_strictly_quiet_step_runs_the_same_kvhint_code_whatever_the_pool_and_t
             seen.add(tuple(q["lines"]))
         return seen
 
-    (plain,) = counts("p2048_s200", "p8192_s200", "p8192_s50", "p8192_s200_deferred", "p8192_s200_vs_events")
-    (hinted,) = counts("p8192_s200_hints", "p2048_s200_hints")
-    (plain_async,) = counts("p8192_s200_async", "p8192_s200_async_inline")
+    (plain,) = counts("p1024_s200", "p4096_s200", "p4096_s50", "p4096_s200_deferred", "p4096_s200_vs_events")
+    (hinted,) = counts("p4096_s200_hints", "p1024_s200_hints")
+    (plain_async,) = counts("p4096_s200_async", "p4096_s200_async_inline")
     assert 0 < min(plain) <= min(hinted)  # grants in effect add the retaining pool's checks, a constant
     assert min(plain_async) > 0
     text = (out / "RESULTS.md").read_text()

@@ -1,8 +1,12 @@
-"""The `kvhint` CLI as a subprocess (`python -m kvhint_client.cli`) against the fake server:
-exit codes 0/1/2/3/4, one-line error messages, and parseable --json output."""
+"""The `kvhint` CLI against the fake server: exit codes 0/1/2/3/4, one-line error messages, and
+parseable --json output. Most cases call `kvhint_client.cli.main(argv)` in this process (what the
+console script calls, with the real stdin, stdout and stderr swapped for strings); the
+`python -m kvhint_client.cli` entry point itself runs as a subprocess in the tests that say so."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -14,11 +18,29 @@ import grpc
 from fake_kvhint_server import HANG, RunningServer, h, heartbeat, resync, snapshot, stored
 
 from kvhint.v1 import kvhint_pb2
+from kvhint_client import cli
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def kvhint(*args: str, address: str | None = None, stdin: str | None = None, timeout: float = 60):
+def kvhint(*args: str, address: str | None = None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the CLI in this process; the result reads like a finished subprocess."""
+    argv = (["--address", address] if address is not None else []) + list(args)
+    out, err = io.StringIO(), io.StringIO()
+    saved_stdin, saved_address = sys.stdin, os.environ.pop("KVHINT_ADDRESS", None)
+    sys.stdin = io.StringIO(stdin or "")
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(argv)
+    finally:
+        sys.stdin = saved_stdin
+        if saved_address is not None:
+            os.environ["KVHINT_ADDRESS"] = saved_address
+    return subprocess.CompletedProcess(["kvhint", *argv], code, out.getvalue(), err.getvalue())
+
+
+def kvhint_subprocess(*args: str, address: str | None = None, stdin: str | None = None, timeout: float = 60):
+    """`python -m kvhint_client.cli` as a subprocess."""
     argv = [sys.executable, "-m", "kvhint_client.cli"]
     if address is not None:
         argv += ["--address", address]
@@ -35,7 +57,7 @@ def free_port() -> int:
 
 
 def test_apply_pin_accepted_exit_0_and_json(fake: RunningServer) -> None:
-    run = kvhint("apply", "pin", "--session", "S", "--ttl", "30", "--hint-id", "h1", "--json", address=fake.address)
+    run = kvhint_subprocess("apply", "pin", "--session", "S", "--ttl", "30", "--hint-id", "h1", "--json", address=fake.address)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["all_accepted"] is True and out["results"][0]["outcome"] == "OUTCOME_ACCEPTED"
@@ -70,11 +92,11 @@ def test_apply_envelope_from_stdin(fake: RunningServer) -> None:
     envelope = {"protocol_version": "0.1", "message_id": "m", "actions": [
         {"action_id": "a", "action_type": "kv.share", "action_version": "1.0",
          "payload": {"selector": {"session_id": "S"}, "destination": "peer:1"}}]}
-    run = kvhint("apply", "--envelope", "-", "--json", address=fake.address, stdin=json.dumps(envelope))
+    run = kvhint_subprocess("apply", "--envelope", "-", "--json", address=fake.address, stdin=json.dumps(envelope))
     assert run.returncode == 0, run.stderr
     assert fake.servicer.applied[0].share.destination == "peer:1"
     bad = dict(envelope, actions=[dict(envelope["actions"][0], action_type="kv.fetch")])
-    run = kvhint("apply", "--envelope", "-", address=fake.address, stdin=json.dumps(bad))
+    run = kvhint_subprocess("apply", "--envelope", "-", address=fake.address, stdin=json.dumps(bad))
     assert run.returncode == 2 and "unsupported action_type 'kv.fetch'" in run.stderr
 
 
@@ -99,6 +121,8 @@ def test_usage_errors_exit_2_without_calling_the_server(fake: RunningServer) -> 
         run = kvhint(*args, address=fake.address)
         assert run.returncode == 2, (args, run.stdout, run.stderr)
         assert message in run.stderr, (args, run.stderr)
+    run = kvhint_subprocess(*cases[0][0], address=fake.address)  # the same through the entry point
+    assert run.returncode == 2 and cases[0][1] in run.stderr, run.stderr
     assert fake.servicer.count("ApplyHints") == 0
 
 
@@ -114,7 +138,7 @@ def test_invalid_argument_from_server_exit_2_with_reason_and_field(fake: Running
 
 
 def test_connection_refused_exit_3() -> None:
-    run = kvhint("capabilities", "--retries", "0", address=f"127.0.0.1:{free_port()}")
+    run = kvhint_subprocess("capabilities", "--retries", "0", address=f"127.0.0.1:{free_port()}")
     assert run.returncode == 3
     assert run.stderr.strip().endswith("connection refused") and len(run.stderr.strip().splitlines()) == 1
 
@@ -199,7 +223,7 @@ def test_watch_duration_ends_a_quiet_stream(fake: RunningServer) -> None:
 
 
 def test_help_lists_commands_and_exit_codes() -> None:
-    run = kvhint("--help")
+    run = kvhint_subprocess("--help")
     assert run.returncode == 0
     for command in ("capabilities", "apply", "residency", "sessions", "watch", "health", "make-tiny-model"):
         assert command in run.stdout
