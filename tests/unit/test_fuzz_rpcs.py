@@ -127,7 +127,7 @@ def _call(harness: Harness, method: str, raw: bytes) -> grpc.RpcError | None:
     """One call with serialized `raw`; WatchEvents is read for a moment."""
     try:
         if method == "WatchEvents":
-            stream = harness.channel.unary_stream(f"/kvhint.v1.KvHintService/{method}")(raw, timeout=0.25)
+            stream = harness.channel.unary_stream(f"/kvhint.v1.KvHintService/{method}")(raw, timeout=0.1)
             for _ in stream:
                 pass
         else:
