@@ -521,10 +521,9 @@ class HintedPool:
         self.pins: dict[Target, _HintState] = {}
         self.retains: dict[Target, _HintState] = {}
         self.released: set[str] = set()
-        # `_protection()`'s last result, reused while no hint changed (`_hints_version`) and no
-        # hint it counted has expired: (version, computed at, valid before, result).
-        self._hints_version = 0
-        self._protection_cache: tuple[int, float, float, Any] | None = None
+        # `_protection()`'s last result, reused until a hint changes (`apply` drops it) or one it
+        # counted expires: (computed at, valid before, result).
+        self._protection_cache: tuple[float, float, Any] | None = None
         self.stats = {"pins": 0, "pins_clipped_blocks": 0, "pins_broken": 0, "retains": 0, "releases": 0, "demotes": 0}
 
     # ---- hints
@@ -547,7 +546,7 @@ class HintedPool:
 
     def apply(self, a: Action, t: float) -> None:
         self.now = max(self.now, t)
-        self._hints_version += 1
+        self._protection_cache = None
         tgt = a.target
         if isinstance(a, Pin):
             self.stats["pins"] += 1
@@ -596,8 +595,8 @@ class HintedPool:
         of the unexpired hints. Callers only read the result."""
         now = self.now
         cached = self._protection_cache
-        if cached is not None and cached[0] == self._hints_version and cached[1] <= now < cached[2]:
-            return cached[3]
+        if cached is not None and cached[0] <= now < cached[1]:
+            return cached[2]
         pinned: set[int] = set()
         retained: dict[int, int] = {}
         reuse: dict[int, float] = {}  # block -> earliest expected reuse among its unexpired hints
@@ -615,7 +614,7 @@ class HintedPool:
                 _note_reuse(reuse, st)
                 valid_before = min(valid_before, st.deadline)
         result = (pinned, retained, reuse)
-        self._protection_cache = (self._hints_version, now, valid_before, result)
+        self._protection_cache = (now, valid_before, result)
         return result
 
     def host_order(self, blocks: list[int]) -> list[int]:
