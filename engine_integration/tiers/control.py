@@ -205,6 +205,13 @@ class TierControl:
         """Chunks holding data or reserved for an in-flight store."""
         return self.primary._num_allocated_chunks - len(self.primary._free_list)
 
+    def host_work_in_flight(self) -> bool:
+        """Whether host chunks pinned now will be released by work already under way:
+        stores not yet landed (ref_cnt -1), the tiering manager's file transfers, or
+        KvHint's own injected stores. (A request's load pins chunks too, invisibly here.)"""
+        return (getattr(self.primary, "_num_write_pending_chunks", 0) > 0
+                or self.manager.has_pending_work() or bool(self._ops))
+
     def pending_file_writes(self) -> int:
         """Host -> file-tier cascade jobs still in flight (TieringOffloadingManager._jobs)."""
         jobs = getattr(self.manager, "_jobs", {})

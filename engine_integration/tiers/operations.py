@@ -56,6 +56,7 @@ log = logging.getLogger("kvhint.tiers")
 
 MAX_PENDING_OPS = 64
 MAX_STORE_RETRIES = 3
+HOST_FULL_GRACE_S = 1.0  # how long a store waits for host room with no tier work in flight
 REMOTE_BACKSTOP_S = 30.0  # the Share worker enforces the deadline; this is a backstop
 _ids = itertools.count()
 
@@ -85,6 +86,7 @@ class TierOp:
     phase: Phase = Phase.COPY
     store: StoreOp | None = None
     store_tries: int = 0
+    full_since: float | None = None  # monotonic: when a store that found no room last saw tier work in flight
     prefetch: Prefetch | None = None
     cascaded: set[bytes] = field(default_factory=set)
     stored_blocks: int = 0           # G1 -> host copies this op made
@@ -223,11 +225,23 @@ class TierOperations:
             return None
         if op.store_tries >= MAX_STORE_RETRIES:
             return Failure(Reason.RESOURCE_EXHAUSTED, "host tier keeps evicting the copies (too small for the working set)")
-        op.store_tries += 1
         store = self.ctl.force_store(missing)
-        op.store = store
         if store.failed:
-            return Failure(Reason.RESOURCE_EXHAUSTED, f"host tier is full: {store.failed}")
+            # No evictable chunk right now: every host chunk is pinned by work in flight (a
+            # request's stores until they land, file writes and loads while they copy). That
+            # room comes back, so retry on later steps while such work is visible, and for
+            # HOST_FULL_GRACE_S past the last moment it was; then the tier is full for real.
+            # The operation's deadline bounds the wait either way.
+            op.store = None
+            now = time.monotonic()
+            if self.ctl.host_work_in_flight() or op.full_since is None:
+                op.full_since = now
+            if now - op.full_since < HOST_FULL_GRACE_S:
+                return None
+            return Failure(Reason.RESOURCE_EXHAUSTED, f"host tier is full: {store.failed} ({self._host_usage()})")
+        op.full_since = None
+        op.store_tries += 1
+        op.store = store
         op.stored_blocks += len(store.hashes)
         if self.has_file:
             op.written_blocks += len(store.hashes)  # complete_store cascades them to the file tier

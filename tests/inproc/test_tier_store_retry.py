@@ -1,0 +1,147 @@
+"""A Demote's injected store when the host tier has no evictable chunk (engine_integration.tiers.
+operations, `_store_missing`), against vLLM's real CPUOffloadingManager (no engine, no model).
+
+Every host chunk can be pinned at once by work in flight: a request's stores until they land
+(ref_cnt -1), loads and file writes while they copy. That is not a full tier; the room comes back.
+A Demote that meets it waits (the operation stays DEFERRED) and stores once the room is back.
+Only a tier that stays pinned with no work in flight for HOST_FULL_GRACE_S fails the operation,
+RESOURCE_EXHAUSTED. (CI saw the first case as a spurious rejection: a Demote sent right after
+the requests whose blocks it selected, while their own host stores were still landing.)
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from engine_integration.tiers import operations
+from engine_integration.tiers.control import StoreOp, TierControl
+from engine_integration.tiers.operations import Failure, TierOp, TierOperations
+from kvhint_server.model import Action, Reason, Tier
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+
+def key(i: int) -> Any:
+    return make_offload_key(i.to_bytes(32, "big"), 0)
+
+
+class HostOnlyControl:
+    """The slice of TierControl that `_store_missing` uses, over a real CPUOffloadingManager.
+    `force_store` asks the manager for room exactly as TierControl.force_store does and lands
+    the store at once (the copy itself is not under test)."""
+
+    host_work_in_flight = TierControl.host_work_in_flight
+    host_used = TierControl.host_used
+    host_capacity = TierControl.host_capacity
+    file_tiers: list[Any] = []
+
+    def __init__(self, chunks: int) -> None:
+        self.manager = self.primary = CPUOffloadingManager(num_chunks=chunks, cache_policy="lru")
+        self._ops: dict[int, Any] = {}
+        self.calls = 0
+        self._ids = itertools.count()
+
+    def force_store(self, hashes: list[int]) -> StoreOp:
+        self.calls += 1
+        op = StoreOp(op_id=f"store-{next(self._ids)}", hashes=[], skipped_ready=[], not_in_g1=[])
+        ctx = ReqContext(req_id=op.op_id)
+        self.manager.on_new_request(ctx)
+        out = self.manager.prepare_store([key(h) for h in hashes], ctx)
+        if out is None:
+            self.manager.on_request_finished(ctx)
+            op.failed, op.done = "host tier has no evictable chunk", True
+            return op
+        self.manager.complete_store(out.keys_to_store, ctx)
+        self.manager.on_request_finished(ctx)
+        op.hashes, op.done = list(hashes), True
+        return op
+
+    # A request of the connector's own, with its store in flight or its chunks being read.
+    def begin_store(self, *ids: int) -> tuple[ReqContext, list[Any]]:
+        ctx = ReqContext(req_id=f"req-{next(self._ids)}")
+        self.manager.on_new_request(ctx)
+        out = self.manager.prepare_store([key(i) for i in ids], ctx)
+        assert out is not None
+        return ctx, list(out.keys_to_store)
+
+    def land(self, ctx: ReqContext, keys: list[Any]) -> None:
+        self.manager.complete_store(keys, ctx)
+        self.manager.on_request_finished(ctx)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(operations.time, "monotonic", c)
+    return c
+
+
+def ops_over(ctl: HostOnlyControl) -> TierOperations:
+    core = SimpleNamespace(config=SimpleNamespace(auth_token=""))
+    return TierOperations(core, ctl, book=None, feed=None, settings=None,  # type: ignore[arg-type]
+                          bytes_per_block=1, demote_first=lambda exts: 0, wake=lambda: None)
+
+
+def demote_op() -> TierOp:
+    return TierOp("op-1", Action.DEMOTE, Tier.HOST, (b"x",), [b"d"], deadline=1e9)
+
+
+def test_a_store_waits_while_the_host_tier_is_pinned_by_stores_in_flight(clock: Clock) -> None:
+    ctl = HostOnlyControl(chunks=2)
+    ops, op = ops_over(ctl), demote_op()
+    pending = ctl.begin_store(1, 2)  # every chunk: a store not landed yet
+    assert ctl.host_work_in_flight()
+    for _ in range(5):  # many steps, and far past the grace: the work in flight is still visible
+        assert ops._store_missing(op, [3]) is None
+        clock.now += operations.HOST_FULL_GRACE_S
+    assert ctl.calls == 5 and op.store is None and op.stored_blocks == 0
+    ctl.land(*pending)
+    assert not ctl.host_work_in_flight()
+    assert ops._store_missing(op, [3]) is None
+    assert op.store is not None and op.store.hashes == [3] and op.stored_blocks == 1
+    assert op.full_since is None
+
+
+def test_a_tier_pinned_with_no_work_in_flight_fails_after_the_grace(clock: Clock) -> None:
+    ctl = HostOnlyControl(chunks=2)
+    ops, op = ops_over(ctl), demote_op()
+    ctl.land(*ctl.begin_store(1, 2))
+    reader = ReqContext(req_id="reader")
+    ctl.manager.on_new_request(reader)
+    ctl.manager.prepare_load([key(1), key(2)], reader)  # a load pins both, invisibly to the op
+    assert not ctl.host_work_in_flight()
+    assert ops._store_missing(op, [3]) is None  # the grace starts
+    clock.now += operations.HOST_FULL_GRACE_S * 0.9
+    assert ops._store_missing(op, [3]) is None
+    clock.now += operations.HOST_FULL_GRACE_S * 0.2
+    failure = ops._store_missing(op, [3])
+    assert isinstance(failure, Failure) and failure.reason is Reason.RESOURCE_EXHAUSTED
+    assert "host tier is full" in failure.message and "2 of 2 chunks in use" in failure.message
+
+
+def test_a_load_that_finishes_inside_the_grace_lets_the_store_through(clock: Clock) -> None:
+    ctl = HostOnlyControl(chunks=2)
+    ops, op = ops_over(ctl), demote_op()
+    ctl.land(*ctl.begin_store(1, 2))
+    reader = ReqContext(req_id="reader")
+    ctl.manager.on_new_request(reader)
+    ctl.manager.prepare_load([key(1), key(2)], reader)
+    assert ops._store_missing(op, [3]) is None
+    clock.now += operations.HOST_FULL_GRACE_S / 2
+    ctl.manager.complete_load([key(1), key(2)], reader)
+    ctl.manager.on_request_finished(reader)
+    assert ops._store_missing(op, [3]) is None
+    assert op.store is not None and op.store.hashes == [3]
+    assert ctl.manager.lookup(key(3), reader).name == "HIT"
