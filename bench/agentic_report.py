@@ -822,9 +822,10 @@ def plot(report: Report, path: Path) -> Path | None:
     return path
 
 
-def write_outputs(report: Report, out: Path) -> list[Path]:
+def write_outputs(report: Report, out: Path, *, with_plot: bool = True) -> list[Path]:
     """Raw data first (requests.jsonl, usage.jsonl), then results.json, results.md
-    and plot.png, so a reporting problem never loses a run's data."""
+    and plot.png (unless with_plot is False: an existing plot is left as it is), so a
+    reporting problem never loses a run's data."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     p = out / "requests.jsonl"
@@ -851,7 +852,7 @@ def write_outputs(report: Report, out: Path) -> list[Path]:
     p = out / "results.md"
     p.write_text(report.markdown_summary() + "\n")
     paths.append(p)
-    png = plot(report, out / "plot.png")
+    png = plot(report, out / "plot.png") if with_plot else None
     if png is not None:
         paths.append(png)
     return paths
@@ -967,6 +968,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="use the TTFT calibration of another result directory (same model and machine) for the "
                         "modelled TTFT, e.g. when this run's calibration was disturbed; the measured one is kept "
                         "as calibration_measured")
+    r.add_argument("--no-plot", action="store_true",
+                   help="rewrite the data and tables only; leave plot.png as it is (drawing it takes seconds)")
     a = ap.parse_args(argv)
     if a.cmd == "combine":
         print(combined_table(a.dirs))
@@ -979,7 +982,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "source": f"Taken from `{a.calibration_from}` (same model, engine settings and machine): "
                                      "this run's own calibration (`calibration_measured` in results.json) was "
                                      "disturbed by other processes."}
-    paths = write_outputs(rep, Path(a.dir))
+    paths = write_outputs(rep, Path(a.dir), with_plot=not a.no_plot)
     print("rewrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
 
