@@ -112,7 +112,7 @@ def plan(quick: bool, steps: int | None) -> tuple[list[Run], dict[str, Any]]:
                                                                    settler_thread=True, gpu_wait_s=wait, **base)))
     runs.append(Run(f"aa_p{mid}_s{most}", Shape(mid, most, **base), aa=True))
     return runs, {"sweep": sweep, "event_steps": event_steps, "event_count": event_count, "attribution_steps": 6 if quick else 60,
-                  "gc_repeats": 1 if quick else 3, "collect": not quick,
+                  "gc_repeats": 1 if quick else 3, "gc_probes_only": quick, "collect": not quick,
                   "owners": (1, 10, 50) if quick else (1, 10, 100, 1000)}
 
 
@@ -137,7 +137,10 @@ def execute(run: Run, extras: dict[str, Any], out_dir: Path, raw: dict[str, Any]
             entry["quiet_lines"] = quiet_lines(pair)
         # (the events and device-wait runs' KvHint sides are the same as their twins')
         if not run.aa and not run.shape.stock_kv_events and not run.shape.gpu_wait_s:
-            entry["memory"] = memory(pair.kv, extras["gc_repeats"])
+            # Quick runs time one full collection, on the probes' run: each costs most of a second
+            # in a test process, and quick timings are not results.
+            gc_repeats = extras["gc_repeats"] if run.probes or not extras["gc_probes_only"] else 0
+            entry["memory"] = memory(pair.kv, gc_repeats)
             if pair.sender is not None and pair.sender.batches:
                 entry["hint_batches"] = pair.sender.batches
             if not run.shape.hints_per_step:

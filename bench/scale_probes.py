@@ -50,7 +50,10 @@ def full_collection(repeats: int = 3) -> dict[str, float]:
     """A full collection of this process's heap, the startup heap included (unfrozen for it, then
     frozen again): tracked objects and the fastest of `repeats` collections (ms). The first one
     also frees what became garbage since the last, so with repeats >= 2 the fastest is a
-    collection that frees (almost) nothing; quick runs take 1."""
+    collection that frees (almost) nothing; quick runs take 1, and 0 (nothing collected, nothing
+    reported) on all runs but one."""
+    if repeats < 1:
+        return {}
     gc.unfreeze()
     times = []
     objects = 0

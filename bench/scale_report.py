@@ -250,7 +250,7 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
             f"{m['index_bytes'] / max(1, m['sessions']):.0f} | "
             f"{_f(m['retention_bytes'] / m['retained_blocks'] if m['retained_blocks'] else float('nan'), 0)} | {m['bus_bytes']} |"
         )
-        if "kvhint_gc_objects" in m:
+        if "kvhint_gc_objects" in m and "gc_full_ms" in m:
             per_object_us = m["gc_full_ms"] * 1e3 / max(1, m["gc_objects"])
             gc_rows.append(
                 f"| {r['label']} | {m['kvhint_gc_objects']} ({m['index_gc_objects']}) | "

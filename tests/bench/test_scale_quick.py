@@ -102,8 +102,11 @@ def test_the_workload_churns_a_full_pool_and_quiet_steps_change_nothing(out: Pat
         assert 0 < mem["sessions"] <= run["shape"]["sessions"] + len(raw.get("apply_sweep", {}).get("rows", []))
         assert mem["index_bytes"] > 0 and mem["hash_map_bytes"] > 0
         # The garbage collector's view: KvHint's tracked objects are part of the process's.
-        assert 0 < mem["index_gc_objects"] <= mem["kvhint_gc_objects"] < mem["gc_objects"]
-        assert mem["gc_full_ms"] > 0
+        assert 0 < mem["index_gc_objects"] <= mem["kvhint_gc_objects"]
+        if run["name"] == "p4096_s200":  # the quick run's one timed full collection: the probes' run
+            assert mem["kvhint_gc_objects"] < mem["gc_objects"] and mem["gc_full_ms"] > 0
+        else:
+            assert "gc_full_ms" not in mem
 
 
 def test_hints_are_applied_at_the_configured_rate(out: Path) -> None:
