@@ -912,9 +912,10 @@ def combined_table(dirs: Sequence[str | Path]) -> str:
     return "\n".join(lines)
 
 
-def load_report(d: str | Path) -> Report:
+def load_report(d: str | Path, *, offline: bool = True) -> Report:
     """Rebuild a Report from a results directory (results.json, trace.jsonl,
-    requests.jsonl with outputs, usage.jsonl) and recompute the offline parts."""
+    requests.jsonl with outputs, usage.jsonl) and recompute the offline parts
+    (unless offline is False: a caller that reads only the runs skips the simulations)."""
     d = Path(d)
     js = json.loads((d / "results.json").read_text())
     trace = Trace.load(d / "trace.jsonl")
@@ -951,7 +952,8 @@ def load_report(d: str | Path) -> Report:
                 {row["continuation_id"]: row["admission_wall"] for row in rr if row.get("admission_wall") is not None},
             )
             rep.add_run(run, i)
-    rep.compute_offline()
+    if offline:
+        rep.compute_offline()
     return rep
 
 

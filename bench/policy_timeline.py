@@ -176,7 +176,7 @@ def model_repeat(trace: Trace, run: Any, pin_budget_fraction: float = 0.5,
 
 
 def analyze_dir(d: str | Path, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    rep = load_report(d)
+    rep = load_report(d, offline=False)  # the runs only: the models here are on each run's timeline
     pin = float(rep.capabilities.get("pin_budget_fraction") or 0.5)
     rows = []
     for name in DEVICE_RUNS:
