@@ -70,6 +70,7 @@ def test_every_committed_engine_run_rebuilds_to_its_committed_table(tmp_path: Pa
     shutil.copytree(src, run)
     assert agentic_report.main(["rebuild", "--no-plot", str(run)]) == 0
     assert (run / "results.md").read_text() == (src / "results.md").read_text()  # the table is the raw data's
+    assert json.loads((run / "results.json").read_text()) == json.loads((src / "results.json").read_text())
 
 
 @pytest.mark.parametrize("name", ["default-seed0-policy", "heldout-seed1001-policy", "default-seed0-policy-908a119", "default-seed0-policy-ec1b9ae"])
