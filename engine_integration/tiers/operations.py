@@ -86,7 +86,7 @@ class TierOp:
     phase: Phase = Phase.COPY
     store: StoreOp | None = None
     store_tries: int = 0
-    full_since: float | None = None  # monotonic: when a store that found no room last saw tier work in flight
+    full_since: float | None = None  # monotonic: while no host room, the last step that saw tier work in flight
     prefetch: Prefetch | None = None
     cascaded: set[bytes] = field(default_factory=set)
     stored_blocks: int = 0           # G1 -> host copies this op made
@@ -233,10 +233,7 @@ class TierOperations:
             # HOST_FULL_GRACE_S past the last moment it was; then the tier is full for real.
             # The operation's deadline bounds the wait either way.
             op.store = None
-            now = time.monotonic()
-            if self.ctl.host_work_in_flight() or op.full_since is None:
-                op.full_since = now
-            if now - op.full_since < HOST_FULL_GRACE_S:
+            if self._wait_for_room(op):
                 return None
             return Failure(Reason.RESOURCE_EXHAUSTED, f"host tier is full: {store.failed} ({self._host_usage()})")
         op.full_since = None
@@ -246,6 +243,17 @@ class TierOperations:
         if self.has_file:
             op.written_blocks += len(store.hashes)  # complete_store cascades them to the file tier
         return None
+
+    def _wait_for_room(self, op: TierOp) -> bool:
+        """`op` found no evictable host chunk (a store refused, a promotion answered MISS):
+        whether to try again on a later step. Yes while the tier has work in flight, whose
+        chunks come back when it lands, and for HOST_FULL_GRACE_S after the last step that
+        saw such work (a load pins chunks invisibly); no after that. The operation's deadline
+        bounds the wait either way."""
+        now = time.monotonic()
+        if self.ctl.host_work_in_flight() or op.full_since is None:
+            op.full_since = now
+        return now - op.full_since < HOST_FULL_GRACE_S
 
     def _progress_copy(self, op: TierOp, starting: bool) -> Failure | None:
         """Demote and Share: every selected block valid on op.target."""
@@ -339,6 +347,8 @@ class TierOperations:
         if pf is not None:
             op.promoted.extend(pf.hits)
             op.prefetch = None
+            if pf.hits:
+                op.full_since = None  # progress: a later MISS starts its own wait
         staged, waiting, absent = [], 0, []
         for d in op.digests:
             if ctl.g1_has(d):
@@ -356,16 +366,11 @@ class TierOperations:
             return None
         # A promotion answers MISS when the host tier has no evictable chunk at that
         # moment (chunks pinned by file writes in flight, or just stored by a request
-        # that has not finished yet): retry while such work is pending, a few more
-        # times otherwise, then fail.
+        # that has not finished yet): retry as a store does (`_wait_for_room`), then fail.
         retry = [d for d in absent if ctl.file_has(d)]
-        if retry:
-            pending = ctl.manager.has_pending_work()
-            if pending or op.store_tries < MAX_STORE_RETRIES:
-                if not pending:
-                    op.store_tries += 1
-                op.prefetch = Prefetch(ctl, retry)
-                return None
+        if retry and self._wait_for_room(op):
+            op.prefetch = Prefetch(ctl, retry)
+            return None
         lost = len(absent)
         promoted = list(dict.fromkeys(op.promoted))
         moved = len(promoted) * self.bytes_per_block
