@@ -56,7 +56,7 @@ log = logging.getLogger("kvhint.tiers")
 
 MAX_PENDING_OPS = 64
 MAX_STORE_RETRIES = 3
-HOST_FULL_GRACE_S = 1.0  # how long a store waits for host room with no tier work in flight
+HOST_FULL_GRACE_S = 1.0  # how long a store or promotion waits for host room with no tier work in flight
 REMOTE_BACKSTOP_S = 30.0  # the Share worker enforces the deadline; this is a backstop
 _ids = itertools.count()
 
