@@ -7,6 +7,10 @@ A Demote that meets it waits (the operation stays DEFERRED) and stores once the 
 Only a tier that stays pinned with no work in flight for HOST_FULL_GRACE_S fails the operation,
 RESOURCE_EXHAUSTED. (CI saw the first case as a spurious rejection: a Demote sent right after
 the requests whose blocks it selected, while their own host stores were still landing.)
+
+Prefetch's promotions follow the same rule (a promotion answers MISS when the host tier has no
+evictable chunk); those tests replace control.Prefetch with one promotion round whose outcome
+the test sets, since a real promotion needs the connector's worker.
 """
 
 from __future__ import annotations
@@ -145,3 +149,122 @@ def test_a_load_that_finishes_inside_the_grace_lets_the_store_through(clock: Clo
     assert ops._store_missing(op, [3]) is None
     assert op.store is not None and op.store.hashes == [3]
     assert ctl.manager.lookup(key(3), reader).name == "HIT"
+
+
+# ---------------------------------------------------------------- Prefetch's promotions
+
+
+class PromotingControl:
+    """What Prefetch's progress reads of TierControl: blocks on file only, a host tier that
+    takes the digests in `room` when a promotion round runs, and visible work in flight."""
+
+    file_tiers = [object()]
+
+    def __init__(self) -> None:
+        self.host: set[bytes] = set()
+        self.room: set[bytes] = set()
+        self.in_flight = False
+        self.manager = self.primary = SimpleNamespace()
+        self.rounds = 0
+
+    def g1_has(self, d: bytes) -> bool:
+        return False
+
+    def host_state(self, d: bytes) -> Any:
+        from engine_integration.tiers.control import HostState
+
+        return HostState.READY if d in self.host else HostState.ABSENT
+
+    def file_has(self, d: bytes) -> bool:
+        return True
+
+    def touch_host(self, digests: list[bytes]) -> None:
+        pass
+
+    def host_work_in_flight(self) -> bool:
+        return self.in_flight
+
+    def host_used(self) -> int:
+        return 2
+
+    def host_capacity(self) -> int:
+        return 2
+
+
+class OneRoundPrefetch:
+    """control.Prefetch's interface: one promotion round, finished at once; a digest is a hit
+    when the host tier has room for it (a MISS otherwise, as vLLM answers with no evictable chunk)."""
+
+    def __init__(self, ctl: PromotingControl, digests: list[bytes]) -> None:
+        ctl.rounds += 1
+        self.hits = [d for d in digests if d in ctl.room]
+        ctl.host.update(self.hits)
+        self.closed = True
+
+    def poll(self) -> bool:
+        return True
+
+
+class Operations:
+    """OperationRegistry's side: what each operation completed with."""
+
+    def __init__(self) -> None:
+        self.done: dict[str, dict[str, Any]] = {}
+
+    def complete(self, op_id: str, **kw: Any) -> None:
+        self.done[op_id] = kw
+
+
+def prefetching(monkeypatch: pytest.MonkeyPatch, digests: list[bytes]) -> tuple[TierOperations, PromotingControl, Operations, TierOp]:
+    monkeypatch.setattr(operations, "Prefetch", OneRoundPrefetch)
+    ctl, registry = PromotingControl(), Operations()
+    core = SimpleNamespace(config=SimpleNamespace(auth_token=""), operations=registry, on_transfer=lambda *a: None)
+    feed = SimpleNamespace(file_has=lambda ext, d: True)
+    ops = TierOperations(core, ctl, book=None, feed=feed, settings=None,  # type: ignore[arg-type]
+                         bytes_per_block=1, demote_first=lambda exts: 0, wake=lambda: None)
+    op = TierOp("pf-1", Action.PREFETCH, Tier.HOST, tuple(b"e" + d for d in digests), list(digests), deadline=1e9)
+    ops._ops[op.op_id] = op
+    assert ops._progress(op, starting=True) is None  # the first round
+    return ops, ctl, registry, op
+
+
+def test_a_prefetch_waits_for_host_room_while_tier_work_is_in_flight(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    ops, ctl, registry, op = prefetching(monkeypatch, [b"a"])
+    ctl.in_flight = True
+    for _ in range(5):
+        clock.now += operations.HOST_FULL_GRACE_S
+        ops.on_step()
+    assert not registry.done and ctl.rounds == 6  # a new round each step, none given up
+    ctl.in_flight, ctl.room = False, {b"a"}
+    ops.on_step()  # the work landed: this round promotes
+    ops.on_step()
+    assert registry.done["pf-1"]["ok"] and registry.done["pf-1"]["blocks"] == {Tier.HOST: 1}
+
+
+def test_a_prefetch_with_no_room_and_nothing_in_flight_fails_after_the_grace(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    ops, ctl, registry, op = prefetching(monkeypatch, [b"a"])
+    ops.on_step()
+    clock.now += operations.HOST_FULL_GRACE_S * 0.9
+    ops.on_step()
+    assert not registry.done
+    clock.now += operations.HOST_FULL_GRACE_S * 0.2
+    ops.on_step()
+    done = registry.done["pf-1"]
+    assert not done["ok"] and done["reason"] is Reason.RESOURCE_EXHAUSTED
+    assert "1 of 1 blocks could not be staged: the host tier is full" in done["message"]
+
+
+def test_a_round_that_promotes_something_starts_a_new_wait(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    ops, ctl, registry, op = prefetching(monkeypatch, [b"a", b"b"])
+    ops.on_step()  # the first round missed both: the wait starts
+    clock.now += operations.HOST_FULL_GRACE_S * 0.9
+    ctl.room = {b"a"}
+    ops.on_step()  # the second round promotes a; b starts a wait of its own
+    ctl.room = set()
+    clock.now += operations.HOST_FULL_GRACE_S * 0.6  # 1.5 graces after the first miss
+    ops.on_step()
+    assert not registry.done and ctl.rounds == 4
+    ctl.room = {b"b"}
+    ops.on_step()
+    ops.on_step()
+    assert registry.done["pf-1"]["ok"] and registry.done["pf-1"]["blocks"] == {Tier.HOST: 2}
