@@ -10,6 +10,7 @@ otherwise.
   OffloadingManager.take_events / reset_cache / shutdown   wrapped (monkey-patched)
   TieringOffloadingManager._jobs / _req_state     file-tier transfers in flight
   CPUOffloadingManager._policy                    the host tier's CachePolicy instance
+  CPUOffloadingManager._num_write_pending_chunks  host stores not landed yet
   LRUCachePolicy._heap / _is_current / _evictable / _ranks / _maybe_compact_heap
                                                   used by tiers/host_policy.KvHintHostPolicy.evict,
                                                   a subclass that mirrors the stock evict
@@ -133,6 +134,12 @@ def shutdown_once(manager: Any) -> Callable[[], bool]:
 def host_cache_policy(primary: Any) -> Any:
     """`CPUOffloadingManager._policy`: the CachePolicy the host tier evicts with (None when absent)."""
     return getattr(primary, "_policy", None)
+
+
+def host_chunks_being_written(primary: Any) -> int | None:
+    """`CPUOffloadingManager._num_write_pending_chunks`: host chunks whose store has not
+    landed (ref_cnt -1); None when the manager has no such counter."""
+    return getattr(primary, "_num_write_pending_chunks", None)
 
 
 def inflight_file_writes(manager: Any) -> set[Any]:

@@ -59,6 +59,8 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
+from .. import vllm_private
+
 BlockHash = bytes
 _ids = itertools.count()
 
@@ -209,7 +211,7 @@ class TierControl:
         """Whether host chunks pinned now will be released by work already under way:
         stores not yet landed (ref_cnt -1), the tiering manager's file transfers, or
         KvHint's own injected stores. (A request's load pins chunks too, invisibly here.)"""
-        return (getattr(self.primary, "_num_write_pending_chunks", 0) > 0
+        return (bool(vllm_private.host_chunks_being_written(self.primary))
                 or self.manager.has_pending_work() or bool(self._ops))
 
     def pending_file_writes(self) -> int:

@@ -227,12 +227,7 @@ class TierOperations:
             return Failure(Reason.RESOURCE_EXHAUSTED, "host tier keeps evicting the copies (too small for the working set)")
         store = self.ctl.force_store(missing)
         if store.failed:
-            # No evictable chunk right now: every host chunk is pinned by work in flight (a
-            # request's stores until they land, file writes and loads while they copy). That
-            # room comes back, so retry on later steps while such work is visible, and for
-            # HOST_FULL_GRACE_S past the last moment it was; then the tier is full for real.
-            # The operation's deadline bounds the wait either way.
-            op.store = None
+            op.store = None  # no evictable chunk now: try again while the room may come back
             if self._wait_for_room(op):
                 return None
             return Failure(Reason.RESOURCE_EXHAUSTED, f"host tier is full: {store.failed} ({self._host_usage()})")
@@ -390,9 +385,10 @@ class TierOperations:
 
     def _host_usage(self) -> str:
         p = self.ctl.primary
+        written = vllm_private.host_chunks_being_written(p)
         return (f"{self.ctl.host_used()} of {self.ctl.host_capacity()} chunks in use, "
                 f"{getattr(p, '_num_evictable_cache_chunks', '?')} evictable, "
-                f"{getattr(p, '_num_write_pending_chunks', '?')} being written; "
+                f"{'?' if written is None else written} being written; "
                 f"{vllm_private.file_transfers_in_flight(self.ctl.manager)} file transfers in flight")
 
     # ------------------------------------------------------------ Share

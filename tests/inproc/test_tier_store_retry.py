@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from engine_integration.tiers import operations
-from engine_integration.tiers.control import StoreOp, TierControl
+from engine_integration.tiers.control import HostState, StoreOp, TierControl
 from engine_integration.tiers.operations import Failure, TierOp, TierOperations
 from kvhint_server.model import Action, Reason, Tier
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
@@ -76,6 +76,18 @@ class HostOnlyControl:
         self.manager.complete_store(keys, ctx)
         self.manager.on_request_finished(ctx)
 
+    def begin_load(self, *ids: int) -> ReqContext:
+        """A request's load of landed chunks: it pins them until `end_load`, with nothing in
+        flight that `host_work_in_flight` can see."""
+        ctx = ReqContext(req_id=f"reader-{next(self._ids)}")
+        self.manager.on_new_request(ctx)
+        self.manager.prepare_load([key(i) for i in ids], ctx)
+        return ctx
+
+    def end_load(self, ctx: ReqContext, *ids: int) -> None:
+        self.manager.complete_load([key(i) for i in ids], ctx)
+        self.manager.on_request_finished(ctx)
+
 
 class Clock:
     def __init__(self) -> None:
@@ -122,9 +134,7 @@ def test_a_tier_pinned_with_no_work_in_flight_fails_after_the_grace(clock: Clock
     ctl = HostOnlyControl(chunks=2)
     ops, op = ops_over(ctl), demote_op()
     ctl.land(*ctl.begin_store(1, 2))
-    reader = ReqContext(req_id="reader")
-    ctl.manager.on_new_request(reader)
-    ctl.manager.prepare_load([key(1), key(2)], reader)  # a load pins both, invisibly to the op
+    ctl.begin_load(1, 2)  # a load pins both, invisibly to the op
     assert not ctl.host_work_in_flight()
     assert ops._store_missing(op, [3]) is None  # the grace starts
     clock.now += operations.HOST_FULL_GRACE_S * 0.9
@@ -139,13 +149,10 @@ def test_a_load_that_finishes_inside_the_grace_lets_the_store_through(clock: Clo
     ctl = HostOnlyControl(chunks=2)
     ops, op = ops_over(ctl), demote_op()
     ctl.land(*ctl.begin_store(1, 2))
-    reader = ReqContext(req_id="reader")
-    ctl.manager.on_new_request(reader)
-    ctl.manager.prepare_load([key(1), key(2)], reader)
+    reader = ctl.begin_load(1, 2)
     assert ops._store_missing(op, [3]) is None
     clock.now += operations.HOST_FULL_GRACE_S / 2
-    ctl.manager.complete_load([key(1), key(2)], reader)
-    ctl.manager.on_request_finished(reader)
+    ctl.end_load(reader, 1, 2)
     assert ops._store_missing(op, [3]) is None
     assert op.store is not None and op.store.hashes == [3]
     assert ctl.manager.lookup(key(3), reader).name == "HIT"
@@ -170,9 +177,7 @@ class PromotingControl:
     def g1_has(self, d: bytes) -> bool:
         return False
 
-    def host_state(self, d: bytes) -> Any:
-        from engine_integration.tiers.control import HostState
-
+    def host_state(self, d: bytes) -> HostState:
         return HostState.READY if d in self.host else HostState.ABSENT
 
     def file_has(self, d: bytes) -> bool:
