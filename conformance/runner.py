@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import math
 import os
 import re
 import sys
@@ -50,6 +51,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-window-rpcs", type=int, default=1000,
                    help="most ApplyHints batches used to pass the event replay window (default 1000)")
     p.add_argument("--rpc-timeout", type=float, default=30.0, help="per-RPC deadline in seconds (default 30)")
+    p.add_argument("--tie-nats", type=float, default=Options.tie_nats, metavar="NATS",
+                   help="greedy candidates this close in logprob are a numerical tie: a few ulps of the engine's "
+                        "logits in its compute dtype (default 2**-4, 8 bfloat16 ulps of a logit in [1, 2); "
+                        "1e-3 suits a float32 engine)")
     p.add_argument("--run", action="append", default=[], metavar="REGEX",
                    help="only cases whose id matches (re.search); repeatable")
     p.add_argument("--skip", action="append", default=[], metavar="REGEX",
@@ -76,6 +81,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     except ValueError:
         p.error(f"--token-range {args.token_range!r}: expected LOW:HIGH with 0 <= LOW < HIGH")
     args.token_low, args.token_high = low, high
+    if not (math.isfinite(args.tie_nats) and args.tie_nats >= 0):
+        p.error(f"--tie-nats {args.tie_nats!r}: expected a finite number of nats >= 0")
     return args
 
 
@@ -209,7 +216,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     options = Options(
         target=args.target, openai_url=args.openai_url, model=args.model, max_model_len=args.max_model_len,
         token_low=args.token_low, token_high=args.token_high, max_pressure_prompts=args.max_pressure_prompts,
-        max_window_rpcs=args.max_window_rpcs, rpc_timeout=args.rpc_timeout, profile=args.profile,
+        max_window_rpcs=args.max_window_rpcs, rpc_timeout=args.rpc_timeout, tie_nats=args.tie_nats, profile=args.profile,
         token=args.token, tenant_a_token=args.tenant_a_token, tenant_a_prefix=args.tenant_a_prefix,
         tenant_b_token=args.tenant_b_token, tenant_b_prefix=args.tenant_b_prefix, **kw,
     )

@@ -64,6 +64,11 @@ class Options:
     rpc_timeout: float = 30.0
     # Per-request deadline for /v1/completions, seconds.
     http_timeout: float = 120.0
+    # Greedy candidates whose logprobs are within this many nats are a numerical tie (see
+    # conformance.cases.retention.first_divergence_is_a_tie): a few ulps of the engine's logits in
+    # its compute dtype. The default, 2**-4, is 8 bfloat16 ulps of a logit in [1, 2): vLLM computes
+    # a float32 checkpoint in bfloat16 on CPU, and the reference model's logits are that small.
+    tie_nats: float = 2.0**-4
     # The conformance profile claimed (conformance.profiles): capabilities it requires fail
     # their cases when not advertised instead of skipping them.
     profile: str = profiles.DEFAULT

@@ -124,27 +124,28 @@ def make_handler(router: Router, upstream: urllib.parse.SplitResult) -> type[Bas
 
 
 def demo(listen: str, model: str | None, turns: int) -> None:
-    """Two scripted agents, one streaming, talking through the proxy."""
+    """Two scripted agents, one streaming, talking through the proxy. Each keeps its conversation
+    and sends it whole every turn, as agents do, so a turn reuses the session's cached prefix."""
     host, port = listen.rsplit(":", 1)
     if model is None:
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
         conn.request("GET", "/v1/models")
         model = json.loads(conn.getresponse().read())["data"][0]["id"]
         conn.close()
+    agents = {sid: [{"role": "system", "content": f"You are {sid}. " + "context " * 100}]
+              for sid in ("demo-agent-a", "demo-agent-b")}
     for turn in range(turns):
         for sid, stream in (("demo-agent-a", False), ("demo-agent-b", True)):
+            messages = agents[sid]
+            messages.append({"role": "user", "content": f"turn {turn}: go on"})
             conn = http.client.HTTPConnection(host, int(port), timeout=120)
-            body: dict[str, Any] = {
-                "messages": [{"role": "user", "content": f"{sid} turn {turn}: " + "context " * 200}],
-                "max_tokens": 8,
-                "stream": stream,
-            }
-            body["model"] = model
+            body = {"model": model, "messages": messages, "max_tokens": 8, "stream": stream}
             conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json", "X-Session-ID": sid})
             resp = conn.getresponse()
             resp.read()
             print(f"demo: {sid} turn {turn}: HTTP {resp.status}", file=sys.stderr)
             conn.close()
+            messages.append({"role": "assistant", "content": f"done with turn {turn}"})
         time.sleep(0.5)
 
 

@@ -27,6 +27,10 @@ class Completion:
     #: Per generated token, the top candidates' logprobs, highest first (empty unless the
     #: request asked for them: `extra_body={"logprobs": k}`).
     top_logprobs: tuple[tuple[float, ...], ...] = ()
+    #: The token ids of those candidates, in the same order, when the request also asked for
+    #: vLLM's `"return_tokens_as_token_ids": True` (keys "token_id:N"); -1 where a key is a
+    #: token's text.
+    top_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 class CompletionError(RuntimeError):
@@ -80,6 +84,7 @@ def complete(
     text: list[str] = []
     tokens: list[int] = []
     top: list[tuple[float, ...]] = []
+    top_ids: list[tuple[int, ...]] = []
     usage: dict[str, object] = {}
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -97,7 +102,9 @@ def complete(
                     text.append(choice.get("text") or "")
                     tokens.extend(choice.get("token_ids") or [])
                     for step in (choice.get("logprobs") or {}).get("top_logprobs") or []:
-                        top.append(tuple(sorted((step or {}).values(), reverse=True)))
+                        ranked = sorted((step or {}).items(), key=lambda kv: kv[1], reverse=True)
+                        top.append(tuple(lp for _, lp in ranked))
+                        top_ids.append(tuple(_token_id(key) for key, _ in ranked))
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except urllib.error.HTTPError as err:
@@ -112,7 +119,14 @@ def complete(
         ttft_s=ttft if ttft is not None else latency,
         latency_s=latency,
         top_logprobs=tuple(top),
+        top_token_ids=tuple(top_ids),
     )
+
+
+def _token_id(key: str) -> int:
+    """The id in a logprobs key written as vLLM's "token_id:N"; -1 for a token's text."""
+    head, _, tail = key.partition(":")
+    return int(tail) if head == "token_id" and tail.isdigit() else -1
 
 
 def first_model(base_url: str, timeout: float = 10.0) -> str:

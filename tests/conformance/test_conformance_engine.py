@@ -154,26 +154,36 @@ def test_an_unmet_requirement_fails_its_case_and_skips_the_dependents(served: Se
 
 def test_pins_never_fail_tells_a_numerical_tie_from_a_wrong_token(served: ServedEngine) -> None:
     """retention/pins-never-fail-allocations compares greedy tokens run in different batches; where they
-    first differ it asks the engine for the unpinned run's top-2 logprobs and accepts only a tie
-    (conformance.cases.retention.first_divergence_is_a_tie). Against the real engine: the logprobs
-    arrive for every token, the unchanged tokens pass, and a token changed where the two best
-    candidates are further apart than TIE_NATS fails, naming the token."""
+    first differ it asks the engine for the unpinned run's top candidates and accepts only a tie
+    (conformance.cases.retention.first_divergence_is_a_tie). Against the real engine: the candidates'
+    logprobs and token ids arrive for every token, the unchanged tokens pass, the runner-up at the
+    widest gap passes only when the tolerance covers that gap, a token outside the candidates fails
+    whatever the tolerance, and a shorter completion fails."""
     from types import SimpleNamespace
 
-    from conformance.cases.retention import TIE_NATS, first_divergence_is_a_tie
+    from conformance.cases.retention import TIE_CANDIDATES, first_divergence_is_a_tie
     from kvhint_client.openai_traffic import complete
 
     prompt = [3 + (7 * i) % 4000 for i in range(200)]
     greedy = complete(served.http_url, prompt, max_tokens=16)
-    ref = complete(served.http_url, prompt, max_tokens=16, extra_body={"logprobs": 2, "return_tokens_as_token_ids": True})
+    ref = complete(served.http_url, prompt, max_tokens=16,
+                   extra_body={"logprobs": TIE_CANDIDATES, "return_tokens_as_token_ids": True})
     assert ref.token_ids == greedy.token_ids and len(ref.token_ids) == 16
-    assert len(ref.top_logprobs) == 16 and all(len(t) == 2 and t[0] >= t[1] for t in ref.top_logprobs)
+    assert len(ref.top_logprobs) == 16 and all(len(t) == TIE_CANDIDATES and list(t) == sorted(t, reverse=True)
+                                               for t in ref.top_logprobs)
+    assert [ids[0] for ids in ref.top_token_ids] == list(ref.token_ids)  # greedy took the best candidate
     ctx = SimpleNamespace(complete=lambda p, **kw: complete(served.http_url, p, **kw))
-    assert first_divergence_is_a_tie(ctx, prompt, greedy.token_ids) is None  # type: ignore[arg-type]
+    assert first_divergence_is_a_tie(ctx, prompt, greedy.token_ids, 0.0) is None  # type: ignore[arg-type]
     gaps = [t[0] - t[1] for t in ref.top_logprobs]
-    d = next(k for k, g in enumerate(gaps) if g > TIE_NATS)
-    changed = list(greedy.token_ids)
-    changed[d] = changed[d] + 1
-    verdict = first_divergence_is_a_tie(ctx, prompt, tuple(changed))  # type: ignore[arg-type]
-    assert verdict is not None and f"token {d}" in verdict, verdict
-    assert first_divergence_is_a_tie(ctx, prompt, greedy.token_ids[:8]) is not None  # type: ignore[arg-type]
+    d = max(range(len(gaps)), key=gaps.__getitem__)
+    assert gaps[d] > 0
+    runner_up = list(greedy.token_ids)
+    runner_up[d] = ref.top_token_ids[d][1]
+    assert first_divergence_is_a_tie(ctx, prompt, tuple(runner_up), 2 * gaps[d]) is None  # type: ignore[arg-type]
+    verdict = first_divergence_is_a_tie(ctx, prompt, tuple(runner_up), gaps[d] / 2)  # type: ignore[arg-type]
+    assert verdict is not None and f"token {d}," in verdict and "tie tolerance" in verdict, verdict
+    outsider = list(greedy.token_ids)
+    outsider[d] = next(t for t in range(3, 4000) if t not in ref.top_token_ids[d])
+    verdict = first_divergence_is_a_tie(ctx, prompt, tuple(outsider), 100.0)  # type: ignore[arg-type]
+    assert verdict is not None and f"token {d}:" in verdict and "not among" in verdict, verdict
+    assert first_divergence_is_a_tie(ctx, prompt, greedy.token_ids[:8], 100.0) is not None  # type: ignore[arg-type]
