@@ -12,6 +12,8 @@ import concurrent.futures
 import pytest
 from engine_support import PROMPT, Engine, evict, pin, release, retain, session_sel, tokens
 
+from conformance.cases.retention import first_divergence_is_a_tie
+from conformance.target import Options
 from kvhint.v1 import kvhint_pb2 as pb
 
 pytestmark = pytest.mark.engine
@@ -243,8 +245,11 @@ def test_pins_never_fail_a_request_stock_vllm_would_serve(clean: Engine) -> None
         outputs = list(pool.map(lambda p: clean.complete(p, max_tokens=16), big))
     assert all(len(o.token_ids) == 16 for o in outputs)
     clean.reset_cache()
-    expected = [clean.complete(p, max_tokens=16).token_ids for p in big]
-    assert [o.token_ids for o in outputs] == expected
+    # The same greedy tokens run alone with nothing pinned, up to a numerical tie: the engine computes
+    # in bfloat16, and a batch of two rounds differently from a batch of one (the conformance rule,
+    # conformance.cases.retention.first_divergence_is_a_tie).
+    for p, out in zip(big, outputs):
+        assert first_divergence_is_a_tie(clean, p, out.token_ids, Options.tie_nats) is None  # type: ignore[arg-type]
 
 
 def test_hints_apply_on_an_idle_engine_without_waiting_for_a_request(clean: Engine) -> None:
