@@ -11,6 +11,7 @@ otherwise.
   TieringOffloadingManager._jobs / _req_state     file-tier transfers in flight
   CPUOffloadingManager._policy                    the host tier's CachePolicy instance
   CPUOffloadingManager._num_write_pending_chunks  host stores not landed yet
+  CPUOffloadingManager._num_evictable_cache_chunks  host chunks free to evict (diagnostics)
   LRUCachePolicy._heap / _is_current / _evictable / _ranks / _maybe_compact_heap
                                                   used by tiers/host_policy.KvHintHostPolicy.evict,
                                                   a subclass that mirrors the stock evict
@@ -140,6 +141,12 @@ def host_chunks_being_written(primary: Any) -> int | None:
     """`CPUOffloadingManager._num_write_pending_chunks`: host chunks whose store has not
     landed (ref_cnt -1); None when the manager has no such counter."""
     return getattr(primary, "_num_write_pending_chunks", None)
+
+
+def host_chunks_evictable(primary: Any) -> int | None:
+    """`CPUOffloadingManager._num_evictable_cache_chunks`: landed chunks no request holds;
+    None when the manager has no such counter."""
+    return getattr(primary, "_num_evictable_cache_chunks", None)
 
 
 def inflight_file_writes(manager: Any) -> set[Any]:

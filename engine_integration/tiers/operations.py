@@ -385,9 +385,9 @@ class TierOperations:
 
     def _host_usage(self) -> str:
         p = self.ctl.primary
-        written = vllm_private.host_chunks_being_written(p)
+        evictable, written = vllm_private.host_chunks_evictable(p), vllm_private.host_chunks_being_written(p)
         return (f"{self.ctl.host_used()} of {self.ctl.host_capacity()} chunks in use, "
-                f"{getattr(p, '_num_evictable_cache_chunks', '?')} evictable, "
+                f"{'?' if evictable is None else evictable} evictable, "
                 f"{'?' if written is None else written} being written; "
                 f"{vllm_private.file_transfers_in_flight(self.ctl.manager)} file transfers in flight")
 
