@@ -12,6 +12,8 @@ otherwise.
   CPUOffloadingManager._policy                    the host tier's CachePolicy instance
   CPUOffloadingManager._num_write_pending_chunks  host stores not landed yet
   CPUOffloadingManager._num_evictable_cache_chunks  host chunks free to evict (diagnostics)
+  CPUOffloadingManager._num_chunks / _num_allocated_chunks / _free_list
+                                                  the host tier's capacity and use
   LRUCachePolicy._heap / _is_current / _evictable / _ranks / _maybe_compact_heap
                                                   used by tiers/host_policy.KvHintHostPolicy.evict,
                                                   a subclass that mirrors the stock evict
@@ -149,6 +151,17 @@ def host_chunks_evictable(primary: Any) -> int | None:
     return getattr(primary, "_num_evictable_cache_chunks", None)
 
 
+def host_chunk_capacity(primary: Any) -> int:
+    """`CPUOffloadingManager._num_chunks`: the host tier's capacity in chunks."""
+    return primary._num_chunks
+
+
+def host_chunks_in_use(primary: Any) -> int:
+    """Host chunks holding data or reserved for an in-flight store:
+    `CPUOffloadingManager._num_allocated_chunks` less the chunks on its `_free_list`."""
+    return primary._num_allocated_chunks - len(primary._free_list)
+
+
 def inflight_file_writes(manager: Any) -> set[Any]:
     """Offload keys of host -> file transfers in flight
     (`TieringOffloadingManager._jobs`, promotions excluded)."""
@@ -156,6 +169,14 @@ def inflight_file_writes(manager: Any) -> set[Any]:
     if not jobs:
         return set()
     return {k for m in jobs.values() if not m.transfer_job.is_promotion for k in m.transfer_job.keys}
+
+
+def file_writes_in_flight(manager: Any) -> int:
+    """Host -> file transfers in flight (`TieringOffloadingManager._jobs`, promotions excluded)."""
+    jobs = getattr(manager, "_jobs", None)
+    if not jobs:
+        return 0
+    return sum(1 for m in jobs.values() if not m.transfer_job.is_promotion)
 
 
 def file_transfers_in_flight(manager: Any) -> int:

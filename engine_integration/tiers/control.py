@@ -201,11 +201,11 @@ class TierControl:
 
     def host_capacity(self) -> int:
         """Host-tier capacity in chunks (= blocks with blocks_per_chunk 1)."""
-        return self.primary._num_chunks
+        return vllm_private.host_chunk_capacity(self.primary)
 
     def host_used(self) -> int:
         """Chunks holding data or reserved for an in-flight store."""
-        return self.primary._num_allocated_chunks - len(self.primary._free_list)
+        return vllm_private.host_chunks_in_use(self.primary)
 
     def host_work_in_flight(self) -> bool:
         """Whether host chunks pinned now will be released by work already under way:
@@ -216,8 +216,7 @@ class TierControl:
 
     def pending_file_writes(self) -> int:
         """Host -> file-tier cascade jobs still in flight (TieringOffloadingManager._jobs)."""
-        jobs = getattr(self.manager, "_jobs", {})
-        return sum(1 for m in jobs.values() if not m.transfer_job.is_promotion)
+        return vllm_private.file_writes_in_flight(self.manager)
 
     def busy(self) -> bool:
         """True while an injected store or a prefetch needs the engine to keep stepping."""
