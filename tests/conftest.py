@@ -14,6 +14,12 @@ A test module that starts engines sets `pytestmark = pytest.mark.engine`.
 Tests that only import vLLM's KV cache code or build a Scheduler in-process
 (tests/inproc) start no engine and need no marker. Not covered: an engine
 started through vLLM directly in a child Python process (no ServedEngine).
+
+The fast suite runs on two pytest-xdist workers by itself (`pytest_cmdline_main` below):
+`-m "not engine"`, exactly, with pytest-xdist installed and no `-n` given. The engine tier
+and the whole suite (`python3 -m pytest -q`, the README's command) stay in one process, one
+engine at a time. KVHINT_FAST_WORKERS sets the count (0 or 1: one process, as `-n 0` or
+`-p no:xdist` do); `--pdb`, `-s` and `--collect-only` keep one process too.
 """
 
 from __future__ import annotations
@@ -36,6 +42,42 @@ from engine_integration.served import ENFORCE_EAGER_ENV, ENGINE_FORBIDDEN_ENV
 # with stock vLLM serves both sides the same way. Inherited by child processes (gpu_check, the
 # agentic smoke run). Set it to 0 to test with compiled models.
 os.environ.setdefault(ENFORCE_EAGER_ENV, "1")
+
+# Workers for the fast suite (module doc); this project's machines have two cores.
+FAST_WORKERS_ENV = "KVHINT_FAST_WORKERS"
+FAST_WORKERS_DEFAULT = 2
+FAST_SUITE_MARKEXPR = "not engine"
+
+
+def fast_suite_workers(option: Any, environ: Any = os.environ) -> int:
+    """How many xdist workers `option` (pytest's parsed options) gets: 0 unless it selects
+    exactly the fast suite, xdist is loaded (`numprocesses` exists) and the command chose no
+    worker count, debugger or uncaptured output itself. Bad KVHINT_FAST_WORKERS values are a
+    usage error naming the variable."""
+    if " ".join(str(getattr(option, "markexpr", "") or "").split()) != FAST_SUITE_MARKEXPR:
+        return 0
+    if not hasattr(option, "numprocesses") or option.numprocesses is not None or environ.get("PYTEST_XDIST_WORKER"):
+        return 0
+    if getattr(option, "usepdb", False) or getattr(option, "capture", "fd") == "no" or getattr(option, "collectonly", False):
+        return 0
+    raw = environ.get(FAST_WORKERS_ENV, "").strip()
+    try:
+        workers = int(raw) if raw else FAST_WORKERS_DEFAULT
+    except ValueError:
+        raise pytest.UsageError(f"{FAST_WORKERS_ENV}={raw!r}: expected a whole number of workers (0 or 1: one process)") from None
+    if workers < 0:
+        raise pytest.UsageError(f"{FAST_WORKERS_ENV}={raw!r}: expected a whole number of workers >= 0")
+    return workers if workers > 1 else 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    # Runs before pytest-xdist's own pytest_cmdline_main (conftest hooks are called first),
+    # which turns numprocesses into its worker list.
+    workers = fast_suite_workers(config.option)
+    if workers:
+        config.option.numprocesses = workers
+
 
 # module -> class whose construction starts (or is) an engine
 GUARDED = {
