@@ -34,6 +34,10 @@ class Completion:
 
 
 class CompletionError(RuntimeError):
+    """A completion that did not complete: an HTTP error status, an error chunk inside the
+    stream (`status`: its code), or a stream that ended before `[DONE]` (`status`: the
+    response's, 200)."""
+
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"HTTP {status}: {body[:500]}")
         self.status = status
@@ -86,6 +90,7 @@ def complete(
     top: list[tuple[float, ...]] = []
     top_ids: list[tuple[int, ...]] = []
     usage: dict[str, object] = {}
+    done = False
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             for raw in resp:
@@ -94,8 +99,14 @@ def complete(
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
+                failed = _stream_error(chunk)
+                if failed is not None:
+                    # The server failed after the 200 header went out (vLLM: the engine died
+                    # mid-request): the error arrives as a chunk of the stream.
+                    raise CompletionError(failed, data)
                 for choice in chunk.get("choices") or []:
                     if ttft is None:
                         ttft = time.perf_counter() - start
@@ -107,6 +118,8 @@ def complete(
                         top_ids.append(tuple(_token_id(key) for key, _ in ranked))
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+            if not done:
+                raise CompletionError(resp.status, "the stream ended without [DONE]: the server closed it mid-response")
     except urllib.error.HTTPError as err:
         raise CompletionError(err.code, err.read().decode(errors="replace")) from err
     latency = time.perf_counter() - start
@@ -121,6 +134,20 @@ def complete(
         top_logprobs=tuple(top),
         top_token_ids=tuple(top_ids),
     )
+
+
+def _stream_error(chunk: dict[str, object]) -> int | None:
+    """The status of an error a streamed chunk reports, None for a normal chunk: vLLM's
+    `{"error": {"code": ...}}` or the older `{"object": "error", "code": ...}` (500 when the
+    chunk names no integer code)."""
+    error = chunk.get("error")
+    if isinstance(error, dict):
+        code = error.get("code")
+    elif chunk.get("object") == "error":
+        code = chunk.get("code")
+    else:
+        return None
+    return code if isinstance(code, int) and not isinstance(code, bool) else 500
 
 
 def _token_id(key: str) -> int:
