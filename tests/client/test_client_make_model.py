@@ -19,3 +19,16 @@ def test_make_tiny_model_writes_a_checkpoint(tmp_path: Path, capsys: pytest.Capt
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["vocab_size"] == 4096
     assert any(p.suffix == ".safetensors" for p in (tmp_path / "m").iterdir())
+
+
+def test_the_mamba_preset_writes_a_granite_4_hybrid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    assert main(["make-tiny-model", str(tmp_path / "m"), "--preset", "mamba", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["preset"] == "mamba"
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    # vLLM resolves the architecture to its GraniteMoeHybrid (Mamba2 + attention) implementation
+    assert config["architectures"] == ["GraniteMoeHybridForCausalLM"]
+    # (transformers writes the Mamba2 layers as "linear_attention")
+    assert config["layer_types"] == ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    assert config["num_local_experts"] == 0 and config["vocab_size"] == 4096
+    assert (tmp_path / "m" / "tokenizer.json").exists()
