@@ -21,6 +21,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 SCHEDULER_CLS = "engine_integration.scheduler.KvHintScheduler"
 # When set (tests/conftest.py sets it for tests without @pytest.mark.engine),
@@ -141,6 +142,9 @@ class ServedEngine:
         self.grpc_port = spec.grpc_port or free_port()
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="kvhint-engine-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
+        # Where this start's output begins in the log (the log is appended to across starts;
+        # root_cause and log_tail read only the latest start's part).
+        self._log_offset = 0
 
     @property
     def http_url(self) -> str:
@@ -182,7 +186,7 @@ class ServedEngine:
         env.update(self.spec.env)
         env["KVHINT_GRPC_ADDRESS"] = self.grpc_address
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        log = open(self.log_path, "ab")
+        log = self._open_log()
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -208,9 +212,18 @@ class ServedEngine:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self._log_text().splitlines()[-lines:])
 
+    def _open_log(self) -> BinaryIO:
+        """The log, opened to append this start's output; notes where that output begins."""
+        log = open(self.log_path, "ab")
+        self._log_offset = log.tell()
+        return log
+
     def _log_text(self) -> str:
+        """The latest start's part of the log (all of it before any start)."""
         try:
-            return self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_offset)
+                return log.read().decode(errors="replace")
         except OSError:
             return ""
 

@@ -39,6 +39,19 @@ def test_a_served_engine_reads_the_root_cause_from_its_log(tmp_path: Path) -> No
     assert served.root_cause() == first_exception(LOG)
 
 
+def test_a_restart_reports_its_own_root_cause_not_an_earlier_starts(tmp_path: Path) -> None:
+    """The log is appended to across starts of one ServedEngine (and across engines given the
+    same path): the cause and the tail are the latest start's."""
+    log = tmp_path / "engine.log"
+    log.write_text(LOG)  # an earlier start that failed
+    served = ServedEngine(EngineSpec(model=str(tmp_path / "m")), log_path=log)
+    with served._open_log() as out:  # what start() does before it spawns vllm serve
+        out.write(b"(EngineCore pid=2) ERROR [core.py:1510] AssertionError: Sliding window for some but all layers\n")
+    assert served.root_cause() == "AssertionError: Sliding window for some but all layers"
+    assert "estimated maximum model length" not in served.log_tail()
+    assert log.read_text().startswith(LOG)  # nothing of the earlier start is lost
+
+
 def test_served_engines_skip_torch_compile_only_when_asked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """KVHINT_ENFORCE_EAGER=1 (tests/conftest.py sets it) serves with --enforce-eager; unset, an
     engine is served as users serve it, and an explicit spec wins either way."""
