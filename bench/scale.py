@@ -3,6 +3,7 @@ model) with and without the KvHint hooks, pools of 16k / 131k / 524k blocks of 1
 10k live sessions.
 
   python -m bench.scale                 # full run (~10 min on 2 cores), writes bench/results/scale/
+  python bench/scale.py ...             # the same (from the repository root)
   python -m bench.scale --quick         # small sizes (< 1 min), writes /tmp/kvhint-scale-quick/
   python -m bench.scale --report-only   # regenerate RESULTS.md and the plot from the raw data
 
@@ -52,6 +53,17 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+if __name__ == "__main__" and not __package__:
+    # `python bench/scale.py` (a path, not `-m bench.scale`): run this file as the module
+    # bench.scale, whose imports are relative, from the repository root. (As a path, Python
+    # also puts bench/ first on sys.path, where bench/trace.py would shadow the standard
+    # library's `trace`.)
+    import runpy
+
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    runpy.run_module("bench.scale", run_name="__main__", alter_sys=True)
+    sys.exit(0)  # (run_module exits with main()'s status first)
 
 os.environ.setdefault("KVHINT_GRPC_ADDRESS", "127.0.0.1:0")
 

@@ -117,3 +117,14 @@ def test_mamba_probe_reports_the_engine_s_root_cause_not_the_api_server_s() -> N
     ])
     assert last_exception(log) == "IndexError: index 8 is out of bounds"
     assert last_exception("INFO all good\n") == ""
+
+
+def test_bench_scale_runs_as_a_file_path_from_any_folder(tmp_path: Path) -> None:
+    """Issue 12 runs `bench/scale.py` from a fresh checkout: as a path, not only as `-m bench.scale`."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(BENCH / "scale.py"), "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--quick" in out.stdout and "--report-only" in out.stdout
