@@ -7,7 +7,7 @@ vLLM and with the KvHint scheduler, each:
 
   request 1   512 tokens
   request 2   the same 512 tokens + 64 new ones: `cached_tokens`, or the error vLLM answered
-              with and the exception its engine log names last
+              with and the root cause its engine logged (ServedEngine.root_cause)
 
 With KvHint it also lists GetCapabilities' KV-cache groups and sends Pin on the session
 between the requests. A third run, stock with prefix caching off, tells a failure of vLLM's
@@ -23,42 +23,23 @@ The file records that, for a CUDA machine to rerun.
 from __future__ import annotations
 
 import argparse
-import random
-import re
 import sys
-import tempfile
 from pathlib import Path
 
-from engine_integration.served import EngineSpec, ServedEngine, default_model
+from engine_integration.served import EngineSpec, ServedEngine, default_model, eager_from_env
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client import KvHintClient, session
 from kvhint_client.errors import KvHintError
 from kvhint_client.openai_traffic import CompletionError, complete
 
+from .hybrid_resume import _tokens
+
 RESULTS = Path(__file__).resolve().parent / "results" / "mamba_probe.md"
-_EXCEPTION = re.compile(r"\b([A-Z][A-Za-z]*(?:Error|Exception)): (.+)$")
-
-
-def _tokens(seed: str, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(3, 4000) for _ in range(n)]
-
-
-def last_exception(log: str) -> str:
-    """The last `SomethingError: message` line of an engine log, without vLLM's log prefix
-    (the engine's root cause comes before the API server's EngineDeadError)."""
-    found = ""
-    for line in log.splitlines():
-        m = _EXCEPTION.search(line)
-        if m and m.group(1) not in ("EngineDeadError", "RuntimeError", "CompletionError"):
-            found = f"{m.group(1)}: {m.group(2).strip()}"
-    return found
 
 
 def probe(model: str, kvhint: bool, prefix_caching: bool = True) -> dict[str, str]:
-    log = Path(tempfile.mkstemp(prefix="kvhint-mamba-probe-", suffix=".log")[1])
     extra = [] if prefix_caching else ["--no-enable-prefix-caching"]
-    engine = ServedEngine(EngineSpec(model=model, kvhint=kvhint, extra_args=extra), log_path=log)
+    engine = ServedEngine(EngineSpec(model=model, kvhint=kvhint, extra_args=extra))
     name = ("KvHint" if kvhint else "stock") + ("" if prefix_caching else ", prefix caching off")
     row = {"engine": name, "groups": "-", "pin": "-", "request 1": "-", "request 2": "-"}
     engine.start()
@@ -81,7 +62,7 @@ def probe(model: str, kvhint: bool, prefix_caching: bool = True) -> dict[str, st
                         applied = client.apply(session(sid).pin(ttl=300))
                         row["pin"] = f"{applied.outcomes[0]}, {sum(a.blocks for a in applied[0].affected_blocks)} blocks"
                 except (CompletionError, KvHintError) as error:
-                    cause = last_exception(log.read_text(errors="replace")) or "see the engine log"
+                    cause = engine.root_cause() or f"see {engine.log_path}"
                     failed = f"HTTP {error.status}" if isinstance(error, CompletionError) else f"gRPC {error.code.name}"
                     row["pin" if name == "request 1" and row[name] != "-" else name] = f"{failed}: {cause}"
                     break
@@ -103,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = [probe(model, False), probe(model, True), probe(model, False, prefix_caching=False)]
     import vllm
 
-    from engine_integration.served import eager_from_env
-
     mode = "eager (KVHINT_ENFORCE_EAGER)" if eager_from_env() else "torch.compile (vLLM's default)"
     lines = [
         "# A prefix hit on a Mamba hybrid (`bench.mamba_probe`)",
@@ -112,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         f"`python -m bench.mamba_probe`: vLLM {vllm.__version__}, the generated `mamba` preset (Granite 4: Mamba2 and",
         "full-attention layers alternating), EngineSpec defaults (80 blocks, prefix caching on, so vLLM's",
         "`mamba_cache_mode=align`). Request 1: 512 tokens; Pin(session, 300 s) with KvHint; request 2: the same",
-        "512 tokens + 64. A failed request shows vLLM's HTTP status and the last exception its engine logged.",
+        "512 tokens + 64. A failed request shows vLLM's HTTP status and the root cause its engine logged.",
         f"Model execution: {mode}.",
         "",
         "| engine | KV-cache groups (GetCapabilities) | request 1 | Pin | request 2 |",

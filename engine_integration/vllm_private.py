@@ -162,21 +162,21 @@ def host_chunks_in_use(primary: Any) -> int:
     return primary._num_allocated_chunks - len(primary._free_list)
 
 
+def _file_write_jobs(manager: Any) -> list[Any]:
+    """The transfer jobs of host -> file writes in flight (`TieringOffloadingManager._jobs`,
+    promotions excluded)."""
+    jobs = getattr(manager, "_jobs", None) or {}
+    return [m.transfer_job for m in jobs.values() if not m.transfer_job.is_promotion]
+
+
 def inflight_file_writes(manager: Any) -> set[Any]:
-    """Offload keys of host -> file transfers in flight
-    (`TieringOffloadingManager._jobs`, promotions excluded)."""
-    jobs = getattr(manager, "_jobs", None)
-    if not jobs:
-        return set()
-    return {k for m in jobs.values() if not m.transfer_job.is_promotion for k in m.transfer_job.keys}
+    """Offload keys of host -> file transfers in flight."""
+    return {k for job in _file_write_jobs(manager) for k in job.keys}
 
 
 def file_writes_in_flight(manager: Any) -> int:
-    """Host -> file transfers in flight (`TieringOffloadingManager._jobs`, promotions excluded)."""
-    jobs = getattr(manager, "_jobs", None)
-    if not jobs:
-        return 0
-    return sum(1 for m in jobs.values() if not m.transfer_job.is_promotion)
+    """Host -> file transfers in flight."""
+    return len(_file_write_jobs(manager))
 
 
 def file_transfers_in_flight(manager: Any) -> int:

@@ -107,18 +107,6 @@ def test_the_entry_module_re_exports_the_moved_names() -> None:
     assert all(hasattr(engine, name) for name in engine.__all__)
 
 
-def test_mamba_probe_reports_the_engine_s_root_cause_not_the_api_server_s() -> None:
-    from bench.mamba_probe import last_exception
-
-    log = "\n".join([
-        "(Worker pid=1) ERROR 12-03 [multiproc_executor.py:1063] IndexError: index 8 is out of bounds",
-        "(EngineCore pid=2) ERROR 12-03 [core.py:1512] RuntimeError: Worker failed with error 'index 8'",
-        "(APIServer pid=3) ERROR 12-03 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore died",
-    ])
-    assert last_exception(log) == "IndexError: index 8 is out of bounds"
-    assert last_exception("INFO all good\n") == ""
-
-
 def test_bench_scale_runs_as_a_file_path_from_any_folder(tmp_path: Path) -> None:
     """Issue 12 runs `bench/scale.py` from a fresh checkout: as a path, not only as `-m bench.scale`."""
     import subprocess

