@@ -584,6 +584,9 @@ class HintedPool:
             self.pins.pop(tgt, None)
             self.retains.pop(tgt, None)
             self.demoted.add(tgt.id)
+            # The store may have evicted host copies by host_order, which cached the protection
+            # of the hints before the pops above.
+            self._protection_cache = None
         elif isinstance(a, (Demote, Prefetch)):
             pass  # no host tier; and with one, Prefetch stages into the host, which already holds it
         else:  # pragma: no cover

@@ -100,6 +100,27 @@ def test_host_tier_honouring_retention_drops_by_the_hints_classes() -> None:
     assert [h in lru for h in a + b + c] == [False, False, False, True, True, True]
 
 
+@pytest.mark.parametrize("preset,seed", [("research", 2), ("coding", 1)])
+def test_the_protection_cache_never_changes_a_tier_result(monkeypatch: pytest.MonkeyPatch, preset: str, seed: int) -> None:
+    """HintedPool reuses its protection sets until a hint changes. A Demote stores the session's
+    chain on the host before its hints end, and that store evicts host copies by host_order,
+    which computed and cached the protection with the demoted session still retained: until the
+    next hint the host and device kept it protected. These two traces moved (research seed 2:
+    1.20x -> 1.24x the infinite cache with host-eviction=kvhint)."""
+    bt = compile_trace(generate_trace(PRESETS[preset], seed, preset=preset))
+    cached = simulate_tiers(bt, "library", host_retention=True)
+    protection = HintedPool._protection
+
+    def uncached(self: HintedPool):  # type: ignore[no-untyped-def]
+        self._protection_cache = None
+        return protection(self)
+
+    monkeypatch.setattr(HintedPool, "_protection", uncached)
+    fresh = simulate_tiers(bt, "library", host_retention=True)
+    assert fresh.extra["demotes"] > 0  # the path that went stale
+    assert cached.cached_tokens == fresh.cached_tokens
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tiny_traces())
 def test_tier_runs_are_bounded_by_the_infinite_cache(tr: Trace) -> None:
@@ -273,3 +294,4 @@ def test_replay_driver_tells_the_library_policy_of_completions() -> None:
     assert driver.policy.policy.model.count(("idle",)) == 4
     left = [h.WhichOneof("action") for h in sent if h.selector.session.session_id == "left"]
     assert left == ["release"]  # an idle session like those that ended: let go
+
