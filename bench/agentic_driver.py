@@ -37,7 +37,9 @@ class HintDriver:
         self.client = KvHintClient(grpc_address)
         self.policy: ReferencePolicy | LibraryPolicy
         if cfg is None:  # the library policy (runs "policy", "policy+tiers")
-            self.policy = LibraryPolicy(library_config(trace.header, use_tiers=library_tiers), shared_prefix_target(trace.header))
+            # The engine's answers go back to the library (record), as in a router.
+            self.policy = LibraryPolicy(library_config(trace.header, use_tiers=library_tiers), shared_prefix_target(trace.header),
+                                        engine_results=True)
         else:
             self.policy = ReferencePolicy(cfg, shared_prefix_target(trace.header))
         self.ns = ns
@@ -112,10 +114,17 @@ class HintDriver:
                 self._handle(self.policy.request(session_id, self.clock()), None)
 
     def _handle(self, actions: Sequence[Action], cont: str | None) -> None:
+        from kvhint.v1 import kvhint_pb2 as pb
         from kvhint_client import session
 
+        # The library policy's own hints behind `actions` (one each), answered below.
+        library = self.policy if isinstance(self.policy, LibraryPolicy) and self.policy.engine_results else None
+        originals = library.take_sent() if library is not None else []
         named: list[tuple[str, Any]] = []
-        for a in actions:
+        answered: list[Any] = []  # the library hints sent as `named` (same order)
+        taken_over: list[Any] = []  # the template's: the driver applies it by block hash (_maybe_prefix)
+        for i, a in enumerate(actions):
+            sent_before = len(named)
             tgt = a.target
             if tgt.kind == "prefix":
                 if isinstance(a, Release):
@@ -143,7 +152,30 @@ class HintDriver:
                                                    expected_reuse_in=self._scaled(a.expected_reuse_in_s))))
             elif isinstance(a, Release):
                 named.append(("release", sel.release()))
-        self._send(named)
+            if library is not None:
+                (answered if len(named) > sent_before else taken_over).append(originals[i])
+        results = self._send(named)
+        if library is None:
+            return
+        if taken_over:
+            library.record(taken_over, [pb.HintResult(hint_id=h.hint_id, outcome=pb.OUTCOME_ACCEPTED) for h in taken_over])
+        if not answered:
+            return
+        if len(results) != len(answered):  # the RPC failed: the policy sends them again later
+            library.requeue(answered)
+            return
+        library.record(answered, [self._unscaled(r) for r in results])
+
+    def _unscaled(self, result: Any) -> Any:
+        """An engine's result in the trace's time: TTLs were sent scaled by `scale`."""
+        if not result.HasField("effective_ttl") or self.scale == 1.0:
+            return result
+        from kvhint_client.durations import duration_to_seconds
+
+        out = type(result)()
+        out.CopyFrom(result)
+        out.effective_ttl.FromNanoseconds(int(duration_to_seconds(result.effective_ttl) / self.scale * 1e9))
+        return out
 
     def _scaled(self, seconds: float | None) -> float | None:
         return None if seconds is None else seconds * self.scale

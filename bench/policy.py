@@ -80,7 +80,11 @@ class ClairvoyantSessionPolicy(SessionPolicy):
 class LibraryPolicy:
     """`SessionPolicy` on a trace's signals; each call returns the abstract actions sent then.
     With `true_starts` the predictions are the true resume times (`ClairvoyantSessionPolicy`).
-    `pause_state`: start the pause model from a `PauseModel.export()` (warm start)."""
+    `pause_state`: start the pause model from a `PauseModel.export()` (warm start).
+
+    `engine_results`: the caller sends the hints to an engine and feeds back what it answered
+    (`take_sent`, then `record` or `requeue`), as a router does (the engine replay). Otherwise
+    every hint counts as applied when it is sent (the simulators apply every action)."""
 
     def __init__(
         self,
@@ -88,6 +92,7 @@ class LibraryPolicy:
         shared_prefix: Target | None = None,
         true_starts: Mapping[str, Sequence[float]] | None = None,
         pause_state: Mapping[str, Any] | None = None,
+        engine_results: bool = False,
     ) -> None:
         self._now = 0.0
         if true_starts is None:
@@ -98,6 +103,8 @@ class LibraryPolicy:
             )
         self.shared_prefix = shared_prefix
         self._sink = _Accepting()
+        self.engine_results = engine_results
+        self._sent: list[pb.Hint] = []  # engine_results: the last call's hints, in its actions' order
 
     def start(self, t: float = 0.0) -> list[Action]:
         if self.shared_prefix is not None:
@@ -137,7 +144,24 @@ class LibraryPolicy:
 
     def _flush(self, t: float) -> list[Action]:
         self._now = max(self._now, t)
+        if self.engine_results:
+            self._sent = self.policy.due(self._now)
+            return [self.to_action(hint) for hint in self._sent]
         return [self.to_action(hint) for hint, _ in self.policy.flush(self._sink, self._now)]
+
+    def take_sent(self) -> list[pb.Hint]:
+        """With `engine_results`: the hints behind the actions the last call returned (one per
+        action, same order), for `record` or `requeue` once they were sent."""
+        sent, self._sent = self._sent, []
+        return sent
+
+    def record(self, hints: Sequence[pb.Hint], results: Sequence[pb.HintResult]) -> None:
+        """What the engine answered for `hints` (from `take_sent`)."""
+        self.policy.record(hints, results)
+
+    def requeue(self, hints: Sequence[pb.Hint]) -> None:
+        """`hints` (from `take_sent`) were not sent: the policy sends them again later."""
+        self.policy.requeue(hints)
 
     def to_action(self, hint: pb.Hint) -> Action:
         """A kvhint.v1 hint as the abstract action the simulators apply."""

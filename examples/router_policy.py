@@ -3,7 +3,8 @@
     # a served engine with the sidecar (see README), then:
     python examples/router_policy.py --upstream http://127.0.0.1:8000 --kvhint 127.0.0.1:50151 \
         --listen 127.0.0.1:8080 [--end-marker '<END>'] [--idle-timeout 600]
-    # point agents at http://127.0.0.1:8080/v1 with an X-Session-ID header (or "user"/"session_id")
+    # point agents at http://127.0.0.1:8080/v1 with an X-Session-ID header (or a "session_id" or
+    # "user" field: a session named by "user" is forwarded with X-Session-ID, which vLLM reads)
 
     # or try it end to end: the proxy plus a few scripted agent turns through it
     python examples/router_policy.py --upstream http://127.0.0.1:8000 --kvhint 127.0.0.1:50151 --demo
@@ -28,7 +29,7 @@ from typing import Any
 
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client import KvHintClient
-from kvhint_client.policy import ClientSink, OpenAITrafficAdapter, PolicyConfig, SessionPolicy, parse_sse_line
+from kvhint_client.policy import ClientSink, OpenAITrafficAdapter, PolicyConfig, SessionPolicy, parse_sse_line, upstream_headers
 
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 
@@ -87,6 +88,8 @@ def make_handler(router: Router, upstream: urllib.parse.SplitResult) -> type[Bas
                     sid = router.adapter.on_request(payload, dict(self.headers.items()))
             conn = http.client.HTTPConnection(upstream.hostname, upstream.port or 80, timeout=600)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+            # The engine must tag the request with the id the hints name (an id from "user" is not).
+            headers = upstream_headers(payload, headers, sid)
             conn.request(self.command, self.path, body=body, headers=headers)
             resp = conn.getresponse()
             self.send_response(resp.status)
@@ -100,9 +103,12 @@ def make_handler(router: Router, upstream: urllib.parse.SplitResult) -> type[Bas
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
-                if sid is not None and resp.status == 200:
+                if sid is not None:
                     with router.lock:
-                        router.adapter.on_response(sid, json.loads(data))
+                        if resp.status == 200:
+                            router.adapter.on_response(sid, json.loads(data))
+                        else:  # failed: the session is idle, not running until the idle timeout
+                            router.adapter.on_error(sid)
             conn.close()
             router.flush()
 

@@ -20,7 +20,14 @@ durations from one policy instance to the next (warm start).
 """
 
 from .estimator import PAUSE_STATE_FORMAT, PAUSE_STATE_VERSION, LogNormalPrior, PauseModel
-from .openai_adapter import OpenAITrafficAdapter, parse_sse_line
+from .openai_adapter import (
+    OpenAITrafficAdapter,
+    default_session_class_of,
+    default_session_of,
+    engine_session_of,
+    parse_sse_line,
+    upstream_headers,
+)
 from .policy import PolicyConfig, SessionPolicy
 from .signals import (
     ChildJoined,
@@ -34,7 +41,7 @@ from .signals import (
     ToolCallFinished,
     ToolCallStarted,
 )
-from .sinks import AsyncClientSink, AsyncHintSink, ClientSink, FleetSink, HintSink, RecordingSink, TokenBucket
+from .sinks import AsyncClientSink, AsyncHintSink, ClientSink, FleetSink, HintRateLimit, HintSink, RecordingSink, TokenBucket
 
 __all__ = [
     "PAUSE_STATE_FORMAT",
@@ -45,6 +52,7 @@ __all__ = [
     "ChildSpawned",
     "ClientSink",
     "FleetSink",
+    "HintRateLimit",
     "HintSink",
     "LogNormalPrior",
     "OpenAITrafficAdapter",
@@ -61,5 +69,9 @@ __all__ = [
     "TokenBucket",
     "ToolCallFinished",
     "ToolCallStarted",
+    "default_session_class_of",
+    "default_session_of",
+    "engine_session_of",
     "parse_sse_line",
+    "upstream_headers",
 ]

@@ -9,8 +9,8 @@ Each key keeps a bounded sample of its most recent gaps (a sliding window,
 `window` observations), so the estimate follows a drifting workload and
 represents multi-modal shapes (a "short" tool that sometimes hangs) that one
 log-normal would smear. Predictions back off through a hierarchy of keys
-(tool + session class -> tool -> session class -> the declared duration
-class -> everything) and blend the best key's sample with a log-normal prior
+(tool + session class -> tool -> the declared duration class -> session
+class -> everything: the keys `SessionPolicy` builds for a tool call) and blend the best key's sample with a log-normal prior
 worth `prior_weight` observations: with no data the prior decides, with
 many observations the data does.
 
@@ -19,7 +19,8 @@ Two predictions of a pause that has lasted `e` seconds:
 * `residual`: the conditional q-quantile, the time until the q-quantile of
   the durations that exceed `e`. A session that has outlived most of its
   class's pauses is predicted to stay paused for longer.
-* `reuse_index` (what `SessionPolicy` ranks by): a point quantile of a
+* `reuse_index` (what `SessionPolicy` ranks by with `ranking="index"`;
+  the default ranks by `residual`): a point quantile of a
   mixture (a tool that is usually quick and sometimes slow) ranks the
   session as if it were surely one or the other. The index instead prices
   the cache space a session's blocks hold per hit: for every horizon `h`,

@@ -17,14 +17,21 @@ and `adapter.tick()` on a timer. It feeds a `SessionPolicy`:
 * a response whose `finish_reason` is ``"tool_calls"`` -> `ToolCallStarted`
   named by the tool(s) called (the pause lasts until the session's next
   request);
-* any other finished response -> `RequestCompleted` (an idle pause);
+* any other finished response, or a request that failed (`on_error`) ->
+  `RequestCompleted` (an idle pause);
 * the session ends (`SessionEnded`) when a response's content contains
   `end_marker`, when it calls one of `end_tools`, or after `idle_timeout_s`
   without a request.
 
-The session id comes from `session_of(body, headers)`; the default reads the
-`X-Session-ID` header, then the body's ``session_id``, then ``user``.
-Requests without one are ignored (None). No agent-side change is needed.
+The session id comes from `session_of(body, headers)`. The default reads what
+vLLM itself tags the request with (`engine_session_of`: the body's
+``session_id``, then the `X-Session-ID` header, then
+``vllm_xargs.session_id``), and falls back to the body's ``user``, which vLLM
+does not read: a proxy then forwards the request with `X-Session-ID` set
+(`upstream_headers`), so the engine tags it with the id the hints name.
+Requests without one are ignored (None). `session_class_of(body, headers)`
+gives the session's class, whose pauses are also learned together (default:
+the `X-Session-Class` header). No agent-side change is needed.
 """
 
 from __future__ import annotations
@@ -41,16 +48,57 @@ Body = Mapping[str, Any]
 Headers = Mapping[str, str]
 
 
-def default_session_of(body: Body, headers: Optional[Headers]) -> Optional[str]:
-    """`X-Session-ID` header, else body ``session_id``, else body ``user``."""
+def _header(headers: Optional[Headers], name: str) -> Optional[str]:
     for key, value in (headers or {}).items():
-        if key.lower() == "x-session-id" and value:
+        if key.lower() == name and value:
             return str(value)
-    for key in ("session_id", "user"):
-        value = body.get(key)
-        if isinstance(value, str) and value:
-            return value
     return None
+
+
+def engine_session_of(body: Body, headers: Optional[Headers]) -> Optional[str]:
+    """The session id vLLM 0.32 tags the request with, in its order: the body's ``session_id``,
+    the `X-Session-ID` header, ``vllm_xargs.session_id`` (None: it tags none)."""
+    value = body.get("session_id")
+    if isinstance(value, str) and value:
+        return value
+    header = _header(headers, "x-session-id")
+    if header is not None:
+        return header
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, Mapping) and isinstance(xargs.get("session_id"), str) and xargs["session_id"]:
+        return str(xargs["session_id"])
+    return None
+
+
+def default_session_of(body: Body, headers: Optional[Headers]) -> Optional[str]:
+    """`engine_session_of`, else the body's ``user`` (see `upstream_headers`)."""
+    sid = engine_session_of(body, headers)
+    if sid is not None:
+        return sid
+    user = body.get("user")
+    return user if isinstance(user, str) and user else None
+
+
+def default_session_class_of(body: Body, headers: Optional[Headers]) -> Optional[str]:
+    """The `X-Session-Class` header (a router's label of the agent's kind), else None."""
+    return _header(headers, "x-session-class")
+
+
+def upstream_headers(body: Body, headers: Headers, sid: Optional[str]) -> dict[str, str]:
+    """The headers to forward a request with: `headers`, plus `X-Session-ID: sid` when the
+    engine would not tag the request with `sid` itself (an id taken from ``user``, or from a
+    custom `session_of`). Without it the engine's index never sees the session, and every
+    hint for it comes back MISSING."""
+    out = dict(headers)
+    if sid is None or engine_session_of(body, headers) == sid:
+        return out
+    if engine_session_of(body, {}) is not None:
+        raise ValueError(f"the request's body names session {engine_session_of(body, {})!r}, which vLLM reads "
+                         f"before any header, and the router tracks it as {sid!r}")
+    for key in [k for k in out if k.lower() == "x-session-id"]:
+        del out[key]
+    out["X-Session-ID"] = sid
+    return out
 
 
 def parent_of(body: Body, headers: Optional[Headers]) -> Optional[str]:
@@ -98,6 +146,7 @@ class OpenAITrafficAdapter:
         end_marker: Optional[str] = None,
         end_tools: Iterable[str] = (),
         session_of: Callable[[Body, Optional[Headers]], Optional[str]] = default_session_of,
+        session_class_of: Callable[[Body, Optional[Headers]], Optional[str]] = default_session_class_of,
         clock: Optional[Callable[[], float]] = None,
     ) -> None:
         self.policy = policy
@@ -105,6 +154,7 @@ class OpenAITrafficAdapter:
         self.end_marker = end_marker
         self.end_tools = frozenset(end_tools)
         self.session_of = session_of
+        self.session_class_of = session_class_of
         self.clock = clock or policy.clock
         self.last_seen: dict[str, float] = {}
         self._streams: dict[str, _Stream] = {}
@@ -121,7 +171,7 @@ class OpenAITrafficAdapter:
         parent = parent_of(body, headers)
         if parent is not None and sid not in self.last_seen:
             self.policy.observe(ChildSpawned(parent, sid, t=now))
-        self.policy.observe(RequestSent(sid, t=now))
+        self.policy.observe(RequestSent(sid, session_class=self.session_class_of(body, headers), t=now))
         self.last_seen[sid] = now
         self._streams.pop(sid, None)
         return sid
@@ -172,6 +222,14 @@ class OpenAITrafficAdapter:
         else:
             self.policy.observe(RequestCompleted(sid, t=now))
 
+    def on_error(self, sid: Optional[str], t: Optional[float] = None) -> None:
+        """The request failed (an HTTP error, or an error inside its stream): no tool call was
+        made, so the session is idle, as after an answer."""
+        if sid is None:
+            return
+        self._streams.pop(sid, None)
+        self._finished(sid, None, [], "", t)
+
     def end(self, sid: str, t: Optional[float] = None) -> None:
         """End a session explicitly (e.g. the router saw its client disconnect)."""
         self.last_seen.pop(sid, None)
@@ -187,4 +245,12 @@ class OpenAITrafficAdapter:
         return idle
 
 
-__all__ = ["OpenAITrafficAdapter", "default_session_of", "parent_of", "parse_sse_line"]
+__all__ = [
+    "OpenAITrafficAdapter",
+    "default_session_class_of",
+    "default_session_of",
+    "engine_session_of",
+    "parent_of",
+    "parse_sse_line",
+    "upstream_headers",
+]

@@ -25,7 +25,9 @@ signals and on a timer (a few times a second is plenty), and it sends:
   many seconds, while the engine's pin budget (GetCapabilities) has room for
   its blocks.
 * a declared template: Retain at `template_priority` (above every session),
-  refreshed at half its TTL.
+  refreshed at half its TTL. A template whose blocks are not resident yet
+  (MISSING: declared before its first request) is retried after 1, 2, 4 ...
+  seconds, up to that refresh period.
 * a request sent after a pause (`keep_while_running`): Retain "due in
   `resume_s`", and as that passes, due within as long as the request has
   waited (1, 2, 4, ... s), until it completes (for at most `resume_wait_s`).
@@ -33,7 +35,9 @@ signals and on a timer (a few times a second is plenty), and it sends:
   busy engine queues it; the pause's expectation would by then be passed or
   later than now, ranking those blocks among the first evicted.
 * a session ended (or a dead branch): Release; a parent's unjoined children
-  are released with it. The pause it ended counts as one that never came back
+  are released with it, and a joined child is done: released when the parent
+  collects it. When a waiting parent's last child joins, its next request is
+  imminent and it is kept due as after a finished tool call. The pause it ended counts as one that never came back
   (`PauseModel.observe_end`).
 * a paused session predicted never to come back (more than 1 - `quantile` of
   the pauses like it that lasted this long ended their session, typically an
@@ -44,13 +48,19 @@ signals and on a timer (a few times a second is plenty), and it sends:
   this, one abandoned session in four made the policy recompute more than
   LRU on a held-out trace: docs/design-notes.md.)
 
-It never sends more than `max_hints_per_s` hints per second (token bucket,
-`burst` at once). Hints waiting for tokens are coalesced: a newer hint for
-the same target replaces the older one, and a Release cancels pending
-hints for its session. Results feed back (`record`): MISSING marks a session
-cold (nothing resident, no refreshes until it runs again), REJECTED
+It never sends more than `max_hints_per_s` hints in any one-second interval,
+nor more than `burst` at once (`HintRateLimit`). Hints waiting for the limit
+are coalesced: a newer hint for the same target replaces the older one, and a
+Release cancels pending hints for its session. A sink that raises (the RPC
+failed) leaves the hints it did not answer queued for the next flush, unless a
+newer hint for the same target was queued meanwhile, and the error propagates.
+Results feed back (`record`): MISSING marks a session cold (nothing resident,
+no refreshes until it runs again) and retries a template soon; REJECTED
 UNSUPPORTED turns the feature off (expected reuse -> priority bands, tiers ->
-Retain), CLIPPED PIN_BUDGET stops pinning until a pin ends.
+Retain); any other REJECTED Demote (the engine could not take it: no room on
+the lower tier, too many operations in flight) protects the session on the
+device instead, with a Retain, for the rest of that pause; CLIPPED PIN_BUDGET
+stops pinning until a pin ends.
 
 Warm start: what the pause model learned (`policy.model.export()`, plain
 JSON) can seed a new policy (`SessionPolicy(config, pause_state=state)`), so a
@@ -88,11 +98,13 @@ from .signals import (
     ToolCallFinished,
     ToolCallStarted,
 )
-from .sinks import AsyncHintSink, HintSink, TokenBucket
+from .sinks import AsyncHintSink, HintRateLimit, HintSink
 
 Key = tuple[str, ...]
 #: How many recently ended session ids a policy remembers, to ignore late signals about them.
 ENDED_MEMORY = 65536
+#: Owner prefix of a template's intents (session ids are owners as they are).
+_TEMPLATE = "template:"
 
 
 @dataclass(frozen=True)
@@ -152,9 +164,12 @@ class PolicyConfig:
     prefetch_margin_s: float = 2.0
     #: Pin sessions predicted back within this many seconds (None: never pin).
     pin_within_s: Optional[float] = None
-    #: Rate limit.
+    #: Rate limit: at most max_hints_per_s hints in any one-second interval, burst at once.
     max_hints_per_s: float = 100.0
     burst: int = 50
+    #: A template whose Retain found nothing resident (MISSING) is retried after this long,
+    #: doubling up to template_ttl_s / 2 (its regular refresh).
+    template_retry_s: float = 1.0
 
 
 @dataclass
@@ -169,6 +184,7 @@ class _Session:
     review_at: Optional[float] = None  # re-predict then if still paused (absolute)
     ttl_until: float = math.inf
     demoted: bool = False
+    no_demote: bool = False  # a Demote of this pause was refused: keep it on the device until it runs again
     prefetch_at: Optional[float] = None
     cold: bool = False
     children: set[str] = field(default_factory=set)
@@ -185,6 +201,13 @@ class _Session:
 def _idle_keys(s: _Session) -> tuple[Key, ...]:
     """The keys of an idle pause: after an answer with no tool call."""
     return (("idle", s.cls or ""), ("idle",))
+
+
+@dataclass
+class _Template:
+    target: Target
+    refresh_at: float  # absolute: re-send then
+    retry_s: float = 0.0  # the back-off after a MISSING result (0: none pending)
 
 
 @dataclass
@@ -223,9 +246,9 @@ class SessionPolicy:
         self.model = model or PauseModel(c.prior, window=c.window, prior_weight=c.prior_weight, min_samples=c.min_samples)
         if pause_state is not None:
             self.model.load(pause_state)
-        self.bucket = TokenBucket(c.max_hints_per_s, c.burst)
+        self.bucket = HintRateLimit(c.max_hints_per_s, c.burst)
         self.sessions: dict[str, _Session] = {}
-        self.templates: dict[str, tuple[Target, float]] = {}  # id -> (target, refresh at)
+        self.templates: dict[str, _Template] = {}
         self.stats: dict[str, int] = {}
         self._outbox: dict[tuple[str, str], _Intent] = {}
         self._ids = itertools.count()
@@ -278,8 +301,7 @@ class SessionPolicy:
             s = self._session(signal.session_id)
             if s.state == "paused":
                 self.model.observe(s.keys, now - s.pause_start)
-                s.state, s.due_since = "resuming", now
-                self._keep(s, now, self.config.resume_s)
+                self._resuming(s, now)
         elif isinstance(signal, ChildSpawned):
             parent = self._session(signal.parent_session_id)
             child = self._session(signal.child_session_id)
@@ -294,18 +316,42 @@ class SessionPolicy:
             # The child's first request reads the parent's context: the parent's blocks are due now.
             self._keep(parent, now, self.config.resume_s)
         elif isinstance(signal, ChildJoined):
-            self._session(signal.parent_session_id).children.discard(signal.child_session_id)
+            self._joined(signal.parent_session_id, signal.child_session_id, now)
         elif isinstance(signal, SessionEnded):
             self._end(signal.session_id)
         elif isinstance(signal, TemplateDeclared):
-            self.templates[signal.template_id] = (signal.target, now + self.config.template_ttl_s / 2)
+            self.templates[signal.template_id] = _Template(signal.target, now + self.config.template_ttl_s / 2)
             self._queue_template(signal.template_id, signal.target)
         elif isinstance(signal, TemplateRetired):
             entry = self.templates.pop(signal.template_id, None)
             if entry is not None:
-                self._queue("release", "template:" + signal.template_id, entry[0].release(), 0.0)
+                self._unqueue(_TEMPLATE + signal.template_id, "keep")
+                self._queue("release", _TEMPLATE + signal.template_id, entry.target.release(), 0.0)
         else:
             raise TypeError(f"not a policy signal: {signal!r}")
+
+    def _resuming(self, s: _Session, now: float) -> None:
+        """`s`'s next request is imminent (its tool call returned, its last child joined): keep
+        it due, and bring a demoted session's blocks back from the lower tier now."""
+        s.state, s.due_since = "resuming", now
+        if s.demoted and self.tiers:
+            s.prefetch_at = None
+            self._queue("prefetch", s.sid, session(s.sid).prefetch(), now)
+        s.demoted = False
+        self._keep(s, now, self.config.resume_s)
+
+    def _joined(self, parent_id: str, child_id: str, now: float) -> None:
+        """The parent collected the child's result: the child is done (released like an ended
+        session), and a waiting parent whose last child joined is about to send its request."""
+        parent = self.sessions.get(parent_id)
+        if parent is not None:
+            parent.children.discard(child_id)
+            parent.unstarted.discard(child_id)
+        if child_id in self.sessions or child_id not in self._ended:
+            self._end(child_id)
+        if parent is not None and parent.state == "waiting" and not parent.children:
+            self.model.observe(parent.keys, now - parent.pause_start)
+            self._resuming(parent, now)
 
     def _is_late(self, signal: Signal) -> bool:
         """A signal about an ended session (a request that completes after its SessionEnded, a
@@ -347,7 +393,7 @@ class SessionPolicy:
             if not parent.unstarted and parent.state == "waiting":  # every child has read it: the wait begins
                 self._predict_and_keep(parent, now)
         paused = s.state in ("paused", "waiting", "resuming")
-        s.state, s.cold, s.demoted, s.prefetch_at, s.let_go = "running", False, False, None, False
+        s.state, s.cold, s.demoted, s.prefetch_at, s.let_go, s.no_demote = "running", False, False, None, False, False
         self._unqueue(s.sid, "demote", "prefetch")
         if paused and self.config.keep_while_running:
             # Its blocks are read when the engine admits the request: due now until it completes.
@@ -443,7 +489,7 @@ class SessionPolicy:
         if residual >= self.max_ttl_s:  # never back (inf), or not within any TTL we may ask for
             self._let_go(s)
             return
-        if self.tiers and residual >= c.demote_after_s:
+        if self.tiers and residual >= c.demote_after_s and not s.no_demote:
             s.prefetch_at = now + max(0.0, residual - c.prefetch_margin_s)
             s.reuse_at = now + residual
             s.review_at = s.reuse_at - c.refresh_lead_s
@@ -506,7 +552,7 @@ class SessionPolicy:
     def _queue_template(self, template_id: str, target: Target) -> None:
         c = self.config
         hint = target.retain(ttl=min(c.template_ttl_s, self.max_ttl_s), priority=c.template_priority)
-        self._queue("keep", "template:" + template_id, hint, -1.0)
+        self._queue("keep", _TEMPLATE + template_id, hint, -1.0)
 
     def _unqueue(self, owner: str, *kinds: str) -> None:
         """Drop the hints of these kinds queued for `owner` and not sent yet."""
@@ -547,10 +593,10 @@ class SessionPolicy:
             overdue = s.review_at is not None and now >= s.review_at
             if overdue or (not s.demoted and now >= s.ttl_until - lead):
                 self._predict_and_keep(s, now)  # still paused: re-predict from the time waited
-        for tid, (target, refresh_at) in list(self.templates.items()):
-            if now >= refresh_at:
-                self.templates[tid] = (target, now + self.config.template_ttl_s / 2)
-                self._queue_template(tid, target)
+        for tid, template in self.templates.items():
+            if now >= template.refresh_at:
+                template.refresh_at = now + self.config.template_ttl_s / 2
+                self._queue_template(tid, template.target)
 
     def drain(self, now: Optional[float] = None) -> list[pb.Hint]:
         """Take the queued hints the rate limit allows now: Releases first, then keeps
@@ -585,10 +631,14 @@ class SessionPolicy:
             s = self.sessions.get(intent.owner)
             action = hint.WhichOneof("action")
             blocks = sum(c.blocks for c in result.affected_blocks if c.tier == pb.TIER_DEVICE)
+            if intent.owner.startswith(_TEMPLATE):
+                self._template_result(intent.owner[len(_TEMPLATE):], intent, result)
             if result.outcome == pb.OUTCOME_MISSING and s is not None and intent.kind == "keep":
                 s.cold = True
             elif result.outcome == pb.OUTCOME_REJECTED and result.reason == pb.REASON_UNSUPPORTED:
                 self._unsupported(action, s)
+            elif result.outcome == pb.OUTCOME_REJECTED and action == "demote" and s is not None:
+                self._demote_refused(s)
             if s is not None and intent.kind == "keep" and result.outcome in (pb.OUTCOME_ACCEPTED, pb.OUTCOME_CLIPPED):
                 s.blocks = blocks
                 if action == "pin":
@@ -598,6 +648,31 @@ class SessionPolicy:
                 self._pins_blocked_until = max(held, default=self._last_t)
             if any(clip.reason == pb.REASON_TTL_CAPPED for clip in result.clips) and result.HasField("effective_ttl"):
                 self.max_ttl_s = min(self.max_ttl_s, duration_to_seconds(result.effective_ttl))
+
+    def _template_result(self, template_id: str, intent: _Intent, result: pb.HintResult) -> None:
+        """A template's Retain found nothing resident (declared before its first request, or
+        evicted before it was declared): retry after template_retry_s, doubling up to the regular
+        refresh period, until it is protected."""
+        template = self.templates.get(template_id)
+        if template is None or intent.kind != "keep":
+            return
+        if result.outcome != pb.OUTCOME_MISSING:
+            template.retry_s = 0.0
+            return
+        c = self.config
+        period = c.template_ttl_s / 2
+        template.retry_s = min(period, template.retry_s * 2 if template.retry_s else c.template_retry_s)
+        template.refresh_at = min(template.refresh_at, self._last_t + template.retry_s)
+
+    def _demote_refused(self, s: _Session) -> None:
+        """The engine could not take this pause's Demote (its Retain was dropped for it): protect the
+        session on the device instead, and demote nothing more until it runs again."""
+        s.no_demote = True
+        if s.demoted and s.state in ("paused", "waiting"):
+            s.demoted, s.prefetch_at = False, None
+            self._unqueue(s.sid, "prefetch")
+            self._predict_and_keep(s, self._last_t)
+        s.demoted = False
 
     def _unsupported(self, action: Optional[str], s: Optional[_Session]) -> None:
         if action in ("retain", "pin") and self.expected_reuse:
@@ -617,25 +692,47 @@ class SessionPolicy:
 
     def flush(self, sink: HintSink, now: Optional[float] = None) -> list[tuple[pb.Hint, pb.HintResult]]:
         """tick + drain + send through `sink` + record. Returns (hint, result) pairs."""
-        hints = self._due(now)
+        hints = self.due(now)
         out: list[tuple[pb.Hint, pb.HintResult]] = []
-        for batch in self._batches(hints):
-            results = list(sink.apply(batch))
+        for i, batch in enumerate(batches := self._batches(hints)):
+            try:
+                results = list(sink.apply(batch))
+            except BaseException:
+                self.requeue([h for b in batches[i:] for h in b])
+                raise
             self.record(batch, results)
             out.extend(zip(batch, results))
         return out
 
     async def flush_async(self, sink: AsyncHintSink, now: Optional[float] = None) -> list[tuple[pb.Hint, pb.HintResult]]:
         """`flush` for an asyncio sink (`AsyncClientSink`)."""
-        hints = self._due(now)
+        hints = self.due(now)
         out: list[tuple[pb.Hint, pb.HintResult]] = []
-        for batch in self._batches(hints):
-            results = list(await sink.apply(batch))
+        for i, batch in enumerate(batches := self._batches(hints)):
+            try:
+                results = list(await sink.apply(batch))
+            except BaseException:
+                self.requeue([h for b in batches[i:] for h in b])
+                raise
             self.record(batch, results)
             out.extend(zip(batch, results))
         return out
 
-    def _due(self, now: Optional[float]) -> list[pb.Hint]:
+    def requeue(self, hints: Sequence[pb.Hint]) -> None:
+        """Hints taken with `due` (or `drain`) that got no result (the RPC failed): queued again,
+        under the same id, unless a newer hint for the same target was queued meanwhile or the
+        session ended (its Release still goes). Their sends still count against the rate limit."""
+        for hint in hints:
+            intent = self._sent.pop(hint.hint_id, None)
+            if intent is None or (intent.kind != "release" and intent.owner in self._ended):
+                continue  # (a keep for a session that ended meanwhile is moot)
+            self._outbox.setdefault((intent.kind, intent.owner), intent)
+            self._count("requeued")
+
+    def due(self, now: Optional[float] = None) -> list[pb.Hint]:
+        """`tick` and `drain`: the hints to send now, for a caller with its own transport (what
+        `flush` does with a sink). Send them, then feed their results to `record`, or give them
+        back with `requeue` when the send failed."""
         now = max(self.clock() if now is None else now, self._last_t)
         self.tick(now)
         return self.drain(now)

@@ -5,12 +5,16 @@ hint, in order. `ClientSink` wraps `KvHintClient`, `AsyncClientSink` wraps
 `AsyncKvHintClient`, `FleetSink` wraps `FleetClient` (a hint counts as applied
 when any engine holding the session applied it). Tests use `RecordingSink`.
 
-`TokenBucket` bounds the hint rate: `rate` hints per second on average, at
-most `burst` at once.
+`HintRateLimit` bounds the hint rate a policy sends at: at most `rate` hints
+in any one-second interval, at most `burst` at once. (`TokenBucket`, kept for
+callers of earlier versions, only bounds the average: a one-second interval
+can hold `burst + rate` of its tokens.)
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -116,4 +120,33 @@ class TokenBucket:
         """Take up to `n` tokens at `now`; returns how many were taken."""
         got = min(n, self.available(now))
         self.tokens -= got
+        return got
+
+
+class HintRateLimit:
+    """At most `rate` hints in any one-second interval (half-open: [t, t + 1)), and at most
+    `burst` taken in one call. A rate below 1 allows one hint per 1/rate seconds instead.
+    A sliding window over the send times of the last interval (at most `rate` entries);
+    time is passed in, so it is testable, and never moves backwards here."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        if not rate > 0 or not math.isfinite(rate) or not burst >= 1:
+            raise ValueError(f"rate must be a finite number > 0 and burst >= 1 (got rate={rate!r}, burst={burst!r})")
+        self.rate = rate
+        self.burst = int(burst)
+        self.window_s = max(1.0, 1.0 / rate)
+        self.limit = max(1, int(rate * self.window_s + 1e-9))
+        self._sent: deque[float] = deque()
+
+    def available(self, now: float) -> int:
+        """How many hints may go at `now`."""
+        sent, start = self._sent, now - self.window_s
+        while sent and sent[0] <= start:
+            sent.popleft()
+        return min(self.burst, self.limit - len(sent))
+
+    def take(self, n: int, now: float) -> int:
+        """Take up to `n` sends at `now`; returns how many were taken."""
+        got = max(0, min(n, self.available(now)))
+        self._sent.extend([now] * got)
         return got

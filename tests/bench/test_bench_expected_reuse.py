@@ -295,3 +295,47 @@ def test_replay_driver_tells_the_library_policy_of_completions() -> None:
     left = [h.WhichOneof("action") for h in sent if h.selector.session.session_id == "left"]
     assert left == ["release"]  # an idle session like those that ended: let go
 
+
+def test_engine_driver_feeds_the_engines_answers_back_to_the_library_policy() -> None:
+    """The engine replay sends the library policy's hints as a router does and records what the
+    engine answered: a Retain that found nothing resident (MISSING) makes the session cold (no
+    refreshes until it runs again), and hints of a failed RPC go out again with a later call."""
+    from types import SimpleNamespace
+
+    from kvhint.v1 import kvhint_pb2 as pb
+
+    from bench.agentic_driver import HintDriver
+    from bench.trace import ToolCallStarted
+
+    sent: list = []
+    failing = [False]
+
+    def apply(*hints, timeout=None):  # type: ignore[no-untyped-def]
+        if failing[0]:
+            raise ConnectionError("engine unavailable")
+        sent.extend(hints)
+        results = [pb.HintResult(outcome=pb.OUTCOME_MISSING if h.HasField("retain") and h.selector.HasField("session")
+                                 else pb.OUTCOME_ACCEPTED) for h in hints]
+        return SimpleNamespace(outcomes=[pb.Outcome.Name(r.outcome) for r in results], results=results)
+
+    now = [0.0]
+    driver = HintDriver("127.0.0.1:1", generate_trace(PRESETS["fast"], 0, preset="fast"), None, str, 1.0, lambda: now[0], None)
+    driver.client.close()
+    driver.client = SimpleNamespace(apply=apply, close=lambda: None)  # type: ignore[assignment]
+    library = driver.policy.policy
+    driver.start()
+    driver.on_request("a")
+    now[0] = 1.0
+    driver.on_signals([ToolCallStarted(1.0, "a", "short", "a/1")], None)
+    assert [h.WhichOneof("action") for h in sent if h.selector.session.session_id == "a"] == ["retain"]
+    assert library.sessions["a"].cold and library.stats["OUTCOME_MISSING"] == 1
+    failing[0] = True
+    driver.on_request("b")
+    now[0] = 2.0
+    driver.on_signals([ToolCallStarted(2.0, "b", "short", "b/1")], None)  # its Retain's RPC fails
+    assert driver.errors and library.stats["requeued"] >= 1
+    failing[0] = False
+    now[0] = 2.5
+    driver.on_signals([], None, "c")  # any later call sends what waited
+    assert [h.WhichOneof("action") for h in sent if h.selector.session.session_id == "b"] == ["retain"]
+    driver.close()

@@ -3,7 +3,17 @@
 
 from __future__ import annotations
 
-from kvhint_client.policy import OpenAITrafficAdapter, RecordingSink, SessionPolicy, parse_sse_line
+import pytest
+
+from kvhint_client.policy import (
+    OpenAITrafficAdapter,
+    RecordingSink,
+    SessionPolicy,
+    default_session_of,
+    engine_session_of,
+    parse_sse_line,
+    upstream_headers,
+)
 from kvhint_client.policy.signals import ChildSpawned, RequestCompleted, RequestSent, SessionEnded, ToolCallStarted
 
 REQUEST = {"model": "m", "messages": [{"role": "user", "content": "fix the test"}], "tools": [{"type": "function"}]}
@@ -112,3 +122,50 @@ def test_requests_without_a_session_are_ignored() -> None:
     sid = adapter.on_request(REQUEST, {}, t=0.0)
     adapter.on_response(sid, TOOL_RESPONSE, t=1.0)
     assert sid is None and policy.signals == []
+
+
+# --------------------------------------------------------------------------- which session, which class
+
+
+def test_session_ids_are_read_in_vllms_order_and_user_is_a_router_only_fallback() -> None:
+    body, header, xargs = {"session_id": "body"}, {"X-Session-ID": "header"}, {"vllm_xargs": {"session_id": "xargs"}}
+    assert engine_session_of({**body, **xargs}, header) == "body"  # vLLM: body, then header, then vllm_xargs
+    assert engine_session_of(xargs, header) == "header"
+    assert engine_session_of({**xargs, "user": "u"}, {}) == "xargs"
+    assert engine_session_of({"user": "u"}, {}) is None  # vLLM does not read "user"
+    assert default_session_of({"user": "u"}, {}) == "u"
+    assert default_session_of({**body, "user": "u"}, header) == "body"
+
+
+def test_a_proxy_forwards_a_user_keyed_session_with_the_header_the_engine_reads() -> None:
+    headers = {"Authorization": "Bearer t", "x-session-id": ""}
+    out = upstream_headers({"user": "u1"}, headers, "u1")
+    assert out["X-Session-ID"] == "u1" and out["Authorization"] == "Bearer t" and "x-session-id" not in out
+    assert engine_session_of({"user": "u1"}, out) == "u1"
+    same = {"X-Session-ID": "s"}
+    assert upstream_headers({}, same, "s") == same and upstream_headers({}, same, None) == same
+    with pytest.raises(ValueError, match="body names session 'b'"):
+        upstream_headers({"session_id": "b"}, {}, "router-id")
+
+
+def test_the_session_class_header_keys_the_pauses_of_its_class() -> None:
+    policy = Recorder()
+    adapter = OpenAITrafficAdapter(policy)
+    sid = adapter.on_request(REQUEST, {"X-Session-ID": "a", "X-Session-Class": "coder"}, t=0.0)
+    assert policy.signals[-1] == RequestSent("a", session_class="coder", t=0.0)
+    adapter.on_response(sid, TOOL_RESPONSE, t=1.0)
+    adapter.on_request(REQUEST, {"X-Session-ID": "a"}, t=5.0)
+    assert policy.model.count(("tool", "grep+run_tests", "coder")) == 1
+
+
+def test_a_failed_request_leaves_its_session_idle_not_running() -> None:
+    policy = Recorder()
+    adapter = OpenAITrafficAdapter(policy)
+    sid = adapter.on_request(REQUEST, {"X-Session-ID": "a"}, t=0.0)
+    adapter.on_error(sid, t=1.0)
+    assert policy.signals[-1] == RequestCompleted("a", t=1.0)
+    sink = RecordingSink()
+    policy.flush(sink, 1.0)
+    assert [h.WhichOneof("action") for h in sink.hints] == ["retain"]
+    adapter.on_error(None, t=2.0)  # untracked request: nothing
+    assert len(policy.signals) == 2
