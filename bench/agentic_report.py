@@ -43,9 +43,15 @@ from bench.simulate import (
 )
 from bench.trace import Trace
 
-GOAL_G1 = 0.90  # hints recover >= 90% of Belady's recomputed-token savings over LRU
+# The reference policy's runs (hints, hints+release, hints+tiers) are graded against the goals
+# set for it; kvhint_client.policy's (policy, policy+tiers) against the goals set for the
+# deployable policy (docs/design-notes.md, "Expected reuse and the session policy").
+GOAL_G1 = 0.90  # reference policy: hints recover >= 90% of Belady's recomputed-token savings over LRU
 GOAL_TTFT = 0.60  # mean TTFT with hints (and tiers) <= 0.6 x LRU
-GOAL_TIERS_VS_INFINITE = 1.10  # with tiers: recomputed tokens <= 1.1 x the infinite-cache bound, and below run (f)
+GOAL_TIERS_VS_INFINITE = 1.10  # reference policy with tiers: recomputed <= 1.1 x the infinite-cache bound, and below run (f)
+GOAL_G1_POLICY = 0.75  # kvhint_client.policy, device only: >= 75% of Belady's savings over LRU
+GOAL_TIERS_POLICY = 1.25  # kvhint_client.policy with tiers: recomputed <= 1.25 x the infinite-cache bound, and below run (f)
+LIBRARY_RUNS = ("policy", "policy+tiers")  # the runs of kvhint_client.policy
 TIERED_HINT_RUNS = ("hints+tiers", "policy+tiers")  # hinted runs on the tier engine, compared with run (f)
 
 
@@ -469,9 +475,11 @@ class Report:
                 continue
             m = self.run_metrics(name)
             saved = lru["recomputed_tokens"] - m["recomputed_tokens"]
+            goal_g1 = GOAL_G1_POLICY if name in LIBRARY_RUNS else GOAL_G1
             entry = {
                 "g1_savings_vs_belady": saved / headroom if headroom > 0 else math.nan,
-                "g1_met": bool(headroom > 0 and saved / headroom >= GOAL_G1),
+                "g1_goal": goal_g1,
+                "g1_met": bool(headroom > 0 and saved / headroom >= goal_g1),
                 "g1_savings_vs_belady_overlapped": saved / headroom_overlapped if headroom_overlapped > 0 else math.nan,
                 "ttft_mean_vs_lru": m["ttft_mean_ms"] / lru["ttft_mean_ms"] if lru["ttft_mean_ms"] else math.nan,
                 "recomputed_vs_infinite": m["recomputed_tokens"] / infinite if infinite else math.nan,
@@ -482,7 +490,8 @@ class Report:
                 entry["recomputed_vs_offload"] = m["recomputed_tokens"] / f if f else math.nan
                 f_ttft = self.run_metrics("offload")["ttft_mean_ms"] if "offload" in self.runs else math.nan
                 entry["ttft_mean_vs_offload"] = m["ttft_mean_ms"] / f_ttft if f_ttft else math.nan
-                entry["tiers_met"] = bool(entry["recomputed_vs_infinite"] <= GOAL_TIERS_VS_INFINITE
+                entry["tiers_goal"] = GOAL_TIERS_POLICY if name in LIBRARY_RUNS else GOAL_TIERS_VS_INFINITE
+                entry["tiers_met"] = bool(entry["recomputed_vs_infinite"] <= entry["tiers_goal"]
                                           and m["recomputed_tokens"] < f)
             lru_mod = self.run_modelled_ttft("lru")
             entry["modelled_ttft_vs_lru"] = self.run_modelled_ttft(name) / lru_mod if lru_mod else math.nan
@@ -631,9 +640,11 @@ class Report:
                     f"Savings of the overlapped Belady over run (a): {g['belady_overlapped_headroom_tokens']:.0f} tokens, "
                     "the last column's denominator.")
             out.append("")
-            out.append("| run | G1: share of Belady's savings (goal >= 0.90; device-only runs) | same, sequential simulation | "
-                       "mean TTFT / LRU, measured (goal <= 0.6) | modelled TTFT / LRU | recomputed / infinite "
-                       "(tiers goal: (g) <= 1.1 and below (f)) | share of overlapped Belady's savings (device-only runs) |")
+            out.append(f"| run | G1: share of Belady's savings (goal >= {GOAL_G1:.2f}, kvhint_client.policy >= "
+                       f"{GOAL_G1_POLICY:.2f}; device-only runs) | same, sequential simulation | "
+                       f"mean TTFT / LRU, measured (goal <= {GOAL_TTFT}) | modelled TTFT / LRU | recomputed / infinite "
+                       f"(tiers goal: (g) <= {GOAL_TIERS_VS_INFINITE}, (g2) <= {GOAL_TIERS_POLICY}, and below (f)) | "
+                       "share of overlapped Belady's savings (device-only runs) |")
             out.append("|---|---|---|---|---|---|---|")
             for name, e in g.items():
                 if name not in self.runs:
