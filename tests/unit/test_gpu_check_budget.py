@@ -1,0 +1,149 @@
+"""scripts/gpu_check.py without an engine: the total budget (step timeouts shrink to the time
+left, a step left without time is reported as skipped, never passed), the wall-time verdict, the
+results file when the check cannot start, and the sidecar evidence of the bookkeeping mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load() -> Any:
+    spec = importlib.util.spec_from_file_location("kvhint_gpu_check", REPO / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+gc = _load()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _opts(tmp_path: Path, budget: Any, cpu: bool = False) -> Any:
+    return gc.Options(cpu=cpu, quick=True, out=tmp_path, step_timeout=600.0, budget=budget)
+
+
+def _info(**extra: Any) -> dict[str, Any]:
+    return {"python": "3.11", "vllm": "0.32.0", "torch": "2.x", "mode": "gpu", "cuda_available": True,
+            "enforce_eager": False, "residency_bookkeeping": "auto", "gpu": "FakeGPU", **extra}
+
+
+def test_step_timeouts_shrink_to_the_time_left() -> None:
+    clock = Clock()
+    budget = gc.Budget(570.0, clock=clock)
+    assert budget.timeout(600.0) == 570.0
+    clock.now += 100
+    assert budget.left() == 470.0 and budget.timeout(600.0) == 470.0
+    assert budget.timeout(60.0) == 60.0  # --step-timeout still caps a step
+    clock.now += 1000
+    assert budget.left() == 0.0 and not budget.enough()
+    unlimited = gc.Budget(None, clock=clock)
+    assert unlimited.timeout(600.0) == 600.0 and unlimited.enough() and gc.Budget(0, clock=clock).seconds is None
+
+
+def test_steps_run_with_the_shrunk_timeout_and_later_ones_are_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    opts = _opts(tmp_path, gc.Budget(570.0, clock=clock))
+    timeouts: list[float] = []
+
+    def fake_run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO) -> tuple[int, str]:
+        timeouts.append(timeout)
+        clock.now += 550  # the identity test takes most of the budget
+        log.write_text("")
+        return 0, "1 passed in 550s\n"
+
+    monkeypatch.setattr(gc, "_run", fake_run)
+    clock.now += 10
+    ran = gc._timed(gc.Step("identity test"), lambda s: gc.identity(opts, "dense", s), opts.budget)
+    assert timeouts == [560.0] and ran.status == "pass"
+    later = gc._timed(gc.Step("step overhead"), lambda s: pytest.fail("must not run"), opts.budget)
+    assert later.status == "skip" and later.details["skipped"] == gc.SKIPPED_FOR_TIME
+    assert later.summary.startswith("skipped for lack of time: 10 s left of the 570 s budget")
+
+
+def test_a_step_skipped_for_time_fails_the_run_and_is_reported(tmp_path: Path) -> None:
+    clock = Clock()
+    opts = _opts(tmp_path, gc.Budget(570.0, clock=clock))
+
+    def steps_for(o: Any, name: str, preset: str, info: dict[str, Any]) -> list[Any]:
+        done = gc.Step("generate model", status="pass", summary="ok")
+        clock.now += 560
+        return [done, gc._timed(gc.Step("serve (scheduling mode)"), lambda s: pytest.fail("must not run"), o.budget)]
+
+    rc = gc.run_checks(opts, {"dense"}, probe=lambda o: _info(), steps_for=steps_for)
+    data = json.loads((tmp_path / "gpu_check_results.json").read_text())
+    text = (tmp_path / "gpu_check_results.md").read_text()
+    assert rc == 1 and data["ok"] is False and "Overall: **FAIL**" in text
+    assert data["skipped_for_time"] == ["dense: serve (scheduling mode)"]
+    serve = data["models"]["dense"][1]
+    assert serve["status"] == "skip" and "skipped for lack of time" in serve["summary"]
+    assert "| dense | serve (scheduling mode) | skip |" in text and "Skipped for lack of time: dense: serve" in text
+    assert "Total wall time 560 s (limit 600 s): **met**." in text
+
+
+@pytest.mark.parametrize(("wall", "cpu", "verdict", "ok"), [
+    (420.0, False, "met", True),
+    (612.0, False, "missed", False),
+    (612.0, True, "missed", True),  # --cpu: reported, not part of the verdict
+])
+def test_wall_time_verdict(tmp_path: Path, wall: float, cpu: bool, verdict: str, ok: bool) -> None:
+    opts = _opts(tmp_path, gc.Budget(None if cpu else 570.0), cpu=cpu)
+    steps = {"dense": [gc.Step("generate model", status="pass", summary="ok")]}
+    assert gc.write_results(opts, _info(), steps, wall) is ok
+    text = (tmp_path / "gpu_check_results.md").read_text()
+    assert f"Total wall time {wall:.0f} s (limit 600 s): **{verdict}**" in text
+    assert ("reported only" in text) is cpu
+    data = json.loads((tmp_path / "gpu_check_results.json").read_text())
+    assert data["wall_limit_met"] is (verdict == "met") and data["wall_limit_enforced"] is not cpu and data["ok"] is ok
+
+
+@pytest.mark.parametrize(("probe", "reason"), [
+    (lambda o: _info(cuda_available=False, gpu=None), "no CUDA device visible"),
+    (lambda o: (_ for _ in ()).throw(ImportError("No module named 'vllm'")), "the platform check failed: ImportError"),
+])
+def test_a_failed_start_still_writes_a_results_file(tmp_path: Path, probe: Any, reason: str) -> None:
+    opts = _opts(tmp_path, gc.Budget(570.0))
+    rc = gc.run_checks(opts, {"dense", "hybrid"}, probe=probe, steps_for=lambda *a: pytest.fail("no step may run"))
+    assert rc == 2
+    data = json.loads((tmp_path / "gpu_check_results.json").read_text())
+    text = (tmp_path / "gpu_check_results.md").read_text()
+    assert data["ok"] is False and reason in data["error"] and data["models"] == {}
+    assert "Overall: **FAIL**" in text and reason in text and "Total wall time" in text
+
+
+def test_identity_child_gets_the_headers_eager_mode(tmp_path: Path) -> None:
+    opts = _opts(tmp_path, gc.Budget(None))
+    assert gc.identity_env(opts) == {"KVHINT_ENFORCE_EAGER": "0"}  # overrides tests/conftest.py's default of 1
+    opts.enforce_eager = True
+    assert gc.identity_env(opts) == {"KVHINT_ENFORCE_EAGER": "1"}
+
+
+LOG = "(EngineCore pid=1) INFO 12-03 12:00:29 [scheduler.py:132] kvhint: residency bookkeeping deferred\n"
+METRICS = "# TYPE kvhint_residency_deferred_total counter\nkvhint_residency_deferred_total 42.0\n"
+
+
+def test_bookkeeping_evidence() -> None:
+    assert gc.metric_total(METRICS, gc.DEFERRED_METRIC) == 42.0 and gc.metric_total("", gc.DEFERRED_METRIC) is None
+    ok = gc.bookkeeping_check("auto", True, LOG, 42.0)
+    assert ok["ok"] and ok["scheduler_built"] == "KvHintAsyncScheduler" and "42 changes" in ok["summary"]
+    assert not gc.bookkeeping_check("auto", True, LOG, 0.0)["ok"]  # deferred, but nothing booked after traffic
+    assert gc.bookkeeping_check("auto", True, LOG, 0.0, traffic=False)["ok"]
+    assert not gc.bookkeeping_check("auto", True, LOG.replace("deferred", "inline"), None)["ok"]
+    assert not gc.bookkeeping_check("auto", True, "", 42.0)["ok"]  # no line: KvHint's scheduler not seen
+    assert gc.bookkeeping_check("deferred", False, LOG, 3.0)["ok"]  # --cpu: deferred asked for, sync scheduler
