@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def complete(
     tokens: list[int] = []
     top: list[tuple[float, ...]] = []
     top_ids: list[tuple[int, ...]] = []
-    usage: dict[str, object] = {}
+    usage: dict[str, Any] = {}
     done = False
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -125,8 +126,8 @@ def complete(
     latency = time.perf_counter() - start
     details = usage.get("prompt_tokens_details") or {}
     return Completion(
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),  # type: ignore[arg-type]
-        cached_tokens=int(details.get("cached_tokens", 0) or 0),  # type: ignore[union-attr]
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        cached_tokens=int(details.get("cached_tokens", 0) or 0),
         token_ids=tuple(tokens),
         text="".join(text),
         ttft_s=ttft if ttft is not None else latency,
