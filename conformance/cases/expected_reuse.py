@@ -136,3 +136,39 @@ def register(reg: Registry) -> None:
             f"the sessions expected in 100 s and 110 s hit {ahead} and {further} of {ctx.full_hit} tokens",
         )
         check(overdue < ctx.full_hit, f"the session whose expected time passed kept all {overdue} tokens")
+
+    @reg.case(
+        "expected-reuse", "shared-block-uses-the-earliest-expectation",
+        "A block retained by several sessions at the same priority MUST be ordered by the earliest expected reuse "
+        "among their unexpired grants, whichever grant came first or last: a prefix that one of three sessions "
+        "expects in 10 s, and the other two in 110 s, MUST outlast a session expected in 60 s.",
+        requires=("retain:session",),
+        needs=PRESSURE,
+    )
+    def shared_earliest(ctx: CaseContext) -> None:
+        if not _supports(ctx, pb.ACTION_RETAIN):
+            raise CaseSkipped("RETAIN does not advertise supports_expected_reuse")
+        prompts = {"soon": ctx.session_prompt("shared"), "near": ctx.session_prompt("near"), "mid": ctx.session_prompt("mid")}
+        for n in ("first", "soon", "last"):  # one prompt, three sessions: the same blocks
+            ctx.complete(prompts["soon"], ctx.sid(n))
+        for n in ("near", "mid"):
+            ctx.complete(prompts[n], ctx.sid(n))
+        # Sent in this order, "the first grant" and "the last grant" on the shared prefix both say
+        # 110 s; only the earliest expectation says 10 s.
+        results = ctx.apply(
+            retain_expecting(ctx.sid("first"), 110.0),
+            retain_expecting(ctx.sid("soon"), 10.0),
+            retain_expecting(ctx.sid("last"), 110.0),
+            retain_expecting(ctx.sid("near"), 35.0),
+            retain_expecting(ctx.sid("mid"), 60.0),
+        )
+        check(all(r.outcome == pb.OUTCOME_ACCEPTED for r in results), "; ".join(H.describe(r) for r in results))
+        _half_session_pressure(ctx, 3)
+        got = kept(ctx, prompts, ("soon", "near", "mid"))
+        check(
+            got["soon"] == ctx.full_hit and got["near"] == ctx.full_hit,
+            f"the prefix one session expects in 10 s (two others in 110 s) hit {got['soon']} and the session expected "
+            f"in 35 s hit {got['near']} of {ctx.full_hit} tokens, the one expected in 60 s {got['mid']}: the shared "
+            "prefix was not ranked by its earliest expectation",
+        )
+        check(got["mid"] < ctx.full_hit, f"the session expected in 60 s kept all {got['mid']} tokens: the pressure evicted nothing")
