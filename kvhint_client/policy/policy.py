@@ -666,13 +666,15 @@ class SessionPolicy:
 
     def _demote_refused(self, s: _Session) -> None:
         """The engine could not take this pause's Demote (its Retain was dropped for it): protect the
-        session on the device instead, and demote nothing more until it runs again."""
+        session on the device instead, and demote nothing more until it runs again. (A refusal that
+        arrives after the session sent its next request concerns a pause that is over.)"""
+        if s.state not in ("paused", "waiting"):
+            return
         s.no_demote = True
-        if s.demoted and s.state in ("paused", "waiting"):
+        if s.demoted:
             s.demoted, s.prefetch_at = False, None
             self._unqueue(s.sid, "prefetch")
             self._predict_and_keep(s, self._last_t)
-        s.demoted = False
 
     def _unsupported(self, action: Optional[str], s: Optional[_Session]) -> None:
         if action in ("retain", "pin") and self.expected_reuse:

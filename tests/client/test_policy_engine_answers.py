@@ -232,3 +232,15 @@ def test_policy_sends_at_most_its_rate_in_any_second(steps: list[tuple[int, floa
     for k in range(40):  # nothing is lost: coalesced hints wait for the limit and go out later
         policy.flush(sink, t + 1000.0 + k)
     assert policy.pending == 0
+
+
+def test_a_refusal_that_arrives_after_the_session_resumed_does_not_stop_its_next_demote() -> None:
+    policy, t = demoting_policy()
+    sink = RecordingSink()
+    policy.observe(ToolCallStarted("a", tools=("build",), t=t))
+    (demote,) = [h for h in policy.due(t) if h.selector.session.session_id == "a"]
+    policy.observe(RequestSent("a", t=t + 1.0))  # resumed before the Demote's answer came back
+    policy.record([demote], [pb.HintResult(hint_id=demote.hint_id, outcome=pb.OUTCOME_REJECTED, reason=pb.REASON_RESOURCE_EXHAUSTED)])
+    policy.observe(ToolCallStarted("a", tools=("build",), t=t + 2.0))
+    policy.flush(sink, t + 2.0)
+    assert "demote" in actions(sink, "a")
