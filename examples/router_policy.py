@@ -129,6 +129,24 @@ def make_handler(router: Router, upstream: urllib.parse.SplitResult) -> type[Bas
     return Handler
 
 
+def _cached(data: bytes, stream: bool) -> str:
+    """The prompt tokens the engine served from its prefix cache, as its usage reports them
+    (vLLM reports them with --enable-prompt-tokens-details)."""
+    usage: Any = None
+    try:
+        if stream:
+            chunks = [parse_sse_line(line) for line in data.splitlines()]
+            usage = next((c["usage"] for c in reversed(chunks) if c and c.get("usage")), None)
+        else:
+            usage = json.loads(data).get("usage")
+    except (ValueError, AttributeError):
+        usage = None
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None:
+        return "cached tokens not reported (serve with --enable-prompt-tokens-details)"
+    return f"{cached} of {usage.get('prompt_tokens')} prompt tokens cached"
+
+
 def demo(listen: str, model: str | None, turns: int) -> None:
     """Two scripted agents, one streaming, talking through the proxy. Each keeps its conversation
     and sends it whole every turn, as agents do, so a turn reuses the session's cached prefix."""
@@ -145,11 +163,13 @@ def demo(listen: str, model: str | None, turns: int) -> None:
             messages = agents[sid]
             messages.append({"role": "user", "content": f"turn {turn}: go on"})
             conn = http.client.HTTPConnection(host, int(port), timeout=120)
-            body = {"model": model, "messages": messages, "max_tokens": 8, "stream": stream}
+            body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": 8, "stream": stream}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
             conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json", "X-Session-ID": sid})
             resp = conn.getresponse()
-            resp.read()
-            print(f"demo: {sid} turn {turn}: HTTP {resp.status}", file=sys.stderr)
+            data = resp.read()
+            print(f"demo: {sid} turn {turn}: {_cached(data, stream)}, HTTP {resp.status}", file=sys.stderr)
             conn.close()
             messages.append({"role": "assistant", "content": f"done with turn {turn}"})
         time.sleep(0.5)

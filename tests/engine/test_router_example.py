@@ -7,6 +7,7 @@ ended session must get a Release the engine ACCEPTED, and every completion must 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,11 @@ def test_router_example_demo_hints_the_sessions_it_proxies(clean: Engine) -> Non
     assert proc.returncode == 0, proc.stderr[-3000:]
     statuses = [line for line in proc.stderr.splitlines() if line.startswith("demo:")]
     assert len(statuses) == 6 and all(line.endswith("HTTP 200") for line in statuses), proc.stderr[-3000:]
+    # Each turn reports what the engine served from its cache (streaming too, through the usage
+    # chunk); a later turn of a conversation resent whole reuses its earlier turns.
+    cached = [re.search(r"turn (\d+): (\d+) of (\d+) prompt tokens cached", line) for line in statuses]
+    assert all(cached), statuses
+    assert all(int(m.group(2)) > 0 for m in cached if m and m.group(1) != "0"), statuses
     report = json.loads(proc.stdout)
     releases = {line for line in report["hints"] if line.startswith("release ")}
     assert releases == {"release demo-agent-a -> OUTCOME_ACCEPTED", "release demo-agent-b -> OUTCOME_ACCEPTED"}, report
