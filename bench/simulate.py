@@ -546,7 +546,6 @@ class HintedPool:
 
     def apply(self, a: Action, t: float) -> None:
         self.now = max(self.now, t)
-        self._protection_cache = None
         tgt = a.target
         if isinstance(a, Pin):
             self.stats["pins"] += 1
@@ -584,13 +583,13 @@ class HintedPool:
             self.pins.pop(tgt, None)
             self.retains.pop(tgt, None)
             self.demoted.add(tgt.id)
-            # The store may have evicted host copies by host_order, which cached the protection
-            # of the hints before the pops above.
-            self._protection_cache = None
         elif isinstance(a, (Demote, Prefetch)):
             pass  # no host tier; and with one, Prefetch stages into the host, which already holds it
         else:  # pragma: no cover
             raise TypeError(a)
+        # Dropped once every change is made: a Demote's host store runs host_order, which may
+        # compute (and cache) the protection before its hints are popped.
+        self._protection_cache = None
 
     # ---- eviction order
     def _protection(self) -> tuple[set[int], dict[int, int], dict[int, float]]:

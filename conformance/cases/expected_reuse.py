@@ -148,11 +148,10 @@ def register(reg: Registry) -> None:
     def shared_earliest(ctx: CaseContext) -> None:
         if not _supports(ctx, pb.ACTION_RETAIN):
             raise CaseSkipped("RETAIN does not advertise supports_expected_reuse")
-        prompts = {"soon": ctx.session_prompt("shared"), "near": ctx.session_prompt("near"), "mid": ctx.session_prompt("mid")}
+        shared = ctx.session_prompt("shared")
         for n in ("first", "soon", "last"):  # one prompt, three sessions: the same blocks
-            ctx.complete(prompts["soon"], ctx.sid(n))
-        for n in ("near", "mid"):
-            ctx.complete(prompts[n], ctx.sid(n))
+            ctx.complete(shared, ctx.sid(n))
+        prompts = {"soon": shared, **_store(ctx, ("near", "mid"))}
         # Sent in this order, "the first grant" and "the last grant" on the shared prefix both say
         # 110 s; only the earliest expectation says 10 s.
         results = ctx.apply(

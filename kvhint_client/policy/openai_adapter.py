@@ -103,9 +103,9 @@ def upstream_headers(body: Body, headers: Headers, sid: Optional[str]) -> dict[s
 
 def parent_of(body: Body, headers: Optional[Headers]) -> Optional[str]:
     """`X-Parent-Session-ID` header, else ``vllm_xargs.parent_session_id``."""
-    for key, value in (headers or {}).items():
-        if key.lower() == "x-parent-session-id" and value:
-            return str(value)
+    header = _header(headers, "x-parent-session-id")
+    if header is not None:
+        return header
     xargs = body.get("vllm_xargs")
     if isinstance(xargs, Mapping) and isinstance(xargs.get("parent_session_id"), str):
         return str(xargs["parent_session_id"])
