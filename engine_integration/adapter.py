@@ -87,6 +87,8 @@ class VllmAdapter:
         self.pool: Any = None  # KvHintBlockPool, set by attach_pool
         self._engine_core = engine_core
         self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+        # A pool key (digest + 4-byte group id) sliced to its external hash: `external(key[:-4])`.
+        self._key_to_external = slice(-12, -4) if self._int_hashes else slice(None, -4)
         # Wire hash -> vLLM BlockHash (digest) of every block with a cached copy
         # in any group (int hashes only; otherwise the wire hash is the digest).
         self._digest: dict[bytes, bytes] = {}
@@ -107,6 +109,10 @@ class VllmAdapter:
         # Pool-key suffixes of every cacheable group (vLLM's make_block_hash_with_group_id:
         # digest + 4-byte big-endian group id), precomputed for the per-block paths.
         self._cacheable_suffixes = tuple(g.to_bytes(4, "big") for g in self.groups.cacheable)
+        # Fixed for the engine's life; read by the per-call hooks below.
+        self._single_group = self.groups.single
+        self._multi_residency = len(self.groups.residency) > 1
+        self._hash_block_size = pool.hash_block_size
 
     # ------------------------------------------------------------ hashes
 
@@ -233,11 +239,12 @@ class VllmAdapter:
         ones a grant covers by their class. They were in use until now, so none is filed as
         protected yet, and a block without a grant on its logical block stays where vLLM put
         it (what re-filing it would do, without the retention view)."""
-        grants, pool, ext = self.core.ledger.grants, self.pool, self.external
+        grants, pool, cut = self.core.ledger.grants, self.pool, self._key_to_external
         refile_block = pool.kvh_refile_block
-        for block in blocks:
-            key = block.block_hash  # digest + 4-byte group id
-            if key is not None and block.ref_cnt == 0 and ext(key[:-4]) in grants and block.pool in (None, pool):
+        # About a thousand blocks are freed per step at GPU scale: their keys are read with
+        # map (no property frame per block) and sliced to external hashes in place.
+        for block, key in zip(blocks, map(vllm_private.block_key, blocks)):  # key: digest + 4-byte group id
+            if key is not None and block.ref_cnt == 0 and key[cut] in grants and block.pool in (None, pool):
                 refile_block(block)
 
     def demote_first(self, hashes: Iterable[bytes]) -> int:
@@ -296,14 +303,14 @@ class VllmAdapter:
         # journal (inline or deferred, in order). It gets a plain function and the span's
         # blocks as arguments, so the entry keeps no object of its own alive until it is
         # settled (kvhint_server/journal.py, "Storage").
-        hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, block_size)
-        mask = None if block_mask is None else list(block_mask)
+        hashes = request.block_hashes
+        if block_size != self._hash_block_size:
+            hashes = resolve_block_hashes(hashes, self._hash_block_size, block_size)
         held = None
-        residency = self.groups.residency
-        if len(residency) > 1 and group_id in residency:  # resident once every residency group holds it
-            held = [self._held_by_all(hashes[i], residency) for i in range(num_cached_blocks, num_full_blocks)]
-        self.core.record(VllmAdapter._book_stored, self, request, hashes, mask, num_cached_blocks, group_id, held,
-                         *blocks[num_cached_blocks:num_full_blocks])
+        if self._multi_residency and group_id in self.groups.residency:  # resident once every residency group holds it
+            held = [self._held_by_all(hashes[i], self.groups.residency) for i in range(num_cached_blocks, num_full_blocks)]
+        self.core.record(VllmAdapter._book_stored, self, request, hashes, None if block_mask is None else list(block_mask),
+                         num_cached_blocks, group_id, held, *blocks[num_cached_blocks:num_full_blocks])
 
     def _book_stored(
         self, request: Any, hashes: Any, mask: list[bool] | None, num_cached_blocks: int,
@@ -338,7 +345,9 @@ class VllmAdapter:
         n = num_computed_tokens // self.scheduler.block_size
         if n <= 0:
             return
-        hashes = resolve_block_hashes(request.block_hashes, self.pool.hash_block_size, self.scheduler.block_size)
+        hashes = request.block_hashes
+        if self.scheduler.block_size != self._hash_block_size:
+            hashes = resolve_block_hashes(hashes, self._hash_block_size, self.scheduler.block_size)
         self.core.record(VllmAdapter._book_hit, self, request, hashes, n)
 
     def _book_hit(self, request: Any, hashes: Any, n: int) -> None:
@@ -372,16 +381,17 @@ class VllmAdapter:
         that stopped being resident end here, on the engine thread that owns the
         retention ledger (KvHintCore.drop_grants), whichever thread books the rest."""
         cache = vllm_private.cached_block_map(self.pool)
-        popped = [key for key in keys if key not in cache]  # else another copy in the same group
+        # Keep the keys no other copy in the same group still holds (the common case: all).
+        popped = keys if cache.keys().isdisjoint(keys) else [key for key in keys if key not in cache]
         if not popped:
             return
         anywhere = None
-        if not self.groups.single:
+        if not self._single_group:
             suffixes = self._cacheable_suffixes
             anywhere = [any(key[:-4] + suffix in cache for suffix in suffixes) for key in popped]
         if self.core.ledger.grants:
-            residency, ext_of = self._residency_suffixes, self.external
-            self.core.drop_grants([ext_of(key[:-4]) for key in popped if key[-4:] in residency])
+            residency, cut = self._residency_suffixes, self._key_to_external
+            self.core.drop_grants([key[cut] for key in popped if key[-4:] in residency])
         # The keys go into the journal entry itself (see on_blocks_cached).
         self.core.record(VllmAdapter._book_removed, self, anywhere, cause, *popped)
 

@@ -35,6 +35,7 @@ vLLM's (tests/inproc/test_pool_hooks_stock.py).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,9 @@ _maybe_evict = BlockPool._maybe_evict_cached_block
 _get_new_blocks = BlockPool.get_new_blocks
 _free_blocks = BlockPool.free_blocks
 _touch = BlockPool.touch
+_block_id = operator.attrgetter("block_id")
+_cache_full_blocks = BlockPool.cache_full_blocks
+_get_computed_blocks = KVCacheManager.get_computed_blocks
 
 
 class KvHintBlockPool(BlockPool):
@@ -88,9 +92,7 @@ class KvHintBlockPool(BlockPool):
             return
         self._kvh_cause = RemovalCause.REPLACED
         try:
-            super().cache_full_blocks(
-                request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask
-            )
+            _cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
         finally:
             self._kvh_cause = RemovalCause.EVICTED
         self._kvh.on_blocks_cached(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
@@ -162,13 +164,13 @@ class KvHintBlockPool(BlockPool):
         finally:
             self._kvh_pending = None
             if pending:
-                self._kvh_flush_removed(pending, runs)
+                if len(runs) == 1:  # one cause (the usual case)
+                    self._kvh.on_keys_removed(pending, runs[0][1])
+                else:
+                    self._kvh_flush_removed(pending, runs)
 
     def _kvh_flush_removed(self, pending: list[Any], runs: list[tuple[int, RemovalCause]]) -> None:
         """Report buffered removals: `runs` holds (start in `pending`, cause) per run."""
-        if len(runs) == 1:
-            self._kvh.on_keys_removed(pending, runs[0][1])
-            return
         ends = [start for start, _ in runs[1:]] + [len(pending)]
         for (start, cause), end in zip(runs, ends):
             self._kvh.on_keys_removed(pending[start:end], cause)
@@ -186,9 +188,11 @@ class KvHintBlockPool(BlockPool):
     def touch(self, blocks) -> None:  # type: ignore[no-untyped-def]
         if self._kvh_retaining:
             protected = self._kvh_protected
-            if protected.count:
+            filed = protected.filed
+            # Most touched blocks are not filed: check that for all of them in C first.
+            if filed and not filed.keys().isdisjoint(map(_block_id, blocks)):
                 for block in blocks:
-                    if block.ref_cnt == 0 and protected.remove(block):
+                    if block.ref_cnt == 0 and block.block_id in filed and protected.remove(block):
                         # Back in the queue so the stock touch can take it out.
                         self.free_block_queue.append(block)
         _touch(self, blocks)
@@ -271,7 +275,7 @@ class KvHintKVCacheManager(KVCacheManager):
         # Called when a waiting request is considered for admission (not per
         # decode step). A hit establishes session membership: the blocks are
         # resident and the session is about to use them.
-        result = super().get_computed_blocks(request)
+        result = _get_computed_blocks(self, request)
         if result[1]:
             self._kvh.on_prefix_hit(request, result[1])
         return result

@@ -142,16 +142,18 @@ class ProtectedFreeBlocks:
         self.count = 0
         self._clock = clock
         self._seq = itertools.count()
-        self._filed: dict[int, Filing] = {}
+        # block id -> filing. Read-only outside this class: the pool's `touch` checks
+        # membership here before calling `remove` (most touched free blocks are not filed).
+        self.filed: dict[int, Filing] = {}
         self._retained: dict[int, _Bucket] = {}  # priority -> bucket
         self._pinned = _Bucket()
 
     def __contains__(self, block: KVCacheBlock) -> bool:
-        return block.block_id in self._filed
+        return block.block_id in self.filed
 
     def filed_as(self, block: KVCacheBlock) -> Filing | None:
         """(class, priority, reuse_at) the block is filed under, or None."""
-        return self._filed.get(block.block_id)
+        return self.filed.get(block.block_id)
 
     def add(self, block: KVCacheBlock, cls: RetentionClass, priority: int, reuse_at: float | None = None) -> None:
         """File `block` (re-filing it if present) as the most recently freed of its bucket."""
@@ -162,12 +164,12 @@ class ProtectedFreeBlocks:
             bucket = self._pinned
         else:
             bucket = self._retained.get(priority) or self._retained.setdefault(priority, _Bucket())
-        self._filed[block.block_id] = (cls, priority, reuse_at)
+        self.filed[block.block_id] = (cls, priority, reuse_at)
         self.count += 1
         bucket.add(block, next(self._seq), reuse_at)
 
     def remove(self, block: KVCacheBlock) -> bool:
-        filed = self._filed.pop(block.block_id, None)
+        filed = self.filed.pop(block.block_id, None)
         if filed is None:
             return False
         self.count -= 1
@@ -200,7 +202,7 @@ class ProtectedFreeBlocks:
             block = bucket.pop(now)
             if block is None:
                 break
-            del self._filed[block.block_id]
+            del self.filed[block.block_id]
             self.count -= 1
             taken.append(block)
         return taken

@@ -5,6 +5,8 @@ has one file to check. Everything runs on the engine thread unless it says
 otherwise.
 
   BlockPool.cached_block_hash_to_block._cache     the hash -> block(s) map
+  KVCacheBlock._block_hash                        what the public `block_hash` property returns,
+                                                  read with operator.attrgetter on per-block paths
   EngineCore._idle_state_callbacks, input_queue   waking an idle engine
   EngineCore._handle_shutdown                     teardown at the busy loop's exit
   OffloadingManager.take_events / reset_cache / shutdown   wrapped (monkey-patched)
@@ -21,6 +23,7 @@ otherwise.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -32,6 +35,11 @@ def cached_block_map(pool: Any) -> dict[Any, Any]:
     """`BlockPool.cached_block_hash_to_block._cache`: key (hash + group id) ->
     a block, or a dict of blocks by id when several copies hold the hash."""
     return pool.cached_block_hash_to_block._cache
+
+
+#: `block_key(block)` is `block.block_hash` (the pool key: hash + group id, or None) without the
+#: property's Python frame (`map(block_key, blocks)`), for scans over a request's blocks.
+block_key: Callable[[Any], Any] = operator.attrgetter("_block_hash")
 
 
 def copies_in(entry: Any) -> list[Any]:

@@ -122,7 +122,14 @@ class KvHintCore:
         # Residency bookkeeping, inline or deferred (journal.py): adapters report
         # residency changes through `record`; `exclusive` sections see them all.
         self.journal = ResidencyJournal()
-        self._exclusive = 0
+        # Engine thread: book a residency change, `record(fn, *args)` (one of the `on_*`
+        # hooks below, or an adapter's step that reads the index first). Deferred to the
+        # journal's settler when it runs and no exclusive section is open; otherwise run
+        # now, after everything journaled before it. The entries never touch the retention
+        # ledger (the engine thread's: a removal's grants end in `drop_grants`, before it
+        # is recorded), so deferral goes on while grants are in effect. The journal's own
+        # method, bound once: the hooks call it for every vLLM call that changes residency.
+        self.record: Callable[..., None] = self.journal.record
 
     # ------------------------------------------------------------ wiring
 
@@ -208,34 +215,21 @@ class KvHintCore:
 
     # ------------------------------------------------------------ residency bookkeeping
 
-    def record(self, fn: Callable[..., object], *args: object) -> None:
-        """Engine thread: book a residency change, `fn(*args)` (one of the
-        `on_*` hooks below, or an adapter's step that reads the index first).
-        Deferred to the journal's settler when it runs and no exclusive
-        section is open; otherwise now, after everything journaled before it.
-        The entries never touch the retention ledger (the engine thread's: a
-        removal's grants end in `drop_grants`, before it is recorded), so
-        deferral goes on while grants are in effect. See journal.py."""
-        journal = self.journal
-        if journal.deferring and not self._exclusive:
-            journal.append(fn, args)
-        else:
-            journal.run(fn, args)
-
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """Engine thread: a section that reads or changes the index, the ledger
         or the event order (hints, queries, snapshots). Everything journaled
         is settled first, the settler waits, and residency changes the section
         causes (an Evict's removals) are booked inline."""
-        with self.journal.lock:
-            if self.journal.pending():
-                self.journal.settle()
-            self._exclusive += 1
+        journal = self.journal
+        with journal.lock:
+            if journal.pending():
+                journal.settle()
+            journal.hold()
             try:
                 yield
             finally:
-                self._exclusive -= 1
+                journal.release()
 
     def settle(self) -> None:
         """Apply every journaled residency change now (any thread); after it,

@@ -101,6 +101,10 @@ class ResidencyJournal:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._deferring = False
+        self._holds = 0  # open hold() sections (the core's exclusive sections)
+        # `record` runs entries now: not deferring, or a hold is open. One flag, so that the
+        # engine thread's hot path reads one attribute (hooks call `record` per vLLM call).
+        self._direct = True
         # Counters (read by metrics and benchmarks; written under `lock`).
         self.settled = 0
         self.errors = 0
@@ -117,6 +121,30 @@ class ResidencyJournal:
         return max(0, self._recorded - self.settled)
 
     # ------------------------------------------------------------ recording (engine thread)
+
+    def record(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Book `fn(*args)`: journaled for the settler while deferring and no hold is open,
+        run now (after everything journaled before it) otherwise. The engine thread's entry
+        point (`KvHintCore.record` is this method); `append` inlined for its hot path."""
+        if self._direct:
+            self.run(fn, args)
+            return
+        self._recorded += 1
+        self._entries.extend((fn, len(args)) + args)
+        if self._recorded - self.settled >= self.max_entries:
+            self.backpressure += 1
+            self.settle()
+
+    def hold(self) -> None:
+        """Engine thread, with `lock` held: until `release`, `record` runs entries now (an
+        exclusive section's own changes are booked inline, in order)."""
+        self._holds += 1
+        self._direct = True
+
+    def release(self) -> None:
+        """End one `hold`."""
+        self._holds -= 1
+        self._direct = not self._deferring or self._holds > 0
 
     def append(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Journal `fn(*args)` for the settler. One `extend` of a tuple adds the whole
@@ -203,6 +231,7 @@ class ResidencyJournal:
         if self._deferring:
             return
         self._deferring = True
+        self._direct = self._holds > 0
         if not thread:
             return
         self._stop.clear()
@@ -229,6 +258,7 @@ class ResidencyJournal:
     def stop(self) -> None:
         """Stop the settler and apply what is left; later records run inline."""
         self._deferring = False
+        self._direct = True
         thread, self._thread = self._thread, None
         if thread is not None:
             self._stop.set()
