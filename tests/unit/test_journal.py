@@ -127,6 +127,28 @@ def test_core_defers_only_when_the_settler_runs_and_no_section_is_open() -> None
     assert seen == [1, 2, 3, 4, 5]
 
 
+def test_nested_sections_and_a_start_inside_one_keep_recording_inline_until_the_last_ends() -> None:
+    """The journal's one "run now" flag (what `record` reads on the engine thread's hot path)
+    follows nested exclusive sections and a start or stop made inside one."""
+    core = KvHintCore(ServerConfig())
+    seen: list[int] = []
+    with core.exclusive():
+        core.journal.start(thread=False)  # deferral switched on inside a section...
+        core.record(seen.append, 1)
+        assert seen == [1]  # ...does not defer what the section books
+        with core.exclusive():
+            core.record(seen.append, 2)
+        core.record(seen.append, 3)  # the outer section is still open
+        assert seen == [1, 2, 3] and core.journal.pending() == 0
+    core.record(seen.append, 4)  # the last section ended: deferred
+    assert seen == [1, 2, 3] and core.journal.pending() == 1
+    with core.exclusive():
+        assert seen == [1, 2, 3, 4]
+        core.journal.stop()  # stopped inside a section: inline after it too
+    core.record(seen.append, 5)
+    assert seen == [1, 2, 3, 4, 5] and core.journal.pending() == 0
+
+
 def test_grants_end_on_the_calling_thread_and_the_booking_leaves_the_ledger_alone(harness) -> None:  # type: ignore[no-untyped-def]
     """`drop_grants` ends a removed block's grants at once; `on_removed(grants_dropped=True)`
     and `on_cleared(..., grants_dropped=True)`, which a journal entry may run later on another
