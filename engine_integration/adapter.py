@@ -241,8 +241,8 @@ class VllmAdapter:
         it (what re-filing it would do, without the retention view)."""
         grants, pool, cut = self.core.ledger.grants, self.pool, self._key_to_external
         refile_block = pool.kvh_refile_block
-        # About a thousand blocks are freed per step at GPU scale: their keys are read with
-        # map (no property frame per block) and sliced to external hashes in place.
+        # Every block of each freed request passes here: keys are read with map (no property
+        # frame per block) and sliced to external hashes in place.
         for block, key in zip(blocks, map(vllm_private.block_key, blocks)):  # key: digest + 4-byte group id
             if key is not None and block.ref_cnt == 0 and key[cut] in grants and block.pool in (None, pool):
                 refile_block(block)

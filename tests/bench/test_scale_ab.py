@@ -29,3 +29,15 @@ def test_the_table_pairs_each_rounds_versions() -> None:
     line = next(x for x in text.splitlines() if x.startswith("| grants |"))
     assert "1.060x (1.050x - 1.070x)" in line and "1.035x (1.030x - 1.040x)" in line
     assert line.endswith("| -2.0, -3.0 points |")
+
+
+def test_the_profile_counts_kvhint_frames_on_the_kvhint_side_only() -> None:
+    from bench import scale_profile
+
+    result = scale_profile.profile("deferred", steps=3, pool=2048, sessions=50, extra=SMALL)
+    rows = {r["function"]: r for r in result["rows"]}
+    record = next(r for name, r in rows.items() if name.startswith("journal.py:") and name.endswith("(record)"))
+    assert record["stock_calls"] == 0 and record["kvhint_calls"] > 0  # the deferred hooks journal every change
+    assert result["totals"]["stock"] > 0 and result["totals"]["kvhint"] > 0
+    text = scale_profile.markdown(result, "python -m bench.scale_profile", top=5)
+    assert text.count("\n| `") == 5
