@@ -57,7 +57,8 @@ def profile(shape_name: str, steps: int, pool: int = POOL, sessions: int = SESSI
             pair.steps(steps, "steady")
     finally:
         pair.close()
-    stats = {side: {_key(f): (v[1], v[2]) for f, v in pstats.Stats(p).stats.items()} for side, p in profs.items()}
+    stats = {side: {_key(f): (v[1], v[2]) for f, v in pstats.Stats(p).stats.items()}  # type: ignore[attr-defined]
+             for side, p in profs.items()}
     totals = {side: sum(t for _, t in s.values()) for side, s in stats.items()}
     rows = []
     for name in set(stats["stock"]) | set(stats["kvhint"]):
