@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def command_line(module: str, argv: list[str] | None) -> str:
@@ -19,3 +21,12 @@ def write_markdown(out: str | Path, title: str, module: str, argv: list[str] | N
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return text
+
+
+def write_results(out: str | Path, raw: dict[str, Any], text: str) -> None:
+    """Write `raw` as JSON next to `out` (same name, .json) and `text` to `out`; print the text."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
+    path.write_text(text)
+    print(text)

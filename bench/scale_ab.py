@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .report import command_line, write_results
+
 SHAPES: dict[str, dict[str, Any]] = {
     "deferred": {"bookkeeping": "deferred"},
     "async": {"async_scheduling": True},
@@ -138,12 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rounds and --steps must be at least 1")
     root = Path(_git("rev-parse", "--show-toplevel"))
     base_commit = _git("rev-parse", "--verify", f"{a.base}^{{commit}}")
-    command = f"python -m bench.scale_ab --base {a.base}" + "".join(
-        f" --{k} {v}" for k, v, d in (("rounds", a.rounds, 3), ("steps", a.steps, 150)) if v != d
-    ) + ("" if a.shapes == list(SHAPES) else " --shapes " + " ".join(a.shapes)) + (
-        "" if a.out == "bench/results/scale_ab.md" else f" --out {a.out}")
     raw: dict[str, Any] = {
-        "command": command, "base": a.base, "base_commit": base_commit, "head_commit": _git("rev-parse", "HEAD"),
+        "command": command_line("bench.scale_ab", argv), "base": a.base, "base_commit": base_commit, "head_commit": _git("rev-parse", "HEAD"),
         "head_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "steps": a.steps,
         "shapes": a.shapes, "rows": [],
     }
@@ -163,11 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             _git("worktree", "remove", "--force", str(base_tree), cwd=root)
     raw["wall_s"] = round(time.monotonic() - t0, 1)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
-    out.write_text(markdown(raw))
-    print(out.read_text())
+    write_results(a.out, raw, markdown(raw))
     return 0
 
 

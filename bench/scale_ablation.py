@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from .report import write_results
 from .scale_driver import Pair
 from .scale_probes import deep_stats
 from .scale_workload import Shape
@@ -227,11 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             raw["rows"].append(row)
             print(f"[scale_ablation] {name}: {row}", flush=True)
     raw["wall_s"] = round(time.monotonic() - t0, 1)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
-    out.write_text(markdown(raw))
-    print(out.read_text())
+    write_results(a.out, raw, markdown(raw))
     return 0
 
 

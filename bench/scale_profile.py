@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .report import command_line
 from .scale_ab import POOL, SESSIONS, SHAPES
 
 
@@ -99,12 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     out = Path(a.out or f"bench/results/scale_profile_{a.shape}.md")
-    command = "python -m bench.scale_profile" + "".join(
-        f" --{k} {v}" for k, v, d in (("shape", a.shape, "deferred"), ("steps", a.steps, 150), ("top", a.top, 30)) if v != d
-    ) + ("" if a.out is None else f" --out {a.out}")
     result = profile(a.shape, a.steps)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(result, command, a.top))
+    out.write_text(markdown(result, command_line("bench.scale_profile", argv), a.top))
     print(out.read_text())
     return 0
 
