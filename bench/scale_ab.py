@@ -44,7 +44,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "deferred": {"bookkeeping": "deferred"},
     "async": {"async_scheduling": True},
     "grants": {"async_scheduling": True, "hints_per_step": 20, "hints_in_warmup_only": True, "hint_ttl_steps": 10_000},
+    # bench.scale_target's: the settler thread with a device wait, and the stock-vs-stock null.
+    "settler": {"async_scheduling": True, "settler_thread": True, "gpu_wait_s": 0.02},
+    "aa": {"aa": True},
 }
+DEFAULT_SHAPES = ["deferred", "async", "grants"]
 POOL, SESSIONS = 131072, 10000
 
 # Run in the measured tree (PYTHONPATH and cwd): one pair, one JSON line on stdout.
@@ -53,8 +57,9 @@ import json, statistics, sys
 from bench.scale_driver import Pair
 from bench.scale_workload import Shape
 kw = json.loads(sys.argv[1])
+aa = kw.pop("aa", False)
 shape = Shape(kw.pop("pool"), kw.pop("sessions"), **kw)
-pair = Pair(shape)
+pair = Pair(shape, aa=aa)
 try:
     pair.fill_and_freeze()
     pair.steps(shape.warmup_steps, "warmup")
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scale_ab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the git revision to compare the working tree with")
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--out", default="bench/results/scale_ab.md")

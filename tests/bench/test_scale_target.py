@@ -1,0 +1,43 @@
+"""`bench.scale_target`: the A/A child run, and the verdict over repeated runs. Timings are not
+asserted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench import scale_ab, scale_target
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = dict(warmup_steps=2, system_tokens=256, first_context_tokens=64, max_tokens=16, arrivals_per_step=4,
+             max_model_len=1024, max_num_seqs=64)
+
+
+def test_the_aa_child_run_measures_two_stock_sides() -> None:
+    row = scale_ab.run_one(ROOT, "aa", steps=3, pool=2048, sessions=50, extra=SMALL)
+    assert row["steps"] == 3 and row["median"] > 0 and row["stock_ms"] > 0
+
+
+def _rows(medians: dict[str, list[float]]) -> list[dict[str, float | int | str]]:
+    return [{"round": i, "shape": shape, "median": m, "totals": m, "stock_ms": 5.0, "extra_us": 100.0}
+            for shape, ms in medians.items() for i, m in enumerate(ms)]
+
+
+def test_the_verdict_takes_each_no_hint_shapes_median_of_runs_and_leaves_grants_out() -> None:
+    rows = _rows({"aa": [0.99, 1.01, 1.00], "deferred": [1.02, 1.05, 1.03], "async": [1.01, 1.02, 1.04],
+                  "settler": [1.06, 1.02, 1.03], "grants": [1.07, 1.08, 1.09]})
+    v = scale_target.verdict(rows)
+    assert v["met"]  # medians 1.03, 1.02, 1.03: each at the target; grants at 1.08 is not judged
+    assert v["shapes"]["settler"]["at_or_under_target"] == 2 and v["shapes"]["deferred"]["max"] == 1.05
+    raw = {"command": "python -m bench.scale_target", "machine": "m", "vllm": "0.32.0", "commit": "c" * 40,
+           "dirty": False, "rounds": 3, "steps": 3, "wall_s": 60.0, "rows": rows, "verdict": v}
+    text = scale_target.markdown(raw)
+    assert "met.**" in text and "1.080x" in text
+
+    rows = _rows({"deferred": [1.02, 1.02, 1.02], "async": [1.01, 1.02, 1.01], "settler": [1.031, 1.04, 1.02]})
+    v = scale_target.verdict(rows)
+    assert not v["met"]  # settler's median of runs, 1.031x, is over
+    assert "missed.** Highest no-hint shape: settler, 1.031x." in scale_target.markdown({**raw, "rows": rows, "verdict": v})
+
+
+def test_no_judged_shape_is_no_verdict_of_met() -> None:
+    assert not scale_target.verdict(_rows({"aa": [1.0], "grants": [1.0]}))["met"]
