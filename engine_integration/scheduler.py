@@ -119,17 +119,20 @@ class KvHintScheduler(Scheduler):
 
     def _kvhint_bookkeeping(self, mode: str) -> None:
         """Start the journal's settler for deferred bookkeeping (kvhint_server/journal.py).
-        auto: deferred under async scheduling, where the engine thread waits on the device
-        while the settler runs; inline on the synchronous scheduler."""
+        auto: deferred where the engine thread waits on a device each step (the settler runs
+        then): under async scheduling, and on any platform but vLLM's CPU platform whichever
+        the scheduling mode; inline on the CPU platform's synchronous scheduler, where torch's
+        forward pass keeps every core busy and there is no wait to fill. The log line names
+        the mode and the scheduler class built (scripts/gpu_check.py reads both)."""
         if mode == "auto":
-            mode = "deferred" if isinstance(self, AsyncScheduler) else "inline"
+            mode = "deferred" if isinstance(self, AsyncScheduler) or _device_waits() else "inline"
         if mode == "deferred" and self.kvhint_adapter.tiers is not None:
             log.info("kvhint: residency bookkeeping inline (lower KV tiers are attached)")
             mode = "inline"
         if mode == "deferred":
             self.kvhint_core.journal.start(busy=self._kvhint_stepping)
         self.kvhint_bookkeeping = mode
-        log.info("kvhint: residency bookkeeping %s", mode)
+        log.info("kvhint: residency bookkeeping %s (%s)", mode, type(self).__name__)
 
     def _kvhint_stepping(self) -> bool:
         """The engine thread is in schedule() or update_from_output() (the settler waits)."""
@@ -168,6 +171,14 @@ class KvHintScheduler(Scheduler):
             self.kvhint_server.stop()
         finally:
             super().shutdown()
+
+
+def _device_waits() -> bool:
+    """The engine runs on an accelerator: each step's forward pass is a wait on the device, in
+    which the engine thread does not need the GIL (every vLLM platform but CPU)."""
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cpu()
 
 
 def _async_requested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -126,10 +126,11 @@ class ServerConfig:
     # (kvhint_server/journal.py): "inline" on the engine thread inside vLLM's
     # block-pool calls; "deferred" journaled there and settled by the
     # sidecar's settler thread (and before any hint, query or snapshot, so
-    # those see every change); "auto" deferred under vLLM's async scheduling
-    # (the GPU default, where the engine thread waits on the device while the
-    # settler runs) and inline otherwise. Deferred falls back to inline while
-    # lower tiers are attached.
+    # those see every change); "auto" deferred where the engine thread waits
+    # on a device while the settler runs (any platform but vLLM's CPU
+    # platform, and async scheduling) and inline on the CPU platform's
+    # synchronous scheduler. Deferred falls back to inline while lower tiers
+    # are attached.
     residency_bookkeeping: str = "auto"
 
     @classmethod

