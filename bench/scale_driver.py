@@ -102,8 +102,10 @@ class Side:
             # (settle_ns).
             journal = self.core.journal
             journal.stop()
-            if shape.deferred:
-                journal.start(thread=shape.settler_thread)
+            if shape.deferred and shape.settler_thread:
+                self.sched.kvhint_start_settler()  # as an engine runs it: gated on steps, woken at their ends
+            elif shape.deferred:
+                journal.start(thread=False)
         self.time_steps(self.sched.schedule, self.sched.update_from_output)
 
     def time_steps(self, schedule_fn: Callable[..., Any], update_fn: Callable[..., Any]) -> None:

@@ -26,6 +26,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvhint_server.config import ServerConfig, check_environment
 from kvhint_server.core import KvHintCore
+from kvhint_server.journal import SETTLE_INTERVAL_S
 from kvhint_server.metrics import process_metrics
 from kvhint_server.server import KvHintServer
 
@@ -130,9 +131,14 @@ class KvHintScheduler(Scheduler):
             log.info("kvhint: residency bookkeeping inline (lower KV tiers are attached)")
             mode = "inline"
         if mode == "deferred":
-            self.kvhint_core.journal.start(busy=self._kvhint_stepping)
+            self.kvhint_start_settler()
         self.kvhint_bookkeeping = mode
         log.info("kvhint: residency bookkeeping %s (%s)", mode, type(self).__name__)
+
+    def kvhint_start_settler(self, interval_s: float = SETTLE_INTERVAL_S) -> None:
+        """Deferred bookkeeping with the journal's settler thread, gated on this scheduler's
+        steps and woken at their boundaries (bench.scale's settler runs call it too)."""
+        self.kvhint_core.journal.start(interval_s=interval_s, busy=self._kvhint_stepping)
 
     def _kvhint_stepping(self) -> bool:
         """The engine thread is in schedule() or update_from_output() (the settler waits)."""
@@ -149,6 +155,8 @@ class KvHintScheduler(Scheduler):
             return super().schedule(*args, **kwargs)
         finally:
             self._kvhint_in_step -= 1
+            if not self._kvhint_in_step:
+                self.kvhint_core.journal.wake()  # the engine waits on the device now: settle
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
         self._kvhint_in_step += 1
@@ -156,6 +164,8 @@ class KvHintScheduler(Scheduler):
             return super().update_from_output(*args, **kwargs)
         finally:
             self._kvhint_in_step -= 1
+            if not self._kvhint_in_step:
+                self.kvhint_core.journal.wake()
 
     def add_request(self, request: Any) -> None:
         if getattr(request, "kv_hints", None) is not None:

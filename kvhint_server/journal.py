@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -75,7 +76,10 @@ from typing import Any
 
 log = logging.getLogger("kvhint.journal")
 
-SETTLE_INTERVAL_S = 0.002  # the settler's period when the journal is empty
+# The settler's longest sleep: it is woken at the engine's step boundaries (`wake`), so this
+# only bounds the delay of entries recorded outside a step with no step following (an abort
+# while the engine is idle), and of an engine that does not call `wake`.
+SETTLE_INTERVAL_S = 0.01
 SETTLE_CHUNK_S = 0.0001  # the settler's work per lock hold (whole entries); the GIL is offered between chunks
 YIELD_S = 0.00005  # the pause between chunks: long enough for a waiting engine thread to take the GIL
 MAX_ENTRIES = 65_536
@@ -100,6 +104,10 @@ class ResidencyJournal:
         self._recorded = 0  # entries appended (written by the recording thread only)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # Wake-ups for the settler (`wake`, `stop`): a C queue, so that the engine thread's put
+        # and the settler's blocking get run no Python code and the wait holds no GIL.
+        self._wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._woken = False  # a wake-up is queued and the settler has not taken it yet
         self._deferring = False
         self._holds = 0  # open hold() sections (the core's exclusive sections)
         # `record` runs entries now: not deferring, or a hold is open. One flag, so that the
@@ -145,6 +153,15 @@ class ResidencyJournal:
         """End one `hold`."""
         self._holds -= 1
         self._direct = not self._deferring or self._holds > 0
+
+    def wake(self) -> None:
+        """Engine thread, at a step boundary (the end of schedule() or update_from_output(),
+        where it is about to wait on the device): wake the settler if anything is journaled.
+        At most one wake-up is queued at a time; with nothing journaled (inline bookkeeping, a
+        quiet step) this reads two attributes."""
+        if self._entries and not self._woken:
+            self._woken = True
+            self._wakeups.put(None)
 
     def append(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Journal `fn(*args)` for the settler. One `extend` of a tuple adds the whole
@@ -223,11 +240,15 @@ class ResidencyJournal:
         sections, back-pressure and `settle()` calls do (tests and benchmarks that
         choose when, and account its CPU time separately).
 
-        `busy()`: the engine thread is inside a scheduler step (schedule() or
-        update_from_output()). The settler then waits for the step to end, so it
-        works while the engine thread waits on the device, unless BUSY_BACKLOG
-        entries are pending. Once the journal is drained (by it or by an exclusive
-        section) after new entries, it runs `collect_young` (outside a step)."""
+        The settler sleeps until `wake()` (the engine's step boundaries) or `interval_s`,
+        whichever comes first, so it does not wake up in the middle of a step to find the
+        engine busy: a wake-up needs the GIL, and a thread that waits for the GIL while the
+        engine thread runs makes CPython switch the engine thread out
+        (bench/results/scale_target.md). `busy()`: the engine thread is inside a scheduler
+        step (schedule() or update_from_output()). The settler then waits for the step to
+        end, so it works while the engine thread waits on the device, unless BUSY_BACKLOG
+        entries are pending. Once the journal is drained (by it or by an exclusive section)
+        after new entries, it runs `collect_young` (outside a step)."""
         if self._deferring:
             return
         self._deferring = True
@@ -237,12 +258,19 @@ class ResidencyJournal:
         self._stop.clear()
 
         def loop() -> None:
-            stop, entries = self._stop, self._entries
+            stop, entries, wakeups = self._stop, self._entries, self._wakeups
             booked = self._recorded  # entries recorded when the settler last looked at the collector
-            while not stop.wait(interval_s):
+            while not stop.is_set():
+                try:
+                    wakeups.get(timeout=interval_s)
+                except queue.Empty:
+                    pass
+                # Taken: a boundary from now on queues another (entries recorded before this
+                # line are settled below; later ones have their boundary still to come).
+                self._woken = False
                 while entries and not stop.is_set():
                     if busy is not None and busy() and self.pending() < BUSY_BACKLOG:
-                        break  # the engine is stepping: try again next interval
+                        break  # the engine is stepping: again at its boundary
                     self.settle(deadline=time.perf_counter() + chunk_s)
                     time.sleep(YIELD_S)  # offer the GIL to a waiting engine thread between chunks
                 # Journal drained (by this thread or an exclusive section) since the last look,
@@ -262,5 +290,9 @@ class ResidencyJournal:
         thread, self._thread = self._thread, None
         if thread is not None:
             self._stop.set()
+            self._wakeups.put(None)
             thread.join(timeout=5.0)
+            while not self._wakeups.empty():
+                self._wakeups.get_nowait()
+            self._woken = False
         self.settle()

@@ -100,6 +100,27 @@ def test_the_settler_thread_publishes_and_queries_see_every_change() -> None:
         assert core.journal.errors == 0
 
 
+def test_the_schedulers_step_boundaries_wake_the_settler() -> None:
+    """KvHintScheduler wakes the settler where a step ends (the engine then waits on the device),
+    so the settler need not poll, and a poll in the middle of a step would make CPython switch
+    the engine thread out for it. Its fallback interval here is a minute: only the boundaries
+    can have booked the step's changes."""
+    with _scheduler(False) as (sched, client):
+        core = sched.kvhint_core
+        sched.kvhint_start_settler(interval_s=60.0)
+        try:
+            time.sleep(0.05)  # the settler's first wait has begun
+            core.journal.append(lambda: None, ())  # recorded outside a step: no boundary follows
+            time.sleep(0.1)
+            assert core.journal.pending() == 1
+            _serve(sched, list(range(100, 100 + 4 * BLOCK + 3)), "a", "sess-a")
+            assert _wait(lambda: core.journal.pending() == 0, timeout=2.0)
+            assert any(isinstance(e.payload, BlocksStored) for e in core.bus.read_after(0, 1000) or [])
+            assert core.journal.settled > 1 and core.journal.errors == 0
+        finally:
+            core.journal.stop()
+
+
 def test_bookkeeping_stays_deferred_while_a_grant_is_in_effect_and_grants_end_with_their_blocks() -> None:
     """The retention ledger is the engine thread's: with a grant in effect, residency changes are
     still journaled, and a granted block that leaves the pool loses its grant at once, before

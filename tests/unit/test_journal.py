@@ -91,6 +91,34 @@ def test_the_settler_thread_applies_entries_and_stop_applies_the_rest() -> None:
     assert applied[-1] == 500 and journal.pending() == 0
 
 
+def test_the_settler_sleeps_until_a_step_boundary_wakes_it() -> None:
+    """Between wake-ups the settler does not look (its interval here: a minute), so it never
+    wakes up in the middle of the engine's step; `wake()` at a boundary brings it at once, and
+    stop() does not wait out the interval either."""
+    journal = ResidencyJournal()
+    applied: list[int] = []
+    journal.wake()  # nothing journaled: a no-op
+    assert journal._wakeups.qsize() == 0
+    journal.append(applied.append, (0,))
+    journal.wake()
+    journal.wake()
+    assert journal._wakeups.qsize() == 1  # one wake-up queued at a time
+    journal.start(interval_s=60.0)
+    try:
+        assert _wait(lambda: applied == [0], timeout=2.0)  # the queued wake-up
+        time.sleep(0.05)
+        journal.append(applied.append, (1,))
+        time.sleep(0.1)
+        assert applied == [0] and journal.pending() == 1  # no boundary yet: not settled
+        journal.wake()
+        assert _wait(lambda: applied == [0, 1], timeout=2.0)
+    finally:
+        t = time.monotonic()
+        journal.stop()
+        assert time.monotonic() - t < 2.0
+    assert journal._wakeups.empty()
+
+
 def test_the_settler_waits_for_a_section_holding_the_lock() -> None:
     journal = ResidencyJournal()
     applied: list[int] = []
