@@ -10,9 +10,9 @@ Inline (`residency_bookkeeping=inline`, the default on vLLM's CPU
 platform) runs that bookkeeping inside the hook, as before. Deferred
 appends `(fn, args)` to this journal instead, in hook order, and the
 settler thread applies the entries in the same order a few milliseconds
-later. Under vLLM's async scheduling (the GPU default) the engine thread
-spends most of a step waiting on the device with the GIL released; the
-settler runs there.
+later. On a GPU the engine thread spends most of a step waiting on the
+device with the GIL released; the settler runs there: the scheduler wakes
+it where a step ends (`wake`), and it does not look in between.
 
 Contract (what keeps deferred exactly equivalent to inline):
   * one lock (`lock`, re-entrant) guards the state the entries change; the
@@ -24,8 +24,10 @@ Contract (what keeps deferred exactly equivalent to inline):
     outcome, as inline;
   * entries are settled in the order they were recorded, so events come out
     in the same order with the same contents; only their timestamps (and
-    the moment a WatchEvents subscriber receives them) move, by at most the
-    settle interval plus one chunk;
+    the moment a WatchEvents subscriber receives them) move: to the end of
+    the step that made them (the settler waits out the step and is woken at
+    its end, `wake`), plus the chunks booked before them; by at most
+    SETTLE_INTERVAL_S plus one chunk for a change no step boundary follows;
   * the decision to defer is the core's (`KvHintCore.record`): never inside
     an exclusive section. Retention grants do not stop it: the ledger, which
     the free-block filing reads synchronously, is the engine thread's, and no

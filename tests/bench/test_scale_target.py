@@ -1,20 +1,9 @@
-"""`bench.scale_target`: the A/A child run, and the verdict over repeated runs. Timings are not
-asserted."""
+"""`bench.scale_target`: the verdict over repeated runs (the child run it uses is
+tests/bench/test_scale_ab.py's). Timings are not asserted."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from bench import scale_ab, scale_target
-
-ROOT = Path(__file__).resolve().parents[2]
-SMALL = dict(warmup_steps=2, system_tokens=256, first_context_tokens=64, max_tokens=16, arrivals_per_step=4,
-             max_model_len=1024, max_num_seqs=64)
-
-
-def test_the_aa_child_run_measures_two_stock_sides() -> None:
-    row = scale_ab.run_one(ROOT, "aa", steps=3, pool=2048, sessions=50, extra=SMALL)
-    assert row["steps"] == 3 and row["median"] > 0 and row["stock_ms"] > 0
+from bench import scale_target
 
 
 def _rows(medians: dict[str, list[float]]) -> list[dict[str, float | int | str]]:
