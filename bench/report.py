@@ -3,9 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+
+def machine() -> str:
+    """The machine line of a results file: architecture, CPUs, Python."""
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
+def git(*args: str, cwd: Path | None = None) -> str:
+    """`git ARGS` in `cwd` (default: the current directory); its stdout, stripped."""
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def git_head() -> tuple[str, bool]:
+    """The checked-out commit, and whether tracked files differ from it."""
+    return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
 
 
 def command_line(module: str, argv: list[str] | None) -> str:

@@ -48,7 +48,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -67,7 +66,7 @@ if __name__ == "__main__" and not __package__:
 
 os.environ.setdefault("KVHINT_GRPC_ADDRESS", "127.0.0.1:0")
 
-from .report import command_line  # noqa: E402
+from .report import command_line, machine  # noqa: E402
 from .scale_report import report, write_units  # noqa: E402
 from .scale_workload import Shape  # noqa: E402
 
@@ -192,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = runs[0].shape
     raw: dict[str, Any] = {
         "command": command_line("bench.scale", argv),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "machine": machine(),
         "vllm": vllm.__version__,
         "step_seconds": shape.step_seconds,
         "workload": (

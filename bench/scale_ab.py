@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .report import command_line, write_results
+from .report import command_line, git, git_head, write_results
 
 SHAPES: dict[str, dict[str, Any]] = {
     "deferred": {"bookkeeping": "deferred"},
@@ -128,10 +128,6 @@ def markdown(raw: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _git(*args: str, cwd: Path | None = None) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scale_ab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -143,17 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.rounds < 1 or a.steps < 1:
         ap.error("--rounds and --steps must be at least 1")
-    root = Path(_git("rev-parse", "--show-toplevel"))
-    base_commit = _git("rev-parse", "--verify", f"{a.base}^{{commit}}")
+    root = Path(git("rev-parse", "--show-toplevel"))
+    base_commit = git("rev-parse", "--verify", f"{a.base}^{{commit}}")
+    head_commit, head_dirty = git_head()
     raw: dict[str, Any] = {
-        "command": command_line("bench.scale_ab", argv), "base": a.base, "base_commit": base_commit, "head_commit": _git("rev-parse", "HEAD"),
-        "head_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "steps": a.steps,
+        "command": command_line("bench.scale_ab", argv), "base": a.base, "base_commit": base_commit, "head_commit": head_commit,
+        "head_dirty": head_dirty, "steps": a.steps,
         "shapes": a.shapes, "rows": [],
     }
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvhint-scale-ab-") as tmp:
         base_tree = Path(tmp) / "base"
-        _git("worktree", "add", "--detach", str(base_tree), base_commit, cwd=root)
+        git("worktree", "add", "--detach", str(base_tree), base_commit, cwd=root)
         try:
             trees = {"base": base_tree, "head": root}
             for rnd in range(a.rounds):
@@ -164,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                         raw["rows"].append(row)
                         print(f"[scale_ab] {row}", flush=True)
         finally:
-            _git("worktree", "remove", "--force", str(base_tree), cwd=root)
+            git("worktree", "remove", "--force", str(base_tree), cwd=root)
     raw["wall_s"] = round(time.monotonic() - t0, 1)
     write_results(a.out, raw, markdown(raw))
     return 0

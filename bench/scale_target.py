@@ -27,8 +27,6 @@ at or under 1.03x. The table gives every run, so the spread the verdict summariz
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import statistics
 import sys
@@ -36,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .report import command_line, write_results
+from .report import command_line, git, git_head, machine, write_results
 from .scale_ab import POOL, SESSIONS, run_one
 
 TARGET = 1.03
@@ -110,8 +108,6 @@ def markdown(raw: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import vllm
 
-    from .scale_ab import _git
-
     ap = argparse.ArgumentParser(prog="python -m bench.scale_target", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -122,11 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.rounds < 1 or a.steps < 1:
         ap.error("--rounds and --steps must be at least 1")
-    root = Path(_git("rev-parse", "--show-toplevel"))
+    root = Path(git("rev-parse", "--show-toplevel"))
+    commit, dirty = git_head()
     raw: dict[str, Any] = {
-        "command": command_line("bench.scale_target", argv), "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "command": command_line("bench.scale_target", argv), "commit": commit, "dirty": dirty, "machine": machine(),
         "vllm": vllm.__version__, "rounds": a.rounds, "steps": a.steps, "seed": a.seed, "rows": [],
     }
     order = random.Random(a.seed)

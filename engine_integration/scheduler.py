@@ -24,7 +24,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvhint_server.config import ServerConfig, check_environment
+from kvhint_server.config import ServerConfig, check_environment, resolve_bookkeeping
 from kvhint_server.core import KvHintCore
 from kvhint_server.journal import SETTLE_INTERVAL_S
 from kvhint_server.metrics import process_metrics
@@ -120,13 +120,12 @@ class KvHintScheduler(Scheduler):
 
     def _kvhint_bookkeeping(self, mode: str) -> None:
         """Start the journal's settler for deferred bookkeeping (kvhint_server/journal.py).
-        auto: deferred where the engine thread waits on a device each step (the settler runs
-        then): under async scheduling, and on any platform but vLLM's CPU platform whichever
-        the scheduling mode; inline on the CPU platform's synchronous scheduler, where torch's
-        forward pass keeps every core busy and there is no wait to fill. The log line names
-        the mode and the scheduler class built (scripts/gpu_check.py reads both)."""
-        if mode == "auto":
-            mode = "deferred" if isinstance(self, AsyncScheduler) or _device_waits() else "inline"
+        `auto` (kvhint_server.config.resolve_bookkeeping): deferred on a GPU whichever the
+        scheduling mode, and under async scheduling; inline on the CPU platform's synchronous
+        scheduler, where torch's forward pass keeps every core busy and there is no wait to
+        fill. The log line names the mode and the scheduler class built (scripts/gpu_check.py
+        reads both)."""
+        mode = resolve_bookkeeping(mode, isinstance(self, AsyncScheduler), _device_waits())
         if mode == "deferred" and self.kvhint_adapter.tiers is not None:
             log.info("kvhint: residency bookkeeping inline (lower KV tiers are attached)")
             mode = "inline"

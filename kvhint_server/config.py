@@ -226,6 +226,17 @@ _SECRET = frozenset({"auth_token"})
 BOOKKEEPING_MODES = ("auto", "inline", "deferred")
 
 
+def resolve_bookkeeping(mode: str, async_scheduling: bool, device: bool) -> str:
+    """The residency bookkeeping an engine runs for `mode` (ServerConfig.residency_bookkeeping):
+    `auto` is deferred where the engine thread waits on a device each step, so the settler has
+    a wait to fill (`device`: any platform but vLLM's CPU platform; or async scheduling), and
+    inline on the CPU platform's synchronous scheduler; other modes are themselves. The one
+    rule for KvHintScheduler and scripts/gpu_check.py (which checks what an engine ran)."""
+    if mode != "auto":
+        return mode
+    return "deferred" if async_scheduling or device else "inline"
+
+
 def _check_field(name: str, value: object) -> None:
     env = env_name(name)
     if isinstance(value, bool):

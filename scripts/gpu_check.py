@@ -52,6 +52,7 @@ if str(ROOT) not in sys.path:  # run as a file: the repository's packages, insta
     sys.path.insert(0, str(ROOT))
 
 from engine_integration.served import ENFORCE_EAGER_ENV, GPU_MEMORY_DEFAULT, GPU_MEMORY_ENV, eager_from_env  # noqa: E402
+from kvhint_server.config import resolve_bookkeeping  # noqa: E402
 MODELS = (("dense", "tiny"), ("hybrid", "hybrid"))
 IDENTITY_TEST = "tests/engine/test_engine_identity.py"
 NO_TESTS_COLLECTED = 5  # pytest's exit status when `-k` selects nothing
@@ -220,15 +221,6 @@ def read_metrics(http_url: str, timeout: float = 10.0) -> str:
         return resp.read().decode(errors="replace")
 
 
-def expected_bookkeeping(configured: str, async_scheduling: bool, device: bool) -> str:
-    """The bookkeeping KvHint's scheduler should run: `auto` is deferred on a device (`device`:
-    not vLLM's CPU platform) and under async scheduling, inline otherwise
-    (engine_integration/scheduler.py); otherwise what is configured."""
-    if configured != "auto":
-        return configured
-    return "deferred" if async_scheduling or device else "inline"
-
-
 def bookkeeping_check(configured: str, async_scheduling: bool, device: bool, log_text: str,
                       deferred_total: float | None, traffic: bool = True) -> dict[str, Any]:
     """Whether the served engine built KvHint's scheduler with the residency bookkeeping it
@@ -237,13 +229,14 @@ def bookkeeping_check(configured: str, async_scheduling: bool, device: bool, log
     after traffic, `kvhint_residency_deferred_total` (residency changes the settler booked off the
     engine thread's step; only deferred bookkeeping books any).
 
-    `configured` is KVHINT_RESIDENCY_BOOKKEEPING (`expected_bookkeeping`). The same line names
+    `configured` is KVHINT_RESIDENCY_BOOKKEEPING (kvhint_server.config.resolve_bookkeeping
+    gives the mode expected; `device`: not --cpu). The same line names
     the scheduler class built, which must be KvHint's async one exactly when vLLM chose async
     scheduling. Without `traffic` (the conformance suite did not run) the counter is reported,
     not required. Returns details with `ok` and `summary`."""
     lines = BOOKKEEPING_LINE.findall(log_text)
     logged, built = lines[-1] if lines else (None, None)
-    expected = expected_bookkeeping(configured, async_scheduling, device)
+    expected = resolve_bookkeeping(configured, async_scheduling, device)
     out: dict[str, Any] = {"bookkeeping_configured": configured, "bookkeeping_expected": expected,
                            "bookkeeping_logged": logged, "scheduler_built": built,
                            "residency_deferred_total": deferred_total}
@@ -324,7 +317,7 @@ def serve_and_conform(opts: Options, name: str, model: str, serve: Step, conform
             conform.status = "pass" if rc == 0 else "fail"
         # KvHint's scheduler and bookkeeping, after the suite's requests have gone through (if they ran).
         async_on, device = serve.details["async_scheduling"], not opts.cpu
-        deferred = expected_bookkeeping(configured_bookkeeping, async_on, device) == "deferred"
+        deferred = resolve_bookkeeping(configured_bookkeeping, async_on, device) == "deferred"
         total = deferred_evidence(engine.http_url, deferred and traffic, budget)
         # This start's part of the engine log (the log file is appended to across runs into one OUT).
         check = bookkeeping_check(configured_bookkeeping, async_on, device, engine.log_text(), total, traffic=traffic)
