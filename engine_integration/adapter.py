@@ -241,10 +241,11 @@ class VllmAdapter:
         it (what re-filing it would do, without the retention view)."""
         grants, pool, cut = self.core.ledger.grants, self.pool, self._key_to_external
         refile_block = pool.kvh_refile_block
-        # Every block of each freed request passes here: keys are read with map (no property
-        # frame per block) and sliced to external hashes in place.
-        for block, key in zip(blocks, map(vllm_private.block_key, blocks)):  # key: digest + 4-byte group id
-            if key is not None and block.ref_cnt == 0 and key[cut] in grants and block.pool in (None, pool):
+        # Every block of each freed request passes here (hundreds per step), and few are free
+        # (most are shared prefixes still in use): only the free cached ones' keys (digest +
+        # 4-byte group id) are sliced to external hashes and looked up.
+        for block, key in vllm_private.free_cached(blocks):
+            if key[cut] in grants and block.pool in (None, pool):
                 refile_block(block)
 
     def demote_first(self, hashes: Iterable[bytes]) -> int:

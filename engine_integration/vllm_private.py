@@ -6,7 +6,7 @@ otherwise.
 
   BlockPool.cached_block_hash_to_block._cache     the hash -> block(s) map
   KVCacheBlock._block_hash                        what the public `block_hash` property returns,
-                                                  read with operator.attrgetter on per-block paths
+                                                  read directly on per-block paths (free_cached)
   EngineCore._idle_state_callbacks, input_queue   waking an idle engine
   EngineCore._handle_shutdown                     teardown at the busy loop's exit
   OffloadingManager.take_events / reset_cache / shutdown   wrapped (monkey-patched)
@@ -23,7 +23,6 @@ otherwise.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -37,9 +36,13 @@ def cached_block_map(pool: Any) -> dict[Any, Any]:
     return pool.cached_block_hash_to_block._cache
 
 
-#: `block_key(block)` is `block.block_hash` (the pool key: hash + group id, or None) without the
-#: property's Python frame (`map(block_key, blocks)`), for scans over a request's blocks.
-block_key: Callable[[Any], Any] = operator.attrgetter("_block_hash")
+def free_cached(blocks: Iterable[Any]) -> list[tuple[Any, Any]]:
+    """The blocks of `blocks` that are free (ref_cnt 0) and cached, each with its pool key
+    (`KVCacheBlock._block_hash`, what the `block_hash` property returns: hash + group id), in
+    one pass over a request's blocks. KVCacheBlock has __slots__, and a slot read in bytecode
+    is cheaper than through the property or operator.attrgetter (about half the time of the
+    attrgetter scan it replaced, over a step's freed blocks)."""
+    return [(block, key) for block in blocks if not block.ref_cnt and (key := block._block_hash) is not None]
 
 
 def copies_in(entry: Any) -> list[Any]:

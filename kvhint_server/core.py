@@ -305,9 +305,10 @@ class KvHintCore:
         that books the same change."""
         ledger = self.ledger
         sessions: list[str] = []
-        if not ledger.grants:
+        grants = ledger.grants
+        if not grants:
             return sessions
-        for h in hashes:
+        for h in filter(grants.__contains__, hashes):  # most removed blocks hold no grant
             for owner in ledger.drop_block(h):
                 s = session_of_owner(owner)
                 if s is not None and s not in sessions:

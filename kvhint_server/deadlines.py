@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
@@ -32,6 +33,9 @@ class DeadlineQueue(Generic[K]):
         self._heap: list[tuple[float, int, K]] = []
         self._deadline: dict[K, float] = {}
         self._order = itertools.count()
+        # No key is due before this: the heap's earliest entry (a stale one included), or inf.
+        # A plain attribute, so that a hot path can skip `advance` without a call.
+        self.earliest = math.inf
 
     def __len__(self) -> int:
         return len(self._deadline)
@@ -45,6 +49,8 @@ class DeadlineQueue(Generic[K]):
     def schedule(self, key: K, deadline: float) -> None:
         self._deadline[key] = deadline
         heapq.heappush(self._heap, (deadline, next(self._order), key))
+        if deadline < self.earliest:
+            self.earliest = deadline
         self._maybe_compact()
 
     def cancel(self, key: K) -> None:
@@ -54,7 +60,7 @@ class DeadlineQueue(Generic[K]):
     def advance(self, now: float) -> list[K]:
         """Remove and return the keys whose deadline is <= now, earliest first."""
         heap = self._heap
-        if not heap or heap[0][0] > now:
+        if self.earliest > now:
             return []
         live = self._deadline
         due: list[K] = []
@@ -64,6 +70,7 @@ class DeadlineQueue(Generic[K]):
             if live.get(key) == deadline:  # else cancelled or rescheduled
                 del live[key]
                 due.append(key)
+        self.earliest = heap[0][0] if heap else math.inf
         # Keys leaving can leave their stale entries (a rescheduled key's older ones) over the bound.
         self._maybe_compact()
         return due
@@ -78,3 +85,4 @@ class DeadlineQueue(Generic[K]):
             order = self._order
             self._heap = [(d, next(order), k) for k, d in self._deadline.items()]
             heapq.heapify(self._heap)
+            self.earliest = self._heap[0][0] if self._heap else math.inf

@@ -311,6 +311,8 @@ class RetentionLedger:
 
     def expire(self, now: float) -> list[bytes]:
         """Drop grants whose deadline passed. Returns the blocks affected."""
+        if self._deadlines.earliest > now:  # nothing due (the engine asks before every reclaim)
+            return []
         affected = []
         for call in self._deadlines.advance(now):
             entry = self._calls.pop(call, None)

@@ -9,6 +9,8 @@ irregularly it is advanced.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -330,7 +332,10 @@ def test_deadline_queue_returns_each_due_key_exactly_once(slack, start, ops):
             assert [pending[k] for k in due] == sorted(pending[k] for k in due), "not earliest first"
             for k in want:
                 del pending[k]
+            assert queue.earliest > now, "nothing is due after advance: a call before `earliest` is skipped"
         assert len(queue) == len(pending)
+        # `earliest` is a lower bound of every pending deadline (what lets hot paths skip advance).
+        assert queue.earliest <= min(pending.values(), default=math.inf)
         # Stale entries (cancelled, rescheduled) stay bounded.
         assert queue.heap_entries() <= 2 * len(pending) + slack + 1
         for k in KEYS:
