@@ -112,6 +112,9 @@ class VllmAdapter:
         # Fixed for the engine's life; read by the per-call hooks below.
         self._single_group = self.groups.single
         self._multi_residency = len(self.groups.residency) > 1
+        # Every cacheable group is a residency group (a dense model): a popped key needs no
+        # group check before its grants are dropped.
+        self._all_resident = set(self.groups.cacheable) <= set(self.groups.residency)
         self._hash_block_size = pool.hash_block_size
 
     # ------------------------------------------------------------ hashes
@@ -392,7 +395,10 @@ class VllmAdapter:
             anywhere = [any(key[:-4] + suffix in cache for suffix in suffixes) for key in popped]
         if self.core.ledger.grants:
             residency, cut = self._residency_suffixes, self._key_to_external
-            self.core.drop_grants([key[cut] for key in popped if key[-4:] in residency])
+            if self._all_resident:
+                self.core.drop_grants([key[cut] for key in popped])
+            else:
+                self.core.drop_grants([key[cut] for key in popped if key[-4:] in residency])
         # The keys go into the journal entry itself (see on_blocks_cached).
         self.core.record(VllmAdapter._book_removed, self, anywhere, cause, *popped)
 
