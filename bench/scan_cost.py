@@ -1,0 +1,190 @@
+"""The cost of the retention order's per-block scans: bytecode slot reads against operator.attrgetter maps.
+
+With retention grants in effect, the engine thread scans every block of each freed request
+(`VllmAdapter.refile_freed`, through `vllm_private.free_cached`) and of each prefix hit
+(`KvHintBlockPool.touch`): in bench.scale's grants shape about 630 freed and 580 touched blocks
+per step, of which about 17% and 10% are free. vLLM's KVCacheBlock has `__slots__`; this times,
+side by side in one run over real KVCacheBlock objects:
+
+  refile, shipped   `vllm_private.free_cached(blocks)` (a comprehension reading `ref_cnt` and
+                    `_block_hash` in bytecode), then the key check of `refile_freed`;
+  refile, map       the scan it replaced: `zip(blocks, map(attrgetter("_block_hash"), blocks))`
+                    with the ref_cnt and key checks in the loop body;
+  refile, compress  a C-level prefilter: `compress(blocks, map(not_, map(attrgetter("ref_cnt"),
+                    blocks)))`, then the keys of the free ones;
+  touch, shipped    the loop of `KvHintBlockPool.touch`: `not block.ref_cnt and block.block_id
+                    in filed` per block;
+  touch, isdisjoint the check it replaced: `filed.keys().isdisjoint(map(attrgetter("block_id"),
+                    blocks))` before that loop (here no touched block is filed, the usual case,
+                    so the loop never runs).
+
+For each fraction of free blocks, the median over rounds of the best of several timeit repeats,
+in microseconds per scan of N blocks.
+
+  python -m bench.scan_cost            # writes bench/results/scan_cost.{md,json}
+  python -m bench.scan_cost --quick    # small, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import operator
+import random
+import statistics
+import sys
+import timeit
+from collections.abc import Callable
+from itertools import compress
+from typing import Any
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from bench.report import git_head, machine, write_results
+from engine_integration import vllm_private
+
+OUT = "bench/results/scan_cost.md"
+CUT = slice(None, -4)  # pool key (digest + 4-byte group id) -> external hash, as the adapter slices it
+_key = operator.attrgetter("_block_hash")
+_ref_cnt = operator.attrgetter("ref_cnt")
+_block_id = operator.attrgetter("block_id")
+
+
+def make_blocks(n: int, free_fraction: float, granted_fraction: float, rng: random.Random) -> tuple[list[Any], dict[bytes, int]]:
+    """`n` cached KVCacheBlocks, `free_fraction` of them free; a grants dict (2800 other blocks,
+    plus `granted_fraction` of the free ones)."""
+    blocks, grants = [], {rng.randbytes(32): 1 for _ in range(2800)}
+    for i in range(n):
+        block = KVCacheBlock(rng.randrange(1 << 17))
+        block._block_hash = rng.randbytes(32) + b"\0\0\0\0"
+        block.ref_cnt = 0 if rng.random() < free_fraction else 2
+        if block.ref_cnt == 0 and rng.random() < granted_fraction:
+            grants[block._block_hash[CUT]] = 1
+        blocks.append(block)
+    return blocks, grants
+
+
+def refile_shipped(blocks: list[Any], grants: dict[bytes, int]) -> int:
+    n = 0
+    for block, key in vllm_private.free_cached(blocks):
+        if key[CUT] in grants and block.pool is None:
+            n += 1
+    return n
+
+
+def refile_map(blocks: list[Any], grants: dict[bytes, int]) -> int:
+    n = 0
+    for block, key in zip(blocks, map(_key, blocks)):
+        if key is not None and block.ref_cnt == 0 and key[CUT] in grants and block.pool is None:
+            n += 1
+    return n
+
+
+def refile_compress(blocks: list[Any], grants: dict[bytes, int]) -> int:
+    n = 0
+    free = [*compress(blocks, map(operator.not_, map(_ref_cnt, blocks)))]
+    for block, key in zip(free, map(_key, free)):
+        if key is not None and key[CUT] in grants and block.pool is None:
+            n += 1
+    return n
+
+
+def touch_shipped(blocks: list[Any], filed: dict[int, Any]) -> int:
+    n = 0
+    for block in blocks:
+        if not block.ref_cnt and block.block_id in filed:
+            n += 1
+    return n
+
+
+def touch_isdisjoint(blocks: list[Any], filed: dict[int, Any]) -> int:
+    n = 0
+    if not filed.keys().isdisjoint(map(_block_id, blocks)):
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_id in filed:
+                n += 1
+    return n
+
+
+SCANS: dict[str, tuple[str, Callable[[list[Any], Any], int]]] = {
+    "refile, shipped": ("refile", refile_shipped),
+    "refile, map": ("refile", refile_map),
+    "refile, compress": ("refile", refile_compress),
+    "touch, shipped": ("touch", touch_shipped),
+    "touch, isdisjoint": ("touch", touch_isdisjoint),
+}
+
+
+def measure(sizes: dict[str, int], fractions: list[float], rounds: int, number: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    rows = []
+    for fraction in fractions:
+        refile_blocks, grants = make_blocks(sizes["refile"], fraction, 0.02, rng)
+        touch_blocks, _ = make_blocks(sizes["touch"], fraction, 0.0, rng)
+        touched = {b.block_id for b in touch_blocks}
+        filed = {i: None for i in rng.sample(range(1 << 17), 1800) if i not in touched}  # none touched
+        inputs = {"refile": (refile_blocks, grants), "touch": (touch_blocks, filed)}
+        # The variants of one scan must agree on what they find.
+        for kind in ("refile", "touch"):
+            found = {name: fn(*inputs[kind]) for name, (k, fn) in SCANS.items() if k == kind}
+            if len(set(found.values())) != 1:
+                raise AssertionError(f"{kind} variants disagree: {found}")
+        per_round: dict[str, list[float]] = {name: [] for name in SCANS}
+        for _ in range(rounds):
+            for name in rng.sample(list(SCANS), len(SCANS)):
+                kind, fn = SCANS[name]
+                args = inputs[kind]
+                best = min(timeit.repeat(lambda: fn(*args), number=number, repeat=5))
+                per_round[name].append(best / number * 1e6)
+        for name, vals in per_round.items():
+            kind = SCANS[name][0]
+            rows.append({"scan": name, "blocks": sizes[kind], "free_fraction": fraction,
+                         "us_per_scan": round(statistics.median(vals), 2),
+                         "us_min": round(min(vals), 2), "us_max": round(max(vals), 2)})
+    return rows
+
+
+def markdown(raw: dict[str, Any]) -> str:
+    out = [
+        "# The retention order's per-block scans: bytecode slot reads against attrgetter maps",
+        "",
+        f"Command: `{raw['command']}`. Machine: {raw['machine']}; commit {raw['commit'][:7]}"
+        f"{' (with uncommitted changes)' if raw['dirty'] else ''}. Real vLLM KVCacheBlock objects; median over "
+        f"{raw['rounds']} rounds of the best of 5 timeit repeats (module doc of bench/scan_cost.py). "
+        "Microseconds per scan.",
+        "",
+        "| scan | blocks | free fraction | us per scan (min - max) | against shipped |",
+        "|---|---|---|---|---|",
+    ]
+    shipped = {(r["scan"].split(",")[0], r["free_fraction"]): r["us_per_scan"] for r in raw["rows"] if r["scan"].endswith("shipped")}
+    for r in raw["rows"]:
+        base = shipped[(r["scan"].split(",")[0], r["free_fraction"])]
+        out.append(f"| {r['scan']} | {r['blocks']} | {r['free_fraction']:.2f} | {r['us_per_scan']:.2f} "
+                   f"({r['us_min']:.2f} - {r['us_max']:.2f}) | {r['us_per_scan'] / base:.2f}x |")
+    out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.scan_cost", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes, one round; print only")
+    ap.add_argument("--out", default=OUT)
+    a = ap.parse_args(argv)
+    sizes = {"refile": 630, "touch": 580}
+    if a.quick:
+        rows = measure({"refile": 50, "touch": 50}, [0.17], rounds=1, number=20)
+    else:
+        rows = measure(sizes, [0.05, 0.17, 0.5, 1.0], rounds=7, number=200)
+    commit, dirty = git_head()
+    raw = {"command": "python -m bench.scan_cost" + (" --quick" if a.quick else "") + ("" if a.out == OUT else f" --out {a.out}"),
+           "machine": machine(), "commit": commit, "dirty": dirty, "rounds": 1 if a.quick else 7, "rows": rows}
+    text = markdown(raw)
+    if a.quick:
+        print(text)
+    else:
+        write_results(a.out, raw, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
