@@ -54,7 +54,7 @@ def make_blocks(n: int, free_fraction: float, granted_fraction: float, rng: rand
     plus `granted_fraction` of the free ones)."""
     blocks, grants = [], {rng.randbytes(32): 1 for _ in range(2800)}
     for i in range(n):
-        block = KVCacheBlock(rng.randrange(1 << 17))
+        block: Any = KVCacheBlock(rng.randrange(1 << 17))
         block._block_hash = rng.randbytes(32) + b"\0\0\0\0"
         block.ref_cnt = 0 if rng.random() < free_fraction else 2
         if block.ref_cnt == 0 and rng.random() < granted_fraction:
