@@ -39,7 +39,7 @@ from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from bench.report import git_head, machine, write_results
+from bench.report import command_line, git_head, machine, write_results
 from engine_integration import vllm_private
 
 OUT = "bench/results/scan_cost.md"
@@ -155,9 +155,10 @@ def markdown(raw: dict[str, Any]) -> str:
         "| scan | blocks | free fraction | us per scan (min - max) | against shipped |",
         "|---|---|---|---|---|",
     ]
-    shipped = {(r["scan"].split(",")[0], r["free_fraction"]): r["us_per_scan"] for r in raw["rows"] if r["scan"].endswith("shipped")}
+    kind = {name: k for name, (k, _) in SCANS.items()}
+    shipped = {(kind[r["scan"]], r["free_fraction"]): r["us_per_scan"] for r in raw["rows"] if r["scan"].endswith("shipped")}
     for r in raw["rows"]:
-        base = shipped[(r["scan"].split(",")[0], r["free_fraction"])]
+        base = shipped[(kind[r["scan"]], r["free_fraction"])]
         out.append(f"| {r['scan']} | {r['blocks']} | {r['free_fraction']:.2f} | {r['us_per_scan']:.2f} "
                    f"({r['us_min']:.2f} - {r['us_max']:.2f}) | {r['us_per_scan'] / base:.2f}x |")
     out.append("")
@@ -170,14 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes, one round; print only")
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args(argv)
-    sizes = {"refile": 630, "touch": 580}
     if a.quick:
-        rows = measure({"refile": 50, "touch": 50}, [0.17], rounds=1, number=20)
+        rounds, rows = 1, measure({"refile": 50, "touch": 50}, [0.17], rounds=1, number=20)
     else:
-        rows = measure(sizes, [0.05, 0.17, 0.5, 1.0], rounds=7, number=200)
+        rounds, rows = 7, measure({"refile": 630, "touch": 580}, [0.05, 0.17, 0.5, 1.0], rounds=7, number=200)
     commit, dirty = git_head()
-    raw = {"command": "python -m bench.scan_cost" + (" --quick" if a.quick else "") + ("" if a.out == OUT else f" --out {a.out}"),
-           "machine": machine(), "commit": commit, "dirty": dirty, "rounds": 1 if a.quick else 7, "rows": rows}
+    raw = {"command": command_line("bench.scan_cost", argv), "machine": machine(), "commit": commit, "dirty": dirty,
+           "rounds": rounds, "rows": rows}
     text = markdown(raw)
     if a.quick:
         print(text)
