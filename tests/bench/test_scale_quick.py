@@ -68,9 +68,14 @@ def test_deferred_runs_settle_outside_the_step_and_book_what_inline_books(out: P
                                                                 if u["phase"] == "warmup"), name
     assert all(u["kv_settle_ns"] > 0 for u in steady("p4096_s200_async_grants") if u["admitted"] or u["evicted"])
     assert all(u["kv_settle_ns"] == 0 for u in steady("p4096_s200_async_grants_inline"))
-    waited = steady("p4096_s200_async_auto_wait")  # wall time recorded next to CPU time, on both sides
-    assert sum(u["kv_wall_ns"] for u in waited) >= sum(u["kv_ns"] for u in waited) > 0
-    assert sum(u["stock_wall_ns"] for u in waited) >= sum(u["stock_ns"] for u in waited) > 0
+    # Wall time recorded next to CPU time, on both sides, over the same regions. The two clocks
+    # differ (perf_counter against the thread's CPU clock), so a side whose thread never waits
+    # can book a few microseconds more CPU than wall over a run (CI saw 18.8126 ms CPU against
+    # 18.8061 ms wall): wall must cover the CPU time to within that, not to the nanosecond.
+    waited = steady("p4096_s200_async_auto_wait")
+    for side in ("kv", "stock"):
+        wall, cpu = sum(u[f"{side}_wall_ns"] for u in waited), sum(u[f"{side}_ns"] for u in waited)
+        assert cpu > 0 and wall >= 0.99 * cpu, (side, wall, cpu)
     # The same workload books the same index, whichever thread books it.
     keys = ("cached_blocks", "index_nodes", "sessions", "memberships")
     inline, deferred = runs["p4096_s200"]["memory"], runs["p4096_s200_deferred"]["memory"]
