@@ -237,18 +237,17 @@ class VllmAdapter:
                     refile_block(block, view)
         self.pool.kvh_sync_mode()  # the retention order on while anything is retained
 
-    def refile_freed(self, blocks: list[Any]) -> None:
-        """Engine thread, after vLLM freed `blocks` with a grant in effect: file the free cached
-        ones a grant covers by their class. They were in use until now, so none is filed as
-        protected yet, and a block without a grant on its logical block stays where vLLM put
-        it (what re-filing it would do, without the retention view)."""
-        grants, pool, cut = self.core.ledger.grants, self.pool, self._key_to_external
-        refile_block = pool.kvh_refile_block
-        # Every block of each freed request passes here (hundreds per step), and few are free
-        # (most are shared prefixes still in use): only the free cached ones' keys (digest +
-        # 4-byte group id) are sliced to external hashes and looked up.
-        for block, key in vllm_private.free_cached(blocks):
-            if key[cut] in grants and block.pool in (None, pool):
+    def refile_freed(self, freed: list[tuple[Any, Any]]) -> None:
+        """Engine thread, after vLLM freed blocks with a grant in effect: `freed` holds the
+        cached ones it put at the free queue's tail, with their pool keys
+        (`vllm_private.appended_since`). File those a grant covers by their class. They were in
+        use until now, so none is filed as protected yet, and a block without a grant on its
+        logical block stays where vLLM put it (what re-filing it would do, without the
+        retention view)."""
+        grants, cut = self.core.ledger.grants, self._key_to_external
+        refile_block = self.pool.kvh_refile_block
+        for block, key in freed:
+            if key[cut] in grants:
                 refile_block(block)
 
     def demote_first(self, hashes: Iterable[bytes]) -> int:

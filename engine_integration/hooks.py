@@ -46,6 +46,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 from kvhint_server.model import RemovalCause, RetentionClass, RetentionView
 
+from . import vllm_private
 from .protected import ProtectedFreeBlocks
 
 if TYPE_CHECKING:
@@ -200,9 +201,9 @@ class KvHintBlockPool(BlockPool):
         if not self._kvh_retaining or not self._kvh.retention_active():
             _free_blocks(self, ordered_blocks)
             return
-        blocks = list(ordered_blocks)
-        _free_blocks(self, blocks)
-        self._kvh.refile_freed(blocks)
+        mark = vllm_private.queue_tail(self)
+        _free_blocks(self, ordered_blocks)
+        self._kvh.refile_freed(vllm_private.appended_since(self, mark))
 
     # ------------------------------------------------------------ used by the adapter
 

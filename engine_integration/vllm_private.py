@@ -6,7 +6,9 @@ otherwise.
 
   BlockPool.cached_block_hash_to_block._cache     the hash -> block(s) map
   KVCacheBlock._block_hash                        what the public `block_hash` property returns,
-                                                  read directly on per-block paths (free_cached)
+                                                  read directly on per-block paths (appended_since)
+  FreeKVCacheBlockQueue.fake_free_list_tail, KVCacheBlock.prev_free_block
+                                                  the free queue's tail, walked back from (appended_since)
   EngineCore._idle_state_callbacks, input_queue   waking an idle engine
   EngineCore._handle_shutdown                     teardown at the busy loop's exit
   OffloadingManager.take_events / reset_cache / shutdown   wrapped (monkey-patched)
@@ -36,14 +38,32 @@ def cached_block_map(pool: Any) -> dict[Any, Any]:
     return pool.cached_block_hash_to_block._cache
 
 
-def free_cached(blocks: Iterable[Any]) -> list[tuple[Any, Any]]:
-    """The blocks of `blocks` that are free (ref_cnt 0) and cached, each with its pool key
-    (`KVCacheBlock._block_hash`, what the `block_hash` property returns: hash + group id), in
-    one pass over a request's blocks. KVCacheBlock has __slots__, and a slot read in bytecode
-    is cheaper than through the property or operator.attrgetter: 1.7x faster than the
-    attrgetter scan it replaced when a sixth of the blocks are free, as in bench.scale's grants
-    shape, and 8% slower when all are (bench/results/scan_cost.md)."""
-    return [(block, key) for block in blocks if not block.ref_cnt and (key := block._block_hash) is not None]
+def queue_tail(pool: Any) -> Any:
+    """The last block of `pool`'s free queue (its fake head when the queue is empty): the mark
+    `appended_since` walks back to."""
+    return pool.free_block_queue.fake_free_list_tail.prev_free_block
+
+
+def appended_since(pool: Any, mark: Any) -> list[tuple[Any, Any]]:
+    """The cached blocks put at the tail of `pool`'s free queue since `queue_tail(pool)` returned
+    `mark`, oldest first, each with its pool key (`KVCacheBlock._block_hash`, what the
+    `block_hash` property returns: hash + group id).
+
+    Meant around `BlockPool.free_blocks`, which appends the blocks it frees that are cached and
+    prepends the uncached ones, and removes nothing from the queue: walking back from the tail
+    to `mark` visits exactly the freed cached blocks (when the queue was empty, the walk runs on
+    through the prepended blocks to the fake head, and the key check drops them). The walk
+    visits those blocks only, not every block of the freed requests, most of which are shared
+    prefixes still in use (bench/results/scan_cost.md)."""
+    out = []
+    block = pool.free_block_queue.fake_free_list_tail.prev_free_block
+    while block is not mark and block is not None:
+        key = block._block_hash
+        if key is not None:
+            out.append((block, key))
+        block = block.prev_free_block
+    out.reverse()
+    return out
 
 
 def copies_in(entry: Any) -> list[Any]:
