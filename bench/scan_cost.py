@@ -1,22 +1,27 @@
-"""The cost of the retention order's per-block scans: bytecode slot reads against operator.attrgetter maps.
+"""The cost of the retention order's per-block scans: what the engine thread reads per block.
 
-With retention grants in effect, the engine thread scans every block of each freed request
-(`VllmAdapter.refile_freed`, through `vllm_private.free_cached`) and of each prefix hit
+With retention grants in effect, the engine thread finds the cached blocks each freed request
+put back in the free queue (`VllmAdapter.refile_freed`) and checks each prefix hit's blocks
 (`KvHintBlockPool.touch`): in bench.scale's grants shape about 630 freed and 580 touched blocks
 per step, of which about 17% and 10% are free. vLLM's KVCacheBlock has `__slots__`; this times,
-side by side in one run over real KVCacheBlock objects:
+side by side in one run over real KVCacheBlock objects and vLLM's real free queue:
 
-  refile, shipped   `vllm_private.free_cached(blocks)` (a comprehension reading `ref_cnt` and
-                    `_block_hash` in bytecode), then the key check of `refile_freed`;
-  refile, map       the scan it replaced: `zip(blocks, map(attrgetter("_block_hash"), blocks))`
-                    with the ref_cnt and key checks in the loop body;
-  refile, compress  a C-level prefilter: `compress(blocks, map(not_, map(attrgetter("ref_cnt"),
-                    blocks)))`, then the keys of the free ones;
-  touch, shipped    the loop of `KvHintBlockPool.touch`: `not block.ref_cnt and block.block_id
-                    in filed` per block;
-  touch, isdisjoint the check it replaced: `filed.keys().isdisjoint(map(attrgetter("block_id"),
-                    blocks))` before that loop (here no touched block is filed, the usual case,
-                    so the loop never runs).
+  refile, shipped        `vllm_private.appended_since(pool, mark)`: a walk back from the free
+                         queue's tail to where it ended before the free, over the freed cached
+                         blocks only, then the key check of `refile_freed`;
+  refile, comprehension  the scan it replaced (commit b606e57): a copy of the freed blocks
+                         (the hook's `list(ordered_blocks)`, needed for a second pass), then a
+                         comprehension reading `ref_cnt` and `_block_hash` of every freed block;
+  refile, map            the scan before that: the copy, then `zip(blocks,
+                         map(attrgetter("_block_hash"), blocks))` with the ref_cnt and key checks
+                         in the loop body;
+  refile, compress       a C-level prefilter: the copy, then `compress(blocks, map(not_,
+                         map(attrgetter("ref_cnt"), blocks)))`, then the keys of the free ones;
+  touch, shipped         the loop of `KvHintBlockPool.touch`: `not block.ref_cnt and
+                         block.block_id in filed` per block;
+  touch, isdisjoint      the check it replaced: `filed.keys().isdisjoint(map(attrgetter(
+                         "block_id"), blocks))` before that loop (here no touched block is filed,
+                         the usual case, so the loop never runs).
 
 For each fraction of free blocks, the median over rounds of the best of several timeit repeats,
 in microseconds per scan of N blocks.
@@ -37,7 +42,9 @@ from collections.abc import Callable
 from itertools import compress
 from typing import Any
 
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from types import SimpleNamespace
+
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from bench.report import command_line, git_head, machine, write_results
 from engine_integration import vllm_private
@@ -63,24 +70,46 @@ def make_blocks(n: int, free_fraction: float, granted_fraction: float, rng: rand
     return blocks, grants
 
 
-def refile_shipped(blocks: list[Any], grants: dict[bytes, int]) -> int:
-    n = 0
-    for block, key in vllm_private.free_cached(blocks):
+def freed(blocks: list[Any], grants: dict[bytes, int]) -> SimpleNamespace:
+    """One free as the refile scans see it: `blocks` just freed, and a pool whose free queue
+    (64 blocks free before) got the free cached ones appended, as BlockPool.free_blocks does;
+    `mark` is the queue's tail before."""
+    queue = FreeKVCacheBlockQueue([KVCacheBlock(-2 - i) for i in range(64)])
+    pool = SimpleNamespace(free_block_queue=queue)
+    mark = vllm_private.queue_tail(pool)
+    queue.append_n([b for b in blocks if not b.ref_cnt and b._block_hash is not None])
+    return SimpleNamespace(blocks=blocks, grants=grants, pool=pool, mark=mark)
+
+
+def refile_shipped(case: SimpleNamespace) -> int:
+    n, grants = 0, case.grants
+    for _block, key in vllm_private.appended_since(case.pool, case.mark):
+        if key[CUT] in grants:
+            n += 1
+    return n
+
+
+def refile_comprehension(case: SimpleNamespace) -> int:
+    n, grants = 0, case.grants
+    blocks = list(case.blocks)
+    for block, key in [(b, k) for b in blocks if not b.ref_cnt and (k := b._block_hash) is not None]:
         if key[CUT] in grants and block.pool is None:
             n += 1
     return n
 
 
-def refile_map(blocks: list[Any], grants: dict[bytes, int]) -> int:
-    n = 0
+def refile_map(case: SimpleNamespace) -> int:
+    n, grants = 0, case.grants
+    blocks = list(case.blocks)
     for block, key in zip(blocks, map(_key, blocks)):
         if key is not None and block.ref_cnt == 0 and key[CUT] in grants and block.pool is None:
             n += 1
     return n
 
 
-def refile_compress(blocks: list[Any], grants: dict[bytes, int]) -> int:
-    n = 0
+def refile_compress(case: SimpleNamespace) -> int:
+    n, grants = 0, case.grants
+    blocks = list(case.blocks)
     free = [*compress(blocks, map(operator.not_, map(_ref_cnt, blocks)))]
     for block, key in zip(free, map(_key, free)):
         if key is not None and key[CUT] in grants and block.pool is None:
@@ -105,8 +134,9 @@ def touch_isdisjoint(blocks: list[Any], filed: dict[int, Any]) -> int:
     return n
 
 
-SCANS: dict[str, tuple[str, Callable[[list[Any], Any], int]]] = {
+SCANS: dict[str, tuple[str, Callable[..., int]]] = {
     "refile, shipped": ("refile", refile_shipped),
+    "refile, comprehension": ("refile", refile_comprehension),
     "refile, map": ("refile", refile_map),
     "refile, compress": ("refile", refile_compress),
     "touch, shipped": ("touch", touch_shipped),
@@ -122,7 +152,7 @@ def measure(sizes: dict[str, int], fractions: list[float], rounds: int, number: 
         touch_blocks, _ = make_blocks(sizes["touch"], fraction, 0.0, rng)
         touched = {b.block_id for b in touch_blocks}
         filed = {i: None for i in rng.sample(range(1 << 17), 1800) if i not in touched}  # none touched
-        inputs = {"refile": (refile_blocks, grants), "touch": (touch_blocks, filed)}
+        inputs: dict[str, tuple[Any, ...]] = {"refile": (freed(refile_blocks, grants),), "touch": (touch_blocks, filed)}
         # The variants of one scan must agree on what they find.
         for kind in ("refile", "touch"):
             found = {name: fn(*inputs[kind]) for name, (k, fn) in SCANS.items() if k == kind}
@@ -145,10 +175,10 @@ def measure(sizes: dict[str, int], fractions: list[float], rounds: int, number: 
 
 def markdown(raw: dict[str, Any]) -> str:
     out = [
-        "# The retention order's per-block scans: bytecode slot reads against attrgetter maps",
+        "# The retention order's per-block scans: a walk of the free queue's tail, bytecode slot reads, attrgetter maps",
         "",
         f"Command: `{raw['command']}`. Machine: {raw['machine']}; commit {raw['commit'][:7]}"
-        f"{' (with uncommitted changes)' if raw['dirty'] else ''}. Real vLLM KVCacheBlock objects; median over "
+        f"{' (with uncommitted changes)' if raw['dirty'] else ''}. Real vLLM KVCacheBlock objects and free queue; median over "
         f"{raw['rounds']} rounds of the best of 5 timeit repeats (module doc of bench/scan_cost.py). "
         "Microseconds per scan.",
         "",
