@@ -78,8 +78,8 @@ MUTANTS = (
     Mutant(
         "free-order-active",
         "engine_integration/hooks.py",
-        r"blocks = list\(ordered_blocks\)\n",
-        "blocks = list(ordered_blocks)[::-1]\n",
+        r"mark = vllm_private\.queue_tail\(self\)\n        _free_blocks\(self, ordered_blocks\)\n",
+        "mark = vllm_private.queue_tail(self)\n        _free_blocks(self, list(ordered_blocks)[::-1])\n",
         "free_blocks reverses vLLM's free order while a grant is in effect",
     ),
     Mutant(
