@@ -56,7 +56,7 @@ def appended_since(pool: Any, mark: Any) -> list[tuple[Any, Any]]:
     visits those blocks only, not every block of the freed requests, most of which are shared
     prefixes still in use (bench/results/scan_cost.md)."""
     out = []
-    block = pool.free_block_queue.fake_free_list_tail.prev_free_block
+    block = queue_tail(pool)
     while block is not mark and block is not None:
         key = block._block_hash
         if key is not None:
