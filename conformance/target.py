@@ -38,7 +38,7 @@ from google.protobuf import duration_pb2
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint.v1 import kvhint_pb2_grpc as pbg
 from kvhint_client.errors import KvHintError
-from kvhint_client.openai_traffic import Completion, CompletionError, complete, first_model
+from kvhint_client.openai_traffic import Completion, CompletionError, complete, complete_batch, first_model
 
 from . import hints as H
 from . import profiles
@@ -440,6 +440,20 @@ class Target:
         except OSError as exc:
             raise CaseFailed(f"/v1/completions failed: {exc}") from exc
 
+    def complete_batch(self, prompts: list[list[int]], *, max_tokens: int = 1) -> list[str]:
+        """Several prompts in one /v1/completions request, so the engine gets them together."""
+        if not self.options.openai_url:
+            raise CaseSkipped("no --openai-url given")
+        try:
+            return complete_batch(
+                self.options.openai_url, prompts, model=self.model(), max_tokens=max_tokens,
+                timeout=self.options.http_timeout, extra_headers=self._rank_header(),
+            )
+        except CompletionError as exc:
+            raise CaseFailed(f"/v1/completions with {len(prompts)} prompts failed: HTTP {exc.status}: {exc.body[:200]}") from exc
+        except OSError as exc:
+            raise CaseFailed(f"/v1/completions with {len(prompts)} prompts failed: {exc}") from exc
+
     def _rank_header(self) -> dict[str, str] | None:
         """A data-parallel target is one rank of its engine: send its traffic to that rank
         (vLLM's X-data-parallel-rank header), so the sessions land where the target sees them."""
@@ -504,6 +518,9 @@ class CaseContext:
 
     def complete(self, prompt: list[int], session: str | None = None, **kw: Any) -> Completion:
         return self.target.complete(prompt, session_id=session, **kw)
+
+    def complete_batch(self, prompts: list[list[int]], **kw: Any) -> list[str]:
+        return self.target.complete_batch(prompts, **kw)
 
     def session_prompt(self, name: str) -> list[int]:
         return self.tokens(name, self.plan.session_tokens)

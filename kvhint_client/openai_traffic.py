@@ -137,6 +137,46 @@ def complete(
     )
 
 
+def complete_batch(
+    base_url: str,
+    prompts: list[list[int]],
+    *,
+    model: str | None = None,
+    max_tokens: int = 1,
+    timeout: float = 120.0,
+    extra_headers: dict[str, str] | None = None,
+) -> list[str]:
+    """Greedy completions of several prompts in one request (the completions API's list of
+    prompts), not streamed. The server hands all of them to its engine at once, so a caller
+    that needs them in the engine at the same time does not depend on the timing of its own
+    threads. Returns each prompt's text, in prompt order.
+
+    Raises CompletionError for an HTTP error status, or (status 200) when the response does
+    not hold exactly one choice per prompt."""
+    body: dict[str, object] = {"prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0}
+    if model:
+        body["model"] = model
+    headers = {"Content-Type": "application/json"}
+    headers.update(extra_headers or {})
+    req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read().decode(errors="replace")
+            status = resp.status
+    except urllib.error.HTTPError as err:
+        raise CompletionError(err.code, err.read().decode(errors="replace")) from err
+    try:
+        choices = json.loads(raw).get("choices") or []
+        texts = {int(c["index"]): str(c.get("text") or "") for c in choices}
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CompletionError(status, f"not a completions response ({exc}): {raw[:300]}") from exc
+    if len(choices) != len(prompts) or sorted(texts) != list(range(len(prompts))):
+        raise CompletionError(
+            status, f"{len(choices)} choices (indexes {sorted(texts)}) for {len(prompts)} prompts: {raw[:300]}"
+        )
+    return [texts[i] for i in range(len(prompts))]
+
+
 def _stream_error(chunk: dict[str, object]) -> int | None:
     """The status of an error a streamed chunk reports, None for a normal chunk: vLLM's
     `{"error": {"code": ...}}` or the older `{"object": "error", "code": ...}` (500 when the

@@ -58,20 +58,21 @@ def half_session_overflow(ctx: CaseContext) -> tuple[int, int]:
     return filler_blocks, (filler_blocks - 1) * bs + max(1, bs // 2)
 
 
-def pin_to_budget(ctx: CaseContext, tag: str) -> list[str]:
-    """Store and pin sessions until the pin budget is used up. Returns the session ids."""
+def pin_to_budget(ctx: CaseContext, tag: str) -> tuple[list[str], int]:
+    """Store and pin sessions until the pin budget is used up. Returns the session ids and the
+    device blocks the pins' results report."""
     plan = ctx.plan
     count = math.ceil(plan.pin_budget / plan.session_blocks)
     names = [ctx.sid(f"{tag}{i}") for i in range(count)]
     for i, name in enumerate(names):
         ctx.complete(ctx.session_prompt(f"{tag}{i}"), name)
-    ctx.apply(*(H.pin(n, ttl=120) for n in names))
-    return names
+    results = ctx.apply(*(H.pin(n, ttl=120) for n in names))
+    return names, sum(H.device_blocks(r) for r in results)
 
 
-def concurrent_overflow(ctx: CaseContext, tag: str, max_tokens: int = 16) -> tuple[list[list[int]], list[Completion]]:
-    """With the pin budget in use, send enough concurrent long prompts that they need more blocks
-    than the unpinned pool, though fewer than the whole pool. Returns (prompts, completions)."""
+def overflow_prompts(ctx: CaseContext, tag: str, max_tokens: int = 16) -> list[list[int]]:
+    """With the pin budget in use: long prompts that, run at the same time, need more blocks
+    than the unpinned pool, though fewer than the whole pool."""
     plan = ctx.plan
     bs = plan.block_size
     each = math.ceil((plan.long_prompt_tokens + max_tokens) / bs)
@@ -82,10 +83,26 @@ def concurrent_overflow(ctx: CaseContext, tag: str, max_tokens: int = 16) -> tup
             f"{n} concurrent prompts of {each} blocks exceed the unpinned pool ({unpinned} blocks) only by also "
             f"exceeding the whole pool ({plan.device_blocks} blocks); raise max_model_len or the pin budget"
         )
-    prompts = [ctx.tokens(f"{tag}-long-{i}", plan.long_prompt_tokens) for i in range(n)]
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+    return [ctx.tokens(f"{tag}-long-{i}", plan.long_prompt_tokens) for i in range(n)]
+
+
+def concurrent_overflow(ctx: CaseContext, tag: str, max_tokens: int = 16) -> tuple[list[list[int]], list[Completion]]:
+    """overflow_prompts, each its own request, sent from concurrent threads (so each result has
+    its tokens and usage). Whether they overlap in the engine depends on the threads' timing;
+    batched_overflow does not. Returns (prompts, completions)."""
+    prompts = overflow_prompts(ctx, tag, max_tokens)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         outputs = list(pool.map(lambda p: ctx.complete(p, max_tokens=max_tokens), prompts))
     return prompts, outputs
+
+
+def batched_overflow(ctx: CaseContext, tag: str, max_tokens: int = 16) -> list[list[int]]:
+    """overflow_prompts in one request (the completions API's list of prompts): the server hands
+    them to the engine together, so they run at the same time however the client is scheduled.
+    Returns the prompts."""
+    prompts = overflow_prompts(ctx, tag, max_tokens)
+    ctx.complete_batch(prompts, max_tokens=max_tokens)
+    return prompts
 
 
 #: Candidates asked for at the first differing token: the other run's token must be among the
@@ -230,7 +247,7 @@ def register(reg: Registry) -> None:
         needs=PRESSURE,
     )
     def never_fail(ctx: CaseContext) -> None:
-        names = pin_to_budget(ctx, "p")
+        names, _pinned = pin_to_budget(ctx, "p")
         prompts, outputs = concurrent_overflow(ctx, "never-fail")
         ctx.apply(*(H.release(n) for n in names))
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
