@@ -51,8 +51,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a file: the repository's packages, installed or not
     sys.path.insert(0, str(ROOT))
 
+# Standard library only (engine_integration.served imports no vLLM, torch or KvHint dependency), so
+# the script starts, and writes its results file, on a machine where the check cannot run. KvHint's
+# own packages (kvhint_server: grpcio, protobuf, googleapis-common-protos) are imported inside the
+# platform check and the steps: on the lent H200 (bench/results/gpu_check_h200/), without
+# `pip install -e .`, a module-level import of kvhint_server.config crashed before any results
+# file was written.
 from engine_integration.served import ENFORCE_EAGER_ENV, GPU_MEMORY_DEFAULT, GPU_MEMORY_ENV, eager_from_env  # noqa: E402
-from kvhint_server.config import resolve_bookkeeping  # noqa: E402
+
 MODELS = (("dense", "tiny"), ("hybrid", "hybrid"))
 IDENTITY_TEST = "tests/engine/test_engine_identity.py"
 NO_TESTS_COLLECTED = 5  # pytest's exit status when `-k` selects nothing
@@ -175,11 +181,29 @@ def basic_info(opts: Options) -> dict[str, Any]:
     }
 
 
+# What a GPU machine needs before the check can run (the module docstring and gpu_check.sh).
+INSTALL_HINT = "`pip install vllm==0.32.0 && pip install -e '.[dev]'`"
+
+
+def torch_info(info: dict[str, Any]) -> dict[str, Any]:
+    """`info` with torch's version and the GPU it sees, where torch imports (a failed start's
+    header then still says what the machine has)."""
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - torch missing is itself part of the report
+        return info
+    out = {**info, "torch": torch.__version__, "cuda_available": bool(torch.cuda.is_available())}
+    if out["cuda_available"]:
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
 def platform_info(opts: Options) -> dict[str, Any]:
+    # KvHint's packages first: without them no step can run, and the error names the missing one.
+    from kvhint_server.config import ServerConfig
+
     import torch
     import vllm
-
-    from kvhint_server.config import ServerConfig
 
     info: dict[str, Any] = {
         **basic_info(opts),
@@ -234,6 +258,8 @@ def bookkeeping_check(configured: str, async_scheduling: bool, device: bool, log
     the scheduler class built, which must be KvHint's async one exactly when vLLM chose async
     scheduling. Without `traffic` (the conformance suite did not run) the counter is reported,
     not required. Returns details with `ok` and `summary`."""
+    from kvhint_server.config import resolve_bookkeeping
+
     lines = BOOKKEEPING_LINE.findall(log_text)
     logged, built = lines[-1] if lines else (None, None)
     expected = resolve_bookkeeping(configured, async_scheduling, device)
@@ -279,6 +305,7 @@ def serve_and_conform(opts: Options, name: str, model: str, serve: Step, conform
     and, after the conformance suite's traffic, KvHint's residency bookkeeping (bookkeeping_check)."""
     from conformance.testing.vllm_ci import KNOWN_FAILING
     from engine_integration.served import EngineSpec, ServedEngine
+    from kvhint_server.config import resolve_bookkeeping
 
     # INFO: the engine log then has KvHint's `residency bookkeeping MODE` line (bookkeeping_check).
     spec = EngineSpec(model=model, env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO"})
@@ -499,7 +526,10 @@ def start_error(opts: Options, probe: Callable[[Options], dict[str, Any]]) -> tu
     try:
         info = probe(opts)
     except Exception as exc:  # noqa: BLE001 - reported in the results file
-        return basic_info(opts), f"the platform check failed: {type(exc).__name__}: {exc}"
+        why = f"the platform check failed: {type(exc).__name__}: {exc}"
+        if isinstance(exc, ImportError):
+            why += f" (the check needs {INSTALL_HINT})"
+        return torch_info(basic_info(opts)), why
     if not opts.cpu and not info.get("cuda_available"):
         return info, "no CUDA device visible (torch.cuda.is_available() is False); use --cpu on a machine without a GPU"
     return info, None

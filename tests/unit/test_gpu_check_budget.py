@@ -158,3 +158,33 @@ def test_bookkeeping_evidence() -> None:
     assert gc.bookkeeping_check("auto", False, False, SYNC_LOG.replace("deferred", "inline"), None)["ok"]
     assert not gc.bookkeeping_check("auto", False, False, SYNC_LOG, 42.0)["ok"]
     assert gc.bookkeeping_check("deferred", False, False, SYNC_LOG, 3.0)["ok"]  # --cpu: deferred asked for, sync scheduler
+
+
+BLOCK_GOOGLE_RPC = """
+import runpy, sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "google.rpc" or name.startswith("google.rpc."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Block())
+sys.argv = ["gpu_check.py", "--out", sys.argv[1], "--models", "dense"]
+runpy.run_path(%r, run_name="__main__")
+"""
+
+
+def test_without_kvhints_dependencies_the_script_still_writes_its_results(tmp_path: Path) -> None:
+    """What happened on the lent H200 (bench/results/gpu_check_h200/): KvHint not installed there,
+    so googleapis-common-protos (google.rpc) was missing, and the script died at import with a
+    traceback and no results file. Now it starts, says what is missing and how to install it."""
+    import subprocess
+
+    code = BLOCK_GOOGLE_RPC % str(REPO / "scripts" / "gpu_check.py")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    data = json.loads((tmp_path / "gpu_check_results.json").read_text())
+    assert data["ok"] is False and data["models"] == {}
+    assert "No module named 'google.rpc'" in data["error"] and "pip install -e" in data["error"]
+    text = (tmp_path / "gpu_check_results.md").read_text()
+    assert "The check could not start" in text and "google.rpc" in text and "Overall: **FAIL**" in text
