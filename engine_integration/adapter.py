@@ -327,22 +327,48 @@ class VllmAdapter:
         if group_id not in self.groups.residency:
             return  # a window-tail copy: resolved through its logical block, not reported
         if held is not None:
-            fresh = [h for j, h in zip(keep, fresh) if held[j]]
-        new = [ext(h) for h in fresh]
+            keep = [j for j in keep if held[j]]
+        positions = [num_cached_blocks + j for j in keep]
+        new = [ext(hashes[i]) for i in positions]
         self._resident.update(new)
         parent = ext(hashes[num_cached_blocks - 1]) if num_cached_blocks > 0 else None
         coords = request_coords(request, self._max_id)
-        core = self.core
         if coords and parent is not None and coords.session_id and not self._is_member(parent, coords.session_id):
             self._record_hit(hashes, num_cached_blocks, coords)
-        core.on_stored(
-            new,
-            first_position=num_cached_blocks,
-            parent=parent,
-            tier=Tier.DEVICE,
-            medium=self.pool.medium,
-            coords=coords,
-        )
+        # Each run of consecutive chain positions with its own first position and parent: a
+        # sliding-window residency group caches only the window tail of a prompt (vLLM's
+        # block mask), so the stored blocks need not start at num_cached_blocks.
+        self._record_runs(hashes, positions, new, coords, prefix_hit=False)
+
+    def _record_runs(self, hashes: Any, positions: list[int], wire: list[bytes], coords: Any, *, prefix_hit: bool) -> None:
+        """`core.on_stored` for the blocks at chain `positions` (ascending; `wire`: their wire
+        hashes), one call per run of consecutive positions, each with its first position and
+        the block before it as parent. One call when they are consecutive (a dense model)."""
+        n = len(positions)
+        if not n:
+            return
+        core, ext, medium = self.core, self.external, self.pool.medium
+        if positions[-1] - positions[0] == n - 1:  # consecutive: the common case, one call
+            first = positions[0]
+            core.on_stored(wire, first_position=first, parent=ext(hashes[first - 1]) if first > 0 else None,
+                           tier=Tier.DEVICE, medium=medium, coords=coords, prefix_hit=prefix_hit)
+            return
+        start = 0
+        while start < n:
+            end = start + 1
+            while end < n and positions[end] == positions[end - 1] + 1:
+                end += 1
+            first = positions[start]
+            core.on_stored(
+                wire[start:end],
+                first_position=first,
+                parent=ext(hashes[first - 1]) if first > 0 else None,
+                tier=Tier.DEVICE,
+                medium=medium,
+                coords=coords,
+                prefix_hit=prefix_hit,
+            )
+            start = end
 
     def on_prefix_hit(self, request: Any, num_computed_tokens: int) -> None:
         n = num_computed_tokens // self.scheduler.block_size
@@ -362,15 +388,23 @@ class VllmAdapter:
         self._record_hit(hashes, n, coords)
 
     def _record_hit(self, hashes: Any, n: int, coords: Any) -> None:
-        self.core.on_stored(
-            [self.external(hashes[i]) for i in range(n)],
-            first_position=0,
-            parent=None,
-            tier=Tier.DEVICE,
-            medium=self.pool.medium,
-            coords=coords,
-            prefix_hit=True,
-        )
+        """A request with `coords` read the first `n` blocks of `hashes` from the cache: it joins
+        the ones the device holds. Not every hit position is held: on a model whose residency
+        group slides (every layer sliding-window), a hit reads only the window's tail, and the
+        blocks before it may have been evicted. So only blocks reported resident (`_resident`,
+        booked in the same order as this step) are recorded, as runs of consecutive positions;
+        recording the rest booked blocks the pool does not hold as resident for good (more
+        resident blocks reported than the pool has: tests/inproc/test_window_only.py,
+        tests/engine/test_engine_window.py). With a full-attention residency
+        group every hit block is resident: one run, the whole prefix."""
+        ext, resident = self.external, self._resident
+        positions, wire = [], []
+        for i in range(n):
+            h = ext(hashes[i])
+            if h in resident:
+                positions.append(i)
+                wire.append(h)
+        self._record_runs(hashes, positions, wire, coords, prefix_hit=True)
 
     def _is_member(self, ext: bytes, session: str) -> bool:
         node = self.core.index.node(ext)

@@ -87,15 +87,24 @@ def _block_hasher(block_size: int) -> Callable[[Request], list[Any]]:
     return _hashers[block_size]
 
 
-def make_kv_cache_config(num_blocks: int, block_size: int, *, hybrid: bool = False, sliding_window: int = 128) -> KVCacheConfig:
-    """One FullAttention group, or (hybrid) FullAttention group 0 + SlidingWindow group 1."""
-    full = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    groups = [KVCacheGroupSpec(["full.0"], full)]
-    if hybrid:
-        window = SlidingWindowSpec(
-            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=sliding_window
-        )
-        groups.append(KVCacheGroupSpec(["window.0"], window))
+def make_kv_cache_config(
+    num_blocks: int, block_size: int, *, hybrid: bool = False, window_only: bool = False, sliding_window: int = 128
+) -> KVCacheConfig:
+    """One FullAttention group; (hybrid) FullAttention group 0 + SlidingWindow group 1; or
+    (window_only) one SlidingWindow group, the layout of a model whose every layer slides
+    (Qwen2 with use_sliding_window and max_window_layers=0)."""
+    if hybrid and window_only:
+        raise ValueError("make_kv_cache_config: hybrid and window_only are different layouts; pick one")
+    window = SlidingWindowSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=sliding_window
+    )
+    if window_only:
+        groups = [KVCacheGroupSpec(["window.0"], window)]
+    else:
+        full = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        groups = [KVCacheGroupSpec(["full.0"], full)]
+        if hybrid:
+            groups.append(KVCacheGroupSpec(["window.0"], window))
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
@@ -168,6 +177,7 @@ def make_scheduler(
     kvhint: bool = True,
     async_scheduling: bool = False,
     hybrid: bool = False,
+    window_only: bool = False,
     sliding_window: int = 128,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 8192,
@@ -191,7 +201,9 @@ def make_scheduler(
         data_parallel_size=data_parallel_size,
         kv_events_endpoint=kv_events_endpoint,
     )
-    kv_cache_config = make_kv_cache_config(num_blocks, block_size, hybrid=hybrid, sliding_window=sliding_window)
+    kv_cache_config = make_kv_cache_config(
+        num_blocks, block_size, hybrid=hybrid, window_only=window_only, sliding_window=sliding_window
+    )
     if kvhint:
         from .scheduler import KvHintScheduler
 

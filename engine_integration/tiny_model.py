@@ -22,6 +22,13 @@ Presets:
          handling (more than one window group, a window of 3 blocks of 32).
          Six groups share the pool, so serve it with about three times the
          blocks of the others (240 for the 80 the tests give `hybrid`).
+  window Qwen2 architecture with every layer sliding-window (use_sliding_window,
+         max_window_layers 0, window 128 tokens): hidden 256, 4 layers, 4 heads /
+         2 KV heads of dim 64, intermediate 512. vLLM serves it with ONE KV-cache
+         group, sliding-window, which is then the group that defines residency: a
+         held-out layout where a prompt keeps only its window tail cached (vLLM
+         0.32 refuses Qwen2 with only some layers sliding: "Sliding window for
+         some but all layers is not supported").
   mamba  Granite 4 architecture (GraniteMoeHybrid, dense MLP): hidden 256, 4 layers,
          Mamba2 (8 heads of dim 64, state 16, conv 4, chunk 64) and full attention
          alternating, 4 heads / 2 KV heads. vLLM lists a Mamba group
@@ -41,10 +48,12 @@ PRESETS: dict[str, dict[str, int]] = {
     "bench": {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "intermediate_size": 1536},
     "hybrid": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
     "hybrid6": {"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 4, "intermediate_size": 512},
+    "window": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
     "mamba": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
 }
 HYBRID_SLIDING_WINDOW = 128
 HYBRID6_SLIDING_WINDOW = 96
+WINDOW_SLIDING_WINDOW = 128
 VOCAB_SIZE = 4096
 MAX_POSITIONS = 4096
 _MARKER = "kvhint_model.json"
@@ -198,6 +207,26 @@ def _hybrid6_model(dims: dict[str, int]) -> object:
     return _gemma_model(Gemma3TextConfig, Gemma3ForCausalLM, HYBRID6_SLIDING_WINDOW, dims)
 
 
+def _window_model(dims: dict[str, int]) -> object:
+    """Qwen2 with every layer sliding-window (max_window_layers 0: no layer is full attention)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=WINDOW_SLIDING_WINDOW,
+        max_window_layers=0,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        **dims,
+    )
+    return Qwen2ForCausalLM(config)
+
+
 def _mamba_model(dims: dict[str, int]) -> object:
     """Granite 4 (GraniteMoeHybrid without experts): Mamba2 and full-attention layers alternating."""
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
@@ -229,4 +258,4 @@ def _mamba_model(dims: dict[str, int]) -> object:
     return GraniteMoeHybridForCausalLM(config)
 
 
-_BUILDERS = {"hybrid": _hybrid_model, "hybrid6": _hybrid6_model, "mamba": _mamba_model}
+_BUILDERS = {"hybrid": _hybrid_model, "hybrid6": _hybrid6_model, "window": _window_model, "mamba": _mamba_model}

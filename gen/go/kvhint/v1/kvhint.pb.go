@@ -2298,6 +2298,10 @@ type KvCacheGroup struct {
 	// no longer does, and QueryResidency reports the same. The engine sets it
 	// on its full-attention groups (on every group when it has none). Copies in
 	// other groups do not change residency; they are the window tails above.
+	// With no full-attention group (every layer sliding-window), the resident
+	// blocks are the window tails the engine kept: a session's blocks are those
+	// tails, and a prefix hit makes a session a member only of the blocks it
+	// read that a copy holds, never of the earlier positions of its prefix.
 	DefinesResidency bool `protobuf:"varint,5,opt,name=defines_residency,json=definesResidency,proto3" json:"defines_residency,omitempty"`
 }
 
