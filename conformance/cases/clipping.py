@@ -51,7 +51,7 @@ def register(reg: Registry) -> None:
         budget = plan.pin_budget
         if budget == 0:
             raise CaseSkipped("pin_budget_blocks is 0")
-        per = plan.session_blocks
+        per = plan.session_resident  # what a pin of one session takes from the budget
         sessions = budget // per + 1
         if sessions * per > plan.device_blocks - 2:
             raise CaseSkipped(
@@ -113,7 +113,7 @@ def register(reg: Registry) -> None:
     )
     def budget_freed(ctx: CaseContext) -> None:
         plan = ctx.plan
-        per = plan.session_blocks
+        per = plan.session_resident  # what a pin of one session takes from the budget
         sessions = plan.pin_budget // per
         if sessions < 1 or sessions * per + per > plan.device_blocks - 2 or plan.cached_together(sessions + 1) > plan.device_blocks - 2:
             raise CaseSkipped(

@@ -334,9 +334,10 @@ def register(reg: Registry) -> None:
                   if m.HasField("blocks_stored") and m.blocks_stored.tier == pb.TIER_DEVICE
                   and m.blocks_stored.coordinates.session_id == session and not m.blocks_stored.prefix_hit]
         hashes = [h for s in stored for h in s.block_hashes]
-        check(len(hashes) == plan.session_blocks, f"BlocksStored for session {session} name {len(hashes)} blocks, expected {plan.session_blocks}")
+        resident = plan.session_resident  # every block, or the window tail a sliding-window-only engine keeps
+        check(len(hashes) == resident, f"BlocksStored for session {session} name {len(hashes)} blocks, expected {resident}")
         check(hashes == ctx.device_hashes(H.session_selector(session)), "BlocksStored hashes differ from QueryResidency's, in chain order")
-        position = 0
+        position = plan.session_blocks - resident  # the tail's first chain position (0: the whole prompt)
         for s in stored:
             check(s.tier == pb.TIER_DEVICE, f"BlocksStored tier {pb.Tier.Name(s.tier)}")
             check(s.coordinates.continuation_id == ctx.cid("st"), f"BlocksStored continuation_id={s.coordinates.continuation_id!r}")
@@ -356,8 +357,11 @@ def register(reg: Registry) -> None:
     def removed(ctx: CaseContext) -> None:
         watch = ctx.watch_now()
         _prompt, session = _session_traffic(ctx, "rm")
-        hashes = ctx.device_hashes(H.session_selector(session))
-        position = {h: i for i, h in enumerate(hashes)}
+        # Chain positions as QueryResidency reports them (a window tail's start past 0 on a
+        # sliding-window-only engine).
+        blocks = [b for b in ctx.residency(H.session_selector(session)) if pb.TIER_DEVICE in b.tiers]
+        hashes = [b.block_hash for b in blocks]
+        position = {b.block_hash: b.position for b in blocks}
         ctx.pressure("removed")
         watch.wait_sequence(ctx.latest_sequence())
         removed = [m.blocks_removed for m in watch.stop()
@@ -412,6 +416,19 @@ def register(reg: Registry) -> None:
         # the other on rank 1 of the 2-rank data-parallel engine late in the full suite on a
         # 2-core machine, five tries in a row.) A few tries stay, for an engine that admits a
         # batch's prompts one after another.
+        plan = ctx.plan
+        each = math.ceil((plan.long_prompt_tokens + 16) / plan.block_size)
+        unpinned = plan.device_blocks - 1 - plan.pin_budget
+        if plan.resident_tail and each <= unpinned:
+            # Every residency group slides: a prompt holds more than its window tail only in the
+            # step that prefills it, so overflowing the unpinned pool takes prompts prefilled in
+            # the same engine step, which no client can arrange, or one longer than that pool.
+            # (The engine side, pins broken by same-step prefills: tests/inproc/test_window_only.py.)
+            raise CaseSkipped(
+                f"every residency group slides (window tail {plan.resident_tail} blocks): a prompt keeps its "
+                f"{each} blocks only while it is prefilled, so breaking pins needs prompts prefilled in one engine step "
+                f"or one longer than the {unpinned} unpinned blocks (the longest prompt max_model_len allows has {each})"
+            )
         seen: list[str] = []
         for attempt in range(PIN_BROKEN_ATTEMPTS):
             watch = ctx.watch_now()

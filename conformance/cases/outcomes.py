@@ -22,7 +22,9 @@ SMALL_BLOCKS = 3
 
 def resident_selection(ctx: CaseContext, kind: str, name: str = "s", blocks: int = SMALL_BLOCKS) -> tuple[pb.Selector, int, list[int], str]:
     """Store a small session prompt and return (selector of `kind` over it, its block count,
-    the prompt, the session id)."""
+    the prompt, the session id). The prompt keeps every block resident: on a sliding-window-only
+    engine it is at most a window tail long (Plan.resident_blocks)."""
+    blocks = ctx.plan.resident_blocks(blocks)
     session = ctx.sid(name)
     prompt = ctx.small_prompt(name, blocks)
     ctx.complete(prompt, session, continuation_id=ctx.cid(name))

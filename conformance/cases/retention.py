@@ -33,7 +33,7 @@ def kept(ctx: CaseContext, prompts: dict[str, list[int]], order: Sequence[str]) 
     out = {}
     for n in order:
         on_device = sum(1 for b in ctx.residency(H.session_selector(ctx.sid(n))) if pb.TIER_DEVICE in b.tiers)
-        out[n] = ctx.full_hit if on_device >= ctx.plan.session_blocks else min(on_device * ctx.plan.block_size, ctx.full_hit - 1)
+        out[n] = ctx.full_hit if on_device >= ctx.plan.session_resident else min(on_device * ctx.plan.block_size, ctx.full_hit - 1)
     return out
 
 
@@ -60,9 +60,10 @@ def half_session_overflow(ctx: CaseContext) -> tuple[int, int]:
 
 def pin_to_budget(ctx: CaseContext, tag: str) -> tuple[list[str], int]:
     """Store and pin sessions until the pin budget is used up. Returns the session ids and the
-    device blocks the pins' results report."""
+    device blocks the pins' results report. (A session holds Plan.session_resident blocks: fewer
+    than its prompt's on a sliding-window-only engine, so more sessions fill the budget there.)"""
     plan = ctx.plan
-    count = math.ceil(plan.pin_budget / plan.session_blocks)
+    count = math.ceil(plan.pin_budget / plan.session_resident)
     names = [ctx.sid(f"{tag}{i}") for i in range(count)]
     for i, name in enumerate(names):
         ctx.complete(ctx.session_prompt(f"{tag}{i}"), name)
@@ -154,8 +155,8 @@ def register(reg: Registry) -> None:
         ctx.complete(kept, ctx.sid("pinned"))
         result = ctx.apply_one(H.pin(ctx.sid("pinned"), ttl=120))
         check(
-            result.outcome == pb.OUTCOME_ACCEPTED and H.device_blocks(result) == ctx.plan.session_blocks,
-            f"pin of a {ctx.plan.session_blocks}-block session: {H.describe(result)}",
+            result.outcome == pb.OUTCOME_ACCEPTED and H.device_blocks(result) == ctx.plan.session_resident,
+            f"pin of a session of {ctx.plan.session_resident} resident blocks: {H.describe(result)}",
         )
         kept_through_pressure(ctx, "pinned", kept, ctx.sid("pinned"), control)
 

@@ -25,3 +25,14 @@ def test_the_command_line_refuses_it_before_serving_anything(capsys: pytest.Capt
         main(["--configs", "nope"])
     assert exit_.value.code == 2 and "unknown model preset 'nope'" in capsys.readouterr().err
     assert ("tiny", "") in CONFIGS  # the default matrix is unchanged
+
+
+def test_the_results_header_names_the_options_that_reproduce_it() -> None:
+    from pathlib import Path
+
+    from bench.conformance_matrix import RESULTS, command_args
+
+    assert command_args(CONFIGS, RESULTS) == ""
+    out = RESULTS.parent / "conformance_window.md"
+    assert command_args((("window", ""),), out) == " --configs window --out bench/results/conformance_window.md"
+    assert command_args((("tiny", "host=128"),), Path("/tmp/x.md")) == " --configs tiny@host=128 --out /tmp/x.md"

@@ -86,3 +86,46 @@ def test_sessions_cached_together_count_every_group() -> None:
     assert hybrid.cached_together(3) == 2 * (17 + 4) + 2 * 18 <= 78
     assert six.session_blocks == 25 and six.footprint(25) == (25 + 5 * 3, 25 * 6)
     assert six.cached_together(5) == 4 * 40 + 26 * 6 > 238
+
+
+def window_only(blocks: int = 80, window: int = 128, bs: int = 32) -> pb.GetCapabilitiesResponse:
+    """A model whose every layer slides: one sliding-window group, which defines residency."""
+    c = caps(blocks, bs=bs)
+    c.kv_cache_groups.add(group_id=0, kind=G.KIND_SLIDING_WINDOW, block_size=bs, sliding_window_tokens=window,
+                          defines_residency=True)
+    return c
+
+
+def test_a_sliding_window_only_engine_keeps_a_window_tail_of_each_prompt() -> None:
+    plan = make_plan(window_only(), OPTIONS)
+    # The served `window` preset (bench/results/conformance_window.md): a 31-block session prompt
+    # keeps ceil(127 / 32) = 4 blocks, and a 5-block prompt keeps 4 of its 5.
+    assert plan.session_blocks == 31 and plan.resident_tail == 4
+    assert (plan.session_resident, plan.resident_blocks(5), plan.resident_blocks(3)) == (4, 4, 3)
+    # Pressure counts the blocks a cached prompt keeps: 80 + 4 over 4 per prompt, plus one.
+    assert plan.filler_count == 22 and plan.pressure_ok
+    assert "4 of them resident" in plan.summary()
+
+
+def test_every_prompt_block_is_resident_when_any_residency_group_is_full_attention() -> None:
+    for c in (caps(80), caps(80, window=128)):
+        plan = make_plan(c, OPTIONS)
+        assert plan.resident_tail == 0 and plan.session_resident == plan.session_blocks
+        assert plan.filler_count == math.ceil((80 + plan.session_blocks) / plan.session_blocks) + 1
+    # Groups that do not say which defines residency all do (the proto's rule): a full-attention one among them.
+    unflagged = caps(80)
+    unflagged.kv_cache_groups.add(group_id=0, kind=G.KIND_FULL_ATTENTION, block_size=32)
+    unflagged.kv_cache_groups.add(group_id=1, kind=G.KIND_SLIDING_WINDOW, block_size=32, sliding_window_tokens=128)
+    assert make_plan(unflagged, OPTIONS).resident_tail == 0
+    # Two window groups defining residency: the shorter tail bounds what stays resident.
+    two = window_only(window=128)
+    two.kv_cache_groups.add(group_id=1, kind=G.KIND_SLIDING_WINDOW, block_size=32, sliding_window_tokens=64,
+                            defines_residency=True)
+    assert make_plan(two, OPTIONS).resident_tail == 2
+
+
+@given(blocks=st.integers(16, 4000), window=st.sampled_from([None, 64, 128, 512]))
+def test_pressure_never_shrinks_for_layouts_that_keep_whole_prompts(blocks: int, window: int | None) -> None:
+    plan = make_plan(caps(blocks, window=window), OPTIONS)
+    n = plan.session_blocks
+    assert plan.filler_count == math.ceil((plan.capacity_blocks + n) / n) + 1

@@ -197,3 +197,27 @@ def test_the_index_records_the_chain_positions_of_the_cached_window_tail() -> No
         assert [nodes[chain_ext[i]].parent for i in cached] == [chain_ext[i - 1] for i in cached]
         (result,) = apply(s, pin(session("A")))
         assert result.outcome is Outcome.ACCEPTED and result.affected[Tier.DEVICE] == len(cached)
+
+
+def test_prefills_in_one_step_that_need_pinned_blocks_break_pins_and_say_so() -> None:
+    """Pins never fail an allocation, on this layout too: two 1000-token prompts prefilled in one
+    step need 64 blocks while 39 of the 79 usable ones are pinned (window tails of ten sessions),
+    so pins are broken and PinBroken published. (The conformance case cannot arrange same-step
+    prefills through the API on such an engine and skips; see events/pin-broken-reported.)"""
+    from kvhint_server.events import PinBroken
+
+    with window_only(num_blocks=80, retention_interval=0, block_size=32, window=128) as s:
+        for i in range(10):
+            run(s, f"p{i}", tokens(10 + i, 1008), f"S{i}")
+        results = apply(s, *(pin(session(f"S{i}"), ttl_s=120) for i in range(10)))
+        pinned = sum(r.affected.get(Tier.DEVICE, 0) for r in results)
+        assert pinned == s.kvhint_core.ledger.pin_budget_blocks == 39  # the budget, all of it granted
+        for i in range(2):
+            s.add_request(inproc.make_request(f"long{i}", tokens(500 + i, 1000), max_tokens=4, block_size=32))
+        inproc.step(s)
+        assert len(s.running) == 2  # both prefilled in this step: no allocation failed
+        broken = [e.payload for e in s.kvhint_core.bus.read_after(0, 1_000_000) if isinstance(e.payload, PinBroken)]
+        assert broken and broken[0].shortfall_blocks > 0
+        assert set(broken[0].session_ids) <= {f"S{i}" for i in range(10)}
+        inproc.run_until_idle(s)
+        assert_reports_the_pool(s)
