@@ -157,21 +157,25 @@ def make_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0) -> Ti
     return TinyModel(out, preset)
 
 
+def _untied(dims: dict[str, int], **arch: object) -> dict[str, object]:
+    """Config arguments of the untied-embedding presets (Llama, Qwen2): the shared vocabulary,
+    positions, special tokens and dtype, the preset's sizes and the architecture's own `arch`."""
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": MAX_POSITIONS,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        **arch,
+        **dims,
+    }
+
+
 def _llama_model(dims: dict[str, int]) -> object:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        num_key_value_heads=dims["num_attention_heads"],
-        head_dim=64,
-        max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-        **dims,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**_untied(dims, num_key_value_heads=dims["num_attention_heads"], head_dim=64)))
 
 
 def _gemma_model(config_cls: type, model_cls: type, window: int, dims: dict[str, int]) -> object:
@@ -212,17 +216,7 @@ def _window_model(dims: dict[str, int]) -> object:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        num_key_value_heads=2,
-        use_sliding_window=True,
-        sliding_window=WINDOW_SLIDING_WINDOW,
-        max_window_layers=0,
-        max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-        **dims,
+        **_untied(dims, num_key_value_heads=2, use_sliding_window=True, sliding_window=WINDOW_SLIDING_WINDOW, max_window_layers=0)
     )
     return Qwen2ForCausalLM(config)
 

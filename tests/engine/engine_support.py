@@ -121,3 +121,41 @@ def running_engine(model: str, **kw: object) -> Iterator[Engine]:
     finally:
         eng.close()
         eng.served.stop()
+
+
+def conformance_passes(engine: Engine) -> tuple[str, dict[str, str]]:
+    """Run the whole conformance suite against `engine` (vLLM's known-failing list) and assert it
+    passes: exit status 0, no failed case, no case skipped for an unmet requirement. Returns the
+    report and the skipped cases (id -> reason)."""
+    import io
+    import re
+
+    from conformance.runner import main as conformance_main
+    from conformance.testing.vllm_ci import KNOWN_FAILING
+
+    out = io.StringIO()
+    rc = conformance_main(["--target", engine.grpc_address, "--openai-url", engine.http, "--known-failing", str(KNOWN_FAILING)], out=out)
+    text = out.getvalue()
+    assert rc == 0, text
+    assert not re.findall(r"^FAILED: ", text, re.M), text
+    skipped = dict(re.findall(r"^SKIPPED: (\S+): (.*)$", text, re.M))
+    assert not [r for r in skipped.values() if "requirement" in r], text
+    return text, skipped
+
+
+def resume_scenario(engine: Engine, tag: str, fillers: int = 6) -> dict[str, object]:
+    """scripts/resume_scenario.py against `engine` (issue 12's scenario through the OpenAI API and
+    `buf curl`); asserts it exits 0 (the pinned resume kept the reference hit, the control lost
+    it) and returns its figures."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "resume_scenario.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--http", engine.http, "--grpc", engine.grpc_address, "--tag", tag, "--fillers", str(fillers)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)  # type: ignore[no-any-return]

@@ -10,7 +10,6 @@ same model and pool, and the conformance suite, run on it too."""
 
 from __future__ import annotations
 
-import io
 import re
 from collections.abc import Iterator
 
@@ -18,10 +17,8 @@ import pytest
 import test_engine_events as events_tests
 import test_engine_identity as identity_tests
 import test_engine_retention as retention_tests
-from engine_support import Engine, running_engine
+from engine_support import Engine, conformance_passes, running_engine
 
-from conformance.runner import main as conformance_main
-from conformance.testing.vllm_ci import KNOWN_FAILING
 from engine_integration.served import default_model, pool_blocks
 from kvhint.v1 import kvhint_pb2 as pb
 
@@ -86,13 +83,7 @@ def test_conformance_suite_passes(hybrid6: Engine) -> None:
     budget of 119 logical blocks takes five 25-block sessions cached at once, 316 device blocks
     over six groups, more than the pool; evict-max-blocks runs with a 3-block session (the
     96-token window's cached tail), so its repeat still hits the prefix it left."""
-    out = io.StringIO()
-    rc = conformance_main(["--target", hybrid6.grpc_address, "--openai-url", hybrid6.http, "--known-failing", str(KNOWN_FAILING)], out=out)
-    text = out.getvalue()
-    assert rc == 0, text
-    assert not re.findall(r"^FAILED: ", text, re.M), text
-    skipped = dict(re.findall(r"^SKIPPED: (\S+): (.*)$", text, re.M))
-    assert not [r for r in skipped.values() if "requirement" in r], text
+    text, skipped = conformance_passes(hybrid6)
     budget = {i: r for i, r in skipped.items() if "/clipping/" in i}
     assert set(budget) == {"kvhint.v1/clipping/pin-budget", "kvhint.v1/clipping/pin-budget-freed-by-release"}, text
     assert all("316 device blocks" in r for r in budget.values()), budget

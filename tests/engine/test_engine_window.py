@@ -13,17 +13,13 @@ more resident blocks than the pool has; tests/inproc/test_window_only.py)."""
 from __future__ import annotations
 
 import collections
-import io
-import re
 import time
 from collections.abc import Iterator
 
 import pytest
-from engine_support import Engine, pin, release, running_engine, tokens
+from engine_support import Engine, conformance_passes, pin, release, resume_scenario, running_engine, tokens
 from events_support import latest_sequence
 
-from conformance.runner import main as conformance_main
-from conformance.testing.vllm_ci import KNOWN_FAILING
 from engine_integration.served import default_model
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client.follower import EventFollower
@@ -101,6 +97,15 @@ def test_pinned_session_keeps_its_resume_hit_under_pressure(clean_window: Engine
     engine.apply(release("win-a"))
 
 
+def test_issue_scenario_through_the_openai_api_and_buf_curl(clean_window: Engine) -> None:
+    """The same through plain HTTP and `buf curl` (scripts/resume_scenario.py), with the pressure
+    this layout needs."""
+    out = resume_scenario(clean_window, tag="win-wire", fillers=30)
+    assert out["pin_outcome"] == "OUTCOME_ACCEPTED" and 0 < out["pin_device_blocks"] <= 5  # the window tail
+    assert out["pinned_resume_cached_tokens"] == out["reference_cached_tokens"] >= 512 - 2 * 32
+    assert out["control_resume_cached_tokens"] == 0
+
+
 def test_reported_residency_is_vllms_after_cross_session_hits(clean_window: Engine) -> None:
     engine = clean_window
     with EventFollower({ENGINE: engine.grpc_address}, heartbeat=0.2) as follower:
@@ -130,13 +135,7 @@ def test_conformance_suite_passes(window: Engine) -> None:
     and on this layout nothing else overflows the unpinned pool (a prompt keeps 4 blocks once
     prefilled; the engine side is tests/inproc/test_window_only.py)."""
     window.reset_cache()
-    out = io.StringIO()
-    rc = conformance_main(["--target", window.grpc_address, "--openai-url", window.http, "--known-failing", str(KNOWN_FAILING)], out=out)
-    text = out.getvalue()
-    assert rc == 0, text
-    assert not re.findall(r"^FAILED: ", text, re.M), text
-    skipped = dict(re.findall(r"^SKIPPED: (\S+): (.*)$", text, re.M))
-    assert not [r for r in skipped.values() if "requirement" in r], text
+    text, skipped = conformance_passes(window)
     assert "every residency group slides" in skipped.get("kvhint.v1/events/pin-broken-reported", ""), text
     # The cases that count a session's blocks ran, and passed, against the window tail.
     for case in ("clipping/pin-budget", "retention/pinned-session-survives-pressure", "events/stored-carries-session-coordinates",

@@ -9,7 +9,7 @@ import subprocess
 
 import grpc
 import pytest
-from engine_support import Engine, pin, release, session_sel, tokens
+from engine_support import Engine, pin, release, resume_scenario, session_sel, tokens
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
@@ -158,6 +158,17 @@ def test_non_python_client_through_reflection(engine: Engine) -> None:
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["results"][0]["outcome"] == "OUTCOME_ACCEPTED"
     engine.apply(release("buf-curl"))
+
+
+def test_issue_scenario_through_the_openai_api_and_buf_curl(any_clean: Engine, request: pytest.FixtureRequest) -> None:
+    """Issue 12's scenario as a router not written in Python runs it (scripts/resume_scenario.py:
+    plain HTTP for the OpenAI API, `buf curl` for Pin and Release), on the dense and the hybrid
+    model: the pinned session's resume keeps the hit it has with no pressure (dense: all 512
+    tokens; hybrid: 480, the cached window tail ends a block early), and the unhinted control loses it."""
+    out = resume_scenario(any_clean, tag=f"wire-{request.node.callspec.id}")
+    assert out["pin_outcome"] == "OUTCOME_ACCEPTED" and out["pin_device_blocks"] == 16  # logical blocks
+    assert out["pinned_resume_cached_tokens"] == out["reference_cached_tokens"] >= 480
+    assert out["control_resume_cached_tokens"] == 0 and out["release_outcome"] == "OUTCOME_ACCEPTED"
 
 
 def test_idempotent_hint_ids(clean: Engine) -> None:

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import layout_support
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,8 +26,7 @@ from engine_integration.kv_groups import residency_view
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client import KvHintClient
 from kvhint_server.events import BlocksRemoved, BlocksStored
-from kvhint_server.model import HintResult, KvCacheGroupKind, Outcome, Tier
-from kvhint_server.validation import parse_apply_request
+from kvhint_server.model import KvCacheGroupKind, Outcome, Tier
 
 BLOCK = 16
 WINDOW = 64  # a hit needs ceil(63 / 16) = 4 sliding-window blocks
@@ -41,36 +41,19 @@ def hybrid(window_first: bool = False, num_blocks: int = POOL, retention_interva
     retention_interval is vLLM's prefix_cache_retention_interval: 0 (the engine's
     default) caches sliding-window blocks only at the window tail of each prompt's
     end; None caches every one."""
-    make = inproc.make_kv_cache_config
-
-    def config(*args: Any, **kw: Any) -> Any:
-        cfg = make(*args, **kw)
-        cfg.prefix_cache_retention_interval = retention_interval
-        if window_first:
-            cfg.kv_cache_groups.reverse()
-        return cfg
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(inproc, "make_kv_cache_config", config)
-        with inproc.running_scheduler(num_blocks=num_blocks, block_size=BLOCK, hybrid=True, sliding_window=WINDOW) as s:
-            yield s
+    edit = (lambda cfg: cfg.kv_cache_groups.reverse()) if window_first else None
+    with layout_support.scheduler(
+        retention_interval, edit=edit, num_blocks=num_blocks, block_size=BLOCK, hybrid=True, sliding_window=WINDOW
+    ) as s:
+        yield s
 
 
 def run(scheduler: Any, rid: str, prompt: list[int], sid: str | None = None) -> int:
     """Serve one request to completion; its prefix hit in tokens."""
-    scheduler.add_request(inproc.make_request(rid, prompt, session_id=sid, max_tokens=1, block_size=BLOCK))
-    hit = None
-    while inproc.busy(scheduler):
-        result = inproc.step(scheduler)
-        hit = result.prefix_hits.get(rid, hit)
-    assert hit is not None
-    return hit
+    return layout_support.run(scheduler, rid, prompt, sid, block_size=BLOCK)
 
 
-def apply(scheduler: Any, *hints: pb.Hint) -> list[HintResult]:
-    core = scheduler.kvhint_core
-    parsed = parse_apply_request(pb.ApplyHintsRequest(hints=list(hints)), core.config, core.info)
-    return core.executor.apply_batch(parsed).results
+apply = layout_support.apply
 
 
 def resume(seed: str) -> list[int]:

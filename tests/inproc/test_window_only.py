@@ -19,16 +19,14 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
+import layout_support
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pool_support import pin, session, tokens
 from vllm.v1.core.kv_cache_utils import get_block_hash
 
 from engine_integration import inproc
-from kvhint.v1 import kvhint_pb2 as pb
-from kvhint_server.model import HintResult, KvCacheGroupKind, Outcome, Tier
-from kvhint_server.validation import parse_apply_request
+from kvhint_server.model import KvCacheGroupKind, Outcome, Tier
 
 BLOCK = 16
 WINDOW = 64  # a hit reads ceil(63 / 16) = 4 tail blocks
@@ -42,34 +40,18 @@ def window_only(
 ) -> Iterator[Any]:
     """retention_interval is vLLM's prefix_cache_retention_interval: None caches every block;
     0 (what the served engine runs) caches only the window tail at each prompt's end."""
-    make = inproc.make_kv_cache_config
-
-    def config(*args: Any, **kw: Any) -> Any:
-        cfg = make(*args, **kw)
-        cfg.prefix_cache_retention_interval = retention_interval
-        return cfg
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(inproc, "make_kv_cache_config", config)
-        with inproc.running_scheduler(num_blocks=num_blocks, block_size=block_size, window_only=True, sliding_window=window) as s:
-            yield s
+    with layout_support.scheduler(
+        retention_interval, num_blocks=num_blocks, block_size=block_size, window_only=True, sliding_window=window
+    ) as s:
+        yield s
 
 
 def run(scheduler: Any, rid: str, prompt: list[int], sid: str | None = None) -> int:
-    """Serve one request to completion; its prefix hit in tokens."""
-    scheduler.add_request(inproc.make_request(rid, prompt, session_id=sid, max_tokens=2, block_size=BLOCK))
-    hit = None
-    while inproc.busy(scheduler):
-        result = inproc.step(scheduler)
-        hit = result.prefix_hits.get(rid, hit)
-    assert hit is not None
-    return hit
+    """Serve one request to completion (two tokens: a decode step slides the window); its prefix hit in tokens."""
+    return layout_support.run(scheduler, rid, prompt, sid, block_size=scheduler.block_size, max_tokens=2)
 
 
-def apply(scheduler: Any, *hints: pb.Hint) -> list[HintResult]:
-    core = scheduler.kvhint_core
-    parsed = parse_apply_request(pb.ApplyHintsRequest(hints=list(hints)), core.config, core.info)
-    return core.executor.apply_batch(parsed).results
+apply = layout_support.apply
 
 
 def pool_blocks(scheduler: Any) -> set[bytes]:
