@@ -184,13 +184,20 @@ def window_tail_blocks(caps: pb.GetCapabilitiesResponse) -> int:
     of the tail ending at i, and an engine may cache a prompt's window tail only where the
     prompt ended (vLLM does): then a prompt of at most this many blocks is the longest whose
     every shorter prefix is still hit-able once its tail is gone."""
-    bs = max(1, caps.block_size)
-    tails = [
-        math.ceil(math.ceil((g.sliding_window_tokens - 1) / max(1, g.block_size or bs)) * max(1, g.block_size or bs) / bs)
-        for g in caps.kv_cache_groups
-        if g.kind == pb.KvCacheGroup.KIND_SLIDING_WINDOW and g.sliding_window_tokens
-    ]
+    tails = [_tail_blocks(g, caps.block_size) for g in caps.kv_cache_groups if _slides(g)]
     return min(tails) if tails else 0
+
+
+def _slides(group: pb.KvCacheGroup) -> bool:
+    return group.kind == pb.KvCacheGroup.KIND_SLIDING_WINDOW and bool(group.sliding_window_tokens)
+
+
+def _tail_blocks(group: pb.KvCacheGroup, block_size: int) -> int:
+    """A sliding-window group's cached tail, ceil((W - 1) / B) blocks of its own size B, in
+    logical blocks of `block_size`."""
+    bs = max(1, block_size)
+    own = max(1, group.block_size or bs)
+    return math.ceil(math.ceil((group.sliding_window_tokens - 1) / own) * own / bs)
 
 
 def resident_tail_blocks(caps: pb.GetCapabilitiesResponse) -> int:
@@ -199,15 +206,11 @@ def resident_tail_blocks(caps: pb.GetCapabilitiesResponse) -> int:
     shortest such group's window tail, ceil((W - 1) / B) of its own blocks (KvCacheGroup: the
     engine keeps only the tails a resume reads, and a block is resident while every residency
     group holds it). Groups without the flag all define residency (the proto's default)."""
-    bs = max(1, caps.block_size)
     groups = list(caps.kv_cache_groups)
     residency = [g for g in groups if g.defines_residency] or groups
-    if not residency or any(g.kind != pb.KvCacheGroup.KIND_SLIDING_WINDOW or not g.sliding_window_tokens for g in residency):
+    if not residency or not all(_slides(g) for g in residency):
         return 0
-    return min(
-        math.ceil(math.ceil((g.sliding_window_tokens - 1) / max(1, g.block_size or bs)) * max(1, g.block_size or bs) / bs)
-        for g in residency
-    )
+    return min(_tail_blocks(g, caps.block_size) for g in residency)
 
 
 def every_page(method: str, fetch: Callable[[str], Any], field: str) -> list[Any]:

@@ -344,16 +344,8 @@ class VllmAdapter:
         """`core.on_stored` for the blocks at chain `positions` (ascending; `wire`: their wire
         hashes), one call per run of consecutive positions, each with its first position and
         the block before it as parent. One call when they are consecutive (a dense model)."""
-        n = len(positions)
-        if not n:
-            return
         core, ext, medium = self.core, self.external, self.pool.medium
-        if positions[-1] - positions[0] == n - 1:  # consecutive: the common case, one call
-            first = positions[0]
-            core.on_stored(wire, first_position=first, parent=ext(hashes[first - 1]) if first > 0 else None,
-                           tier=Tier.DEVICE, medium=medium, coords=coords, prefix_hit=prefix_hit)
-            return
-        start = 0
+        start, n = 0, len(positions)
         while start < n:
             end = start + 1
             while end < n and positions[end] == positions[end - 1] + 1:

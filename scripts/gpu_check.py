@@ -202,21 +202,15 @@ def platform_info(opts: Options) -> dict[str, Any]:
     # KvHint's packages first: without them no step can run, and the error names the missing one.
     from kvhint_server.config import ServerConfig
 
-    import torch
-    import vllm
+    import vllm  # imports torch: a machine without it fails here, not in torch_info
 
-    info: dict[str, Any] = {
+    return torch_info({
         **basic_info(opts),
         "vllm": vllm.__version__,
-        "torch": torch.__version__,
-        "cuda_available": bool(torch.cuda.is_available()),
         # The engines' residency bookkeeping setting (auto: deferred on a GPU, and under async
         # scheduling on CPU).
         "residency_bookkeeping": ServerConfig.from_env().residency_bookkeeping,
-    }
-    if info["cuda_available"]:
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+    })
 
 
 def server_scheduling(http_url: str, timeout: float = 120.0) -> dict[str, Any]:

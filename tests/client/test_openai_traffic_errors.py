@@ -5,11 +5,10 @@ not an empty completion with 0 cached tokens."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from http_stub import QuietHandler, serving
 
 from kvhint_client.openai_traffic import CompletionError, complete
 
@@ -25,7 +24,7 @@ STREAMS: dict[str, list[object]] = {
 }
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         self.rfile.read(int(self.headers["Content-Length"]))
         self.send_response(200)
@@ -36,20 +35,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {payload}\n\n".encode())
         self.wfile.flush()
 
-    def log_message(self, *args: object) -> None:
-        pass
-
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(_Handler) as url:
+        yield url
 
 
 def test_a_complete_stream_gives_its_tokens_and_cached_tokens(base_url: str) -> None:
