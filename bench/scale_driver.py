@@ -84,6 +84,8 @@ class Side:
             block_size=shape.block_size,
             kvhint=kvhint,
             async_scheduling=shape.async_scheduling,
+            hybrid=shape.hybrid,
+            sliding_window=shape.sliding_window,
             max_num_seqs=shape.max_num_seqs,
             max_num_batched_tokens=shape.max_num_batched_tokens,
             max_model_len=shape.max_model_len,

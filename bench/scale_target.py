@@ -16,6 +16,8 @@ KvHint pair of bench.scale's workload (`scale_ab.run_one` on this tree: fill, wa
   * deferred, async, settler: KvHint loaded and no hint ever sent, with the synchronous
     scheduler (deferred bookkeeping), vLLM's AsyncScheduler (the GPU default, `auto`), and the
     AsyncScheduler with the journal's real settler thread and a 20 ms device wait per step;
+  * hybrid: as async, on a hybrid model's layout: two KV-cache groups, full attention and a
+    128-token sliding window, share the pool (Gemma 2's; the same pool of blocks);
   * grants: retention grants in effect from hints in the warm-up, none changing. Reported, and
     kept out of the verdict: hints were sent, so this is the cost of what they ask for (the
     retention order's per-block work), not the cost of loading KvHint.
@@ -38,13 +40,14 @@ from .report import command_line, git, git_head, machine, write_results
 from .scale_ab import POOL, SESSIONS, run_one
 
 TARGET = 1.03
-NO_HINT = ("deferred", "async", "settler")
+NO_HINT = ("deferred", "async", "settler", "hybrid")
 SHAPES = ("aa", *NO_HINT, "grants")
 LABELS = {
     "aa": "A/A: stock vs stock (synchronous scheduler)",
     "deferred": "no hint, synchronous scheduler, deferred bookkeeping",
     "async": "no hint, async scheduling (the GPU default), deferred bookkeeping",
     "settler": "no hint, async scheduling, the settler thread, 20 ms device wait per step",
+    "hybrid": "no hint, async scheduling, deferred bookkeeping, hybrid layout (full attention + sliding window)",
     "grants": "grants in effect from warm-up hints, none changing (async, deferred; not in the verdict)",
 }
 

@@ -70,6 +70,11 @@ class Shape:
     # After each side's step, sleep this long with the GIL free: the device's share of a step on
     # a GPU engine, in which a settler thread runs.
     gpu_wait_s: float = 0.0
+    # The pool's KV-cache layout: one full-attention group (a dense model), or a hybrid model's
+    # two groups sharing it, full attention (group 0) and a sliding window of
+    # `sliding_window` tokens (group 1), as vLLM builds for Gemma 2 (inproc.make_kv_cache_config).
+    hybrid: bool = False
+    sliding_window: int = 128
 
     @property
     def deferred(self) -> bool:
@@ -90,7 +95,8 @@ class Shape:
             mode += ", deferred bookkeeping" + (" (settler thread)" if self.settler_thread else "")
         if self.gpu_wait_s:
             mode += f", {self.gpu_wait_s * 1e3:.0f} ms device wait per step"
-        return f"{self.pool_blocks} blocks, {self.sessions} sessions{hints}{events}{mode}"
+        layout = f", hybrid layout (full attention + {self.sliding_window}-token sliding window)" if self.hybrid else ""
+        return f"{self.pool_blocks} blocks{layout}, {self.sessions} sessions{hints}{events}{mode}"
 
 
 def tokens(seed: object, n: int) -> list[int]:

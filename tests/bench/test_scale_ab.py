@@ -41,3 +41,31 @@ def test_the_profile_counts_kvhint_frames_on_the_kvhint_side_only() -> None:
     assert result["totals"]["stock"] > 0 and result["totals"]["kvhint"] > 0
     text = scale_profile.markdown(result, "python -m bench.scale_profile", top=5)
     assert text.count("\n| `") == 5
+
+
+def test_the_hybrid_shape_runs_both_sides_on_two_kv_cache_groups_and_reports_logical_blocks() -> None:
+    from bench.scale_driver import Pair
+    from bench.scale_workload import Shape
+    from engine_integration import vllm_private
+
+    shape = Shape(1024, 50, steps=3, **{**scale_ab.SHAPES["hybrid"], **SMALL, "system_tokens": 512})
+    assert "hybrid layout" in shape.label
+    pair = Pair(shape, collect=False)
+    try:
+        pair.fill_and_freeze()
+        pair.steps(12, "steady")
+        assert sum(u.evicted for u in pair.units) > 0  # the pool is under pressure
+        for side in (pair.stock, pair.kv):
+            specs = [type(g.kv_cache_spec).__name__ for g in side.sched.kv_cache_config.kv_cache_groups]
+            assert specs == ["FullAttentionSpec", "SlidingWindowSpec"], side.name
+        pair.kv.settle()
+        adapter = pair.kv.sched.kvhint_adapter
+        keys = vllm_private.cached_block_map(adapter.pool).keys()
+        full = {key[:-4] for key in keys if key[-4:] == (0).to_bytes(4, "big")}
+        window = {key[:-4] for key in keys if key[-4:] == (1).to_bytes(4, "big")}
+        # Residency is logical and follows the full-attention group: every block it holds and
+        # no other; the window group keeps only each prompt's tail.
+        assert {adapter.external(d) for d in full} == {b.block_hash for b in adapter.device_blocks()}
+        assert window and len(window) < len(full)
+    finally:
+        pair.close()
