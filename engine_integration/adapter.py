@@ -97,6 +97,8 @@ class VllmAdapter:
         self.groups: GroupLayout = layout_of(None)
         self._residency_suffixes: frozenset[bytes] = frozenset()
         self._cacheable_suffixes: tuple[bytes, ...] = ((0).to_bytes(4, "big"),)
+        self._other_suffixes: dict[bytes, tuple[bytes, ...]] = {}
+        self._other_suffix: dict[bytes, bytes] | None = None
         self._wake_pending = False
         self._wake_lock = threading.Lock()
         self._max_id = core.config.max_id_length
@@ -109,6 +111,11 @@ class VllmAdapter:
         # Pool-key suffixes of every cacheable group (vLLM's make_block_hash_with_group_id:
         # digest + 4-byte big-endian group id), precomputed for the per-block paths.
         self._cacheable_suffixes = tuple(g.to_bytes(4, "big") for g in self.groups.cacheable)
+        # Per group suffix, the other cacheable groups' (and, with exactly two, the other one).
+        self._other_suffixes = {s: tuple(o for o in self._cacheable_suffixes if o != s) for s in self._cacheable_suffixes}
+        self._other_suffix = (
+            {s: others[0] for s, others in self._other_suffixes.items()} if len(self._cacheable_suffixes) == 2 else None
+        )
         # Fixed for the engine's life; read by the per-call hooks below.
         self._single_group = self.groups.single
         self._multi_residency = len(self.groups.residency) > 1
@@ -414,10 +421,17 @@ class VllmAdapter:
         popped = keys if cache.keys().isdisjoint(keys) else [key for key in keys if key not in cache]
         if not popped:
             return
+        # With int hashes, whether another group still holds each logical block (its digest is
+        # kept while one does: _book_removed). A popped key's own group no longer holds it, so
+        # only the other groups' keys are looked up.
         anywhere = None
-        if not self._single_group:
-            suffixes = self._cacheable_suffixes
-            anywhere = [any(key[:-4] + suffix in cache for suffix in suffixes) for key in popped]
+        if self._int_hashes and not self._single_group:
+            other = self._other_suffix
+            if other is not None:  # two cacheable groups (a hybrid model): one lookup per key
+                anywhere = [key[:-4] + other[key[-4:]] in cache for key in popped]
+            else:
+                others = self._other_suffixes
+                anywhere = [any(key[:-4] + suffix in cache for suffix in others[key[-4:]]) for key in popped]
         if self.core.ledger.grants:
             residency, cut = self._residency_suffixes, self._key_to_external
             if self._all_resident:
