@@ -11,7 +11,10 @@ node per BlockHash), a logical block resolves to its copies in every group,
 and hints act on all of them. A block is reported resident (BlocksStored /
 BlocksRemoved, QueryResidency) while every residency group (the
 full-attention groups) holds a copy; copies in sliding-window groups are the
-window tails a hit also reads, protected and evicted with their block.
+window tails a hit also reads, protected and evicted with their block. Only
+the residency groups' copies are booked: the other groups store the same
+positions in the same vLLM call (or their logical block is resident already),
+so their stores and removals change nothing KvHint reports.
 
 Thread model: everything here runs on the engine thread, except `info()`,
 `request_wakeup()` and the `_book_*` steps. The residency hooks (`on_*`) read
@@ -90,15 +93,16 @@ class VllmAdapter:
         # A pool key (digest + 4-byte group id) sliced to its external hash: `external(key[:-4])`.
         self._key_to_external = slice(-12, -4) if self._int_hashes else slice(None, -4)
         # Wire hash -> vLLM BlockHash (digest) of every block with a cached copy
-        # in any group (int hashes only; otherwise the wire hash is the digest).
+        # in a residency group (int hashes only; otherwise the wire hash is the
+        # digest). Copies in the other groups are found through it (`_copies`).
         self._digest: dict[bytes, bytes] = {}
         # Wire hashes reported resident (BlocksStored, not yet BlocksRemoved).
         self._resident: set[bytes] = set()
         self.groups: GroupLayout = layout_of(None)
         self._residency_suffixes: frozenset[bytes] = frozenset()
         self._cacheable_suffixes: tuple[bytes, ...] = ((0).to_bytes(4, "big"),)
-        self._other_suffixes: dict[bytes, tuple[bytes, ...]] = {}
-        self._other_suffix: dict[bytes, bytes] | None = None
+        # Per residency-group suffix, the other residency groups' suffixes.
+        self._other_residency: dict[bytes, tuple[bytes, ...]] = {}
         self._wake_pending = False
         self._wake_lock = threading.Lock()
         self._max_id = core.config.max_id_length
@@ -111,13 +115,8 @@ class VllmAdapter:
         # Pool-key suffixes of every cacheable group (vLLM's make_block_hash_with_group_id:
         # digest + 4-byte big-endian group id), precomputed for the per-block paths.
         self._cacheable_suffixes = tuple(g.to_bytes(4, "big") for g in self.groups.cacheable)
-        # Per group suffix, the other cacheable groups' (and, with exactly two, the other one).
-        self._other_suffixes = {s: tuple(o for o in self._cacheable_suffixes if o != s) for s in self._cacheable_suffixes}
-        self._other_suffix = (
-            {s: others[0] for s, others in self._other_suffixes.items()} if len(self._cacheable_suffixes) == 2 else None
-        )
+        self._other_residency = {s: tuple(o for o in self._residency_suffixes if o != s) for s in self._residency_suffixes}
         # Fixed for the engine's life; read by the per-call hooks below.
-        self._single_group = self.groups.single
         self._multi_residency = len(self.groups.residency) > 1
         # Every cacheable group is a residency group (a dense model): a popped key needs no
         # group check before its grants are dropped.
@@ -308,6 +307,12 @@ class VllmAdapter:
         group_id: int,
         block_mask: list[bool] | None,
     ) -> None:
+        if group_id not in self.groups.residency:
+            # A copy in a group that does not define residency (a sliding-window tail beside
+            # full attention): nothing to book. A residency group stores the same positions in
+            # the same cache_blocks call, or holds them already, so the logical block and its
+            # digest are known through it, and hints reach this copy through the logical block.
+            return
         # Engine thread, inside vLLM's cache_blocks: read only what vLLM may change later
         # (the request's block list, the pool map) and book the rest through the core's
         # journal (inline or deferred, in order). It gets a plain function and the span's
@@ -331,8 +336,6 @@ class VllmAdapter:
         ext = self.external
         if self._int_hashes:
             self._digest.update((ext(h), h) for h in fresh)
-        if group_id not in self.groups.residency:
-            return  # a window-tail copy: resolved through its logical block, not reported
         if held is not None:
             keep = [j for j in keep if held[j]]
         positions = [num_cached_blocks + j for j in keep]
@@ -411,40 +414,35 @@ class VllmAdapter:
 
     def on_keys_removed(self, keys: list[bytes], cause: RemovalCause) -> None:
         """Hash keys (digest + 4-byte group id) were popped from the pool's map.
-        Engine thread: keep the keys that left with their group's last copy (and,
-        with several groups, whether any group still holds the logical block), then
-        book the removal through the core's journal. Grants on the logical blocks
+        Engine thread: keep the keys of residency groups that left with their group's
+        last copy (and, with several residency groups, whether another one still
+        holds the logical block), then book the removal through the core's journal. Grants on the logical blocks
         that stopped being resident end here, on the engine thread that owns the
         retention ledger (KvHintCore.drop_grants), whichever thread books the rest."""
         cache = vllm_private.cached_block_map(self.pool)
         # Keep the keys no other copy in the same group still holds (the common case: all).
         popped = keys if cache.keys().isdisjoint(keys) else [key for key in keys if key not in cache]
+        if not self._all_resident:
+            # Copies in groups that do not define residency are not booked (on_blocks_cached).
+            residency = self._residency_suffixes
+            popped = [key for key in popped if key[-4:] in residency]
         if not popped:
             return
-        # With int hashes, whether another group still holds each logical block (its digest is
-        # kept while one does: _book_removed). A popped key's own group no longer holds it, so
-        # only the other groups' keys are looked up.
+        # With int hashes and several residency groups, whether another residency group still
+        # holds each logical block (its digest is kept while one does: _book_removed).
         anywhere = None
-        if self._int_hashes and not self._single_group:
-            other = self._other_suffix
-            if other is not None:  # two cacheable groups (a hybrid model): one lookup per key
-                anywhere = [key[:-4] + other[key[-4:]] in cache for key in popped]
-            else:
-                others = self._other_suffixes
-                anywhere = [any(key[:-4] + suffix in cache for suffix in others[key[-4:]]) for key in popped]
+        if self._int_hashes and self._multi_residency:
+            others = self._other_residency
+            anywhere = [any(key[:-4] + suffix in cache for suffix in others[key[-4:]]) for key in popped]
         if self.core.ledger.grants:
-            residency, cut = self._residency_suffixes, self._key_to_external
-            if self._all_resident:
-                self.core.drop_grants([key[cut] for key in popped])
-            else:
-                self.core.drop_grants([key[cut] for key in popped if key[-4:] in residency])
+            self.core.drop_grants([key[self._key_to_external] for key in popped])
         # The keys go into the journal entry itself (see on_blocks_cached).
         self.core.record(VllmAdapter._book_removed, self, anywhere, cause, *popped)
 
     def _book_removed(self, anywhere: list[bool] | None, cause: RemovalCause, *popped: bytes) -> None:
         """Report the logical blocks that stopped being resident: a residency group lost its last copy."""
         resident = self._resident
-        ext_of, residency = self.external, self._residency_suffixes
+        ext_of = self.external
         gone = []
         # A key popped twice in one batch (two copies in a group) left with its
         # last copy: report it there, in vLLM's order.
@@ -453,7 +451,7 @@ class VllmAdapter:
             if last[key] != i:
                 continue
             ext = ext_of(key[:-4])
-            if key[-4:] in residency and ext in resident:
+            if ext in resident:
                 resident.discard(ext)
                 gone.append(ext)
             if self._int_hashes and (anywhere is None or not anywhere[i]):
