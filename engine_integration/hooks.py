@@ -20,6 +20,8 @@ methods and add:
   * removal: `_emit_block_removed_events` reports each logical block that
     stops being resident (its last copy in a residency group is gone; see
     kv_groups), with a cause (eviction, Evict hint, pin broken, replaced);
+    inside `get_new_blocks`, with the retention order off, the eviction step
+    buffers the removed keys itself (`_maybe_evict_cached_block`);
   * retention order: free blocks that a hint protects are kept out of the free
     queue (`ProtectedFreeBlocks`) and counted as free; the queue (ordinary,
     LRU) is consumed first, then retained blocks by priority, then pins.
@@ -112,7 +114,25 @@ class KvHintBlockPool(BlockPool):
 
     def _maybe_evict_cached_block(self, block):  # type: ignore[no-untyped-def]
         if not self._kvh_retaining:
-            return _maybe_evict(self, block)
+            pending = self._kvh_pending
+            if pending is None:
+                return _maybe_evict(self, block)
+            # Inside get_new_blocks (one call per block it takes off the free queue): vLLM 0.32's
+            # own body of this method, with the removed keys buffered here instead of through a
+            # call of _emit_block_removed_events per block (two Python frames fewer per evicted
+            # block; tests/inproc/test_pool_hooks_stock.py checks the body is still vLLM's).
+            if self.metrics_collector:
+                self.metrics_collector.on_block_evicted(block)
+            evicted = self._remove_cached_block_hashes(block)
+            if not evicted:
+                return False
+            if self.enable_kv_cache_events:
+                _emit_removed(self, evicted)
+            runs, cause = self._kvh_runs, self._kvh_cause
+            if not runs or runs[-1][1] is not cause:
+                runs.append((len(pending), cause))
+            pending.extend(evicted)
+            return True
         protected = self._kvh_protected
         # Inside get_new_blocks (pending is a list) the block came off the free queue, which
         # holds no protected block: only other callers (connector invalidation) need the check.

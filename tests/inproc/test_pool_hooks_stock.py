@@ -138,3 +138,33 @@ def test_the_pool_runs_vllms_own_methods_while_nothing_is_retained():
     assert not cache.core.ledger.grants  # the broken pin's grant left with its blocks
     cache.pool.kvh_sync_mode()  # what KvHintScheduler.schedule() does at every step boundary
     assert runs_stock_methods(cache)
+
+
+# vLLM 0.32.0's BlockPool._maybe_evict_cached_block, without its docstring: the statements that
+# KvHintBlockPool._maybe_evict_cached_block repeats inside get_new_blocks (the removed keys buffered
+# instead of one _emit_block_removed_events call per block).
+_STOCK_EVICT_BODY = """
+if self.metrics_collector:
+    self.metrics_collector.on_block_evicted(block)
+evicted_hashes = self._remove_cached_block_hashes(block)
+if not evicted_hashes:
+    return False
+self._emit_block_removed_events(evicted_hashes)
+return True
+"""
+
+
+def test_the_eviction_fast_path_repeats_vllms_own_method() -> None:
+    """If vLLM's eviction step changes (a vLLM upgrade), this fails: re-check the copy in
+    KvHintBlockPool._maybe_evict_cached_block before trusting it (the property test above
+    compares the results, this the code)."""
+    import ast
+    import inspect
+    import textwrap
+
+    [fn] = ast.parse(textwrap.dedent(inspect.getsource(BlockPool._maybe_evict_cached_block))).body
+    body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+    expected = ast.parse(_STOCK_EVICT_BODY).body
+    assert [ast.dump(s) for s in body] == [ast.dump(s) for s in expected], (
+        "vLLM's BlockPool._maybe_evict_cached_block is not the body KvHintBlockPool repeats"
+    )
