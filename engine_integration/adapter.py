@@ -416,9 +416,10 @@ class VllmAdapter:
         """Hash keys (digest + 4-byte group id) were popped from the pool's map.
         Engine thread: keep the keys of residency groups that left with their group's
         last copy (and, with several residency groups, whether another one still
-        holds the logical block), then book the removal through the core's journal. Grants on the logical blocks
-        that stopped being resident end here, on the engine thread that owns the
-        retention ledger (KvHintCore.drop_grants), whichever thread books the rest."""
+        holds the logical block), then book the removal through the core's journal.
+        Grants on the logical blocks that stopped being resident end here, on the
+        engine thread that owns the retention ledger (KvHintCore.drop_grants),
+        whichever thread books the rest."""
         cache = vllm_private.cached_block_map(self.pool)
         # Keep the keys no other copy in the same group still holds (the common case: all).
         popped = keys if cache.keys().isdisjoint(keys) else [key for key in keys if key not in cache]
