@@ -322,14 +322,14 @@ class VllmAdapter:
         if block_size != self._hash_block_size:
             hashes = resolve_block_hashes(hashes, self._hash_block_size, block_size)
         held = None
-        if self._multi_residency and group_id in self.groups.residency:  # resident once every residency group holds it
+        if self._multi_residency:  # resident once every residency group holds it
             held = [self._held_by_all(hashes[i], self.groups.residency) for i in range(num_cached_blocks, num_full_blocks)]
         self.core.record(VllmAdapter._book_stored, self, request, hashes, None if block_mask is None else list(block_mask),
-                         num_cached_blocks, group_id, held, *blocks[num_cached_blocks:num_full_blocks])
+                         num_cached_blocks, held, *blocks[num_cached_blocks:num_full_blocks])
 
     def _book_stored(
         self, request: Any, hashes: Any, mask: list[bool] | None, num_cached_blocks: int,
-        group_id: int, held: list[bool] | None, *span: Any,
+        held: list[bool] | None, *span: Any,
     ) -> None:
         keep = [j for j, block in enumerate(span) if not block.is_null and (mask is None or mask[j])]
         fresh = [hashes[num_cached_blocks + j] for j in keep]

@@ -58,11 +58,6 @@ class GroupLayout:
     #: Every prefix-cacheable group id (hints act on copies in all of them).
     cacheable: tuple[int, ...]
 
-    @property
-    def single(self) -> bool:
-        """One cacheable group (dense models): residency = that group's copy."""
-        return len(self.cacheable) == 1
-
     def keys(self, digest: bytes, groups: tuple[int, ...] | None = None) -> list[bytes]:
         """The pool's hash-map keys of `digest` in `groups` (default: every cacheable group)."""
         return [make_block_hash_with_group_id(digest, g) for g in (self.cacheable if groups is None else groups)]
