@@ -135,6 +135,10 @@ def run_paired(a: StepTimer, b: StepTimer, requests: list[tuple[str, list[int], 
 # graphs for many batch sizes on a GPU: with two engines per run that was the benchmark's largest
 # start-up cost.
 MAX_NUM_SEQS = EngineSpec.max_num_seqs
+# "1": both engines of the pair eager (torch.compile off). Unset, they compile as users' engines
+# do. scripts/gpu_bundle/run.sh sets it: the carried bundle's vLLM 0.32.0 runs on torch 2.11, and
+# its compilation passes are written against torch 2.13.
+BENCH_EAGER_ENV = "KVHINT_BENCH_ENFORCE_EAGER"
 
 
 def build_engine(model: str, kvhint: bool, num_blocks: int, max_num_seqs: int = MAX_NUM_SEQS) -> object:
@@ -152,6 +156,8 @@ def build_engine(model: str, kvhint: bool, num_blocks: int, max_num_seqs: int = 
     )
     if kvhint:
         kwargs["scheduler_cls"] = "engine_integration.scheduler.KvHintScheduler"
+    if os.environ.get(BENCH_EAGER_ENV) == "1":
+        kwargs["enforce_eager"] = True
     return LLM(model, **kwargs)
 
 
