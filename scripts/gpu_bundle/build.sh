@@ -12,7 +12,9 @@
 #     is exported by torch 2.11.0's libraries (checked with nm; `--check-abi` repeats the check),
 #     so it loads against the machine's torch. Left out: FlashAttention's kernels (418 MB; the
 #     shim below steers vLLM to its Triton attention instead), the MoE, FlashMLA, DeepGEMM and
-#     other kernels no dense or Gemma2-style model calls, and the `vllm-rs` frontend binary.
+#     other kernels no dense or Gemma2-style model calls, and the `vllm-rs` frontend binary. One
+#     edit to vLLM's code: the ImportError vllm_flash_attn/__init__.py raises without
+#     FlashAttention's kernels is dropped (drop_fa_import_error.py).
 #   - the Python packages in scripts/gpu_bundle/requirements.txt (CPython 3.12 wheels);
 #   - kvhint_gpu_bundle_shim.py, a vLLM general plugin (see its docstring).
 # So a GPU check run from the bundle is vLLM 0.32.0 on torch 2.11 with Triton attention, not a
@@ -56,6 +58,12 @@ site="$stage/site"; mkdir -p "$site"
 unzip -q "$VLLM_WHEEL" -d "$site" -x 'vllm/vllm-rs' 'vllm/third_party/fmha_sm100/*' \
   'vllm/third_party/deep_gemm/*' 'vllm/third_party/tml_fa4/*' '*.so'
 unzip -q "$VLLM_WHEEL" 'vllm/_C_stable_libtorch.abi3.so' -d "$site"
+# vllm/vllm_flash_attn/__init__.py raises ImportError when neither FlashAttention kernel library is
+# there, and vLLM's CUDA code imports it unguarded (v1/attention/backends/fa_utils.py), so without
+# the kernels no engine starts (the first bundle run on the H200 died so). The bundle drops that one
+# raise; its flash_attn_interface already reports FA2/FA3 unavailable, and the shim keeps the
+# FlashAttention backend out of vLLM's choice. The build fails if vLLM's text is not as expected.
+python3 scripts/gpu_bundle/drop_fa_import_error.py "$site/vllm/vllm_flash_attn/__init__.py"
 python3 -m pip install -q --no-deps --no-compile "${plat[@]}" --target "$site" "$CACHE"/wheels/*.whl 2>&1 | grep -v "Running pip as the 'root'" || true
 cp scripts/gpu_bundle/kvhint_gpu_bundle_shim.py "$site/"
 di="$site/kvhint_gpu_bundle_shim-0.1.dist-info"; mkdir -p "$di"

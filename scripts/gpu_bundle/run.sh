@@ -16,10 +16,11 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT="$PWD"
 STORE="${KVHINT_GPU_BUNDLE_STORE:-/tmp/kvhint_gpu_bundle}"
+PARTS="${KVHINT_GPU_BUNDLE_PARTS:-.gpu_bundle}"  # where the carried parts arrive
 OUTDIR="${OUT:-$ROOT/gpu_bundle_out}"
 mode="${1:-}"; shift || true
 mkdir -p "$STORE" "$OUTDIR"
-for d in .gpu_bundle/part*; do
+for d in "$PARTS"/part*; do
   [ -d "$d" ] && cp "$d"/bundle.tar.xz.* "$d"/MANIFEST "$STORE"/
 done
 ls -l "$STORE"
@@ -56,6 +57,10 @@ export PYTHONUNBUFFERED=1
 # machine has torch 2.11 (the bundle does not carry torch). The caller's value wins.
 export KVHINT_ENFORCE_EAGER="${KVHINT_ENFORCE_EAGER:-1}"
 export KVHINT_BENCH_ENFORCE_EAGER="${KVHINT_BENCH_ENFORCE_EAGER:-1}"  # bench/step_overhead.py
+# vLLM's own switch for its FlashInfer top-k/top-p sampler: the bundle carries no FlashInfer, and
+# vLLM 0.32.0's V2 model runner imports it unguarded when the switch is on (the second bundle run
+# on the H200 died so: bench/results/gpu_check_h200/bundle_run2/).
+export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}"
 {
   echo "--- vLLM from the bundle"
   python3 - <<'EOF' 2>&1

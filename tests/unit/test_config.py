@@ -115,14 +115,17 @@ def test_unknown_kvhint_variables_are_warned_about(caplog):
 
 def test_every_kvhint_variable_the_code_reads_is_known_to_the_typo_warning():
     """A variable the repository reads (a string literal KVHINT_NAME in the shipped code, the
-    benchmarks or the scripts) never draws the "a typo?" warning: the launcher printed it for
-    KVHINT_ENFORCE_EAGER until it was listed."""
+    benchmarks or the scripts, or a variable a shell script reads or exports) never draws the
+    "a typo?" warning: the launcher printed it for KVHINT_ENFORCE_EAGER until it was listed, and
+    the GPU bundle's engines for KVHINT_BENCH_ENFORCE_EAGER."""
     root = Path(__file__).resolve().parents[2]
     read: set[str] = set()
     for folder in ("engine_integration", "kvhint_client", "kvhint_server", "bench", "scripts", "conformance"):
         for path in (root / folder).rglob("*.py"):
             read.update(re.findall(r"[\"'](KVHINT_[A-Z0-9_]+)[\"']", path.read_text()))
-    assert "KVHINT_ENFORCE_EAGER" in read and "KVHINT_GRPC_ADDRESS" in read
+        for path in (root / folder).rglob("*.sh"):
+            read.update(re.findall(r"(?:\$\{?|export |\b)(KVHINT_[A-Z0-9_]+)(?=[}:=\s-])", path.read_text()))
+    assert "KVHINT_ENFORCE_EAGER" in read and "KVHINT_GRPC_ADDRESS" in read and "KVHINT_GPU_BUNDLE_STORE" in read
     assert unknown_variables({name: "1" for name in read}) == []
     assert unknown_variables({"KVHINT_ENFORCE_EAGR": "1"}) == ["KVHINT_ENFORCE_EAGR"]
 
