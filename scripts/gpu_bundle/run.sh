@@ -4,14 +4,18 @@
 #
 #   scripts/gpu_bundle/run.sh stash                 # keep the carried parts, nothing else
 #   scripts/gpu_bundle/run.sh check [ARGS...]       # keep these too, check every part against
-#                                                   # MANIFEST, unpack, run scripts/gpu_check.sh ARGS
+#                                                   # MANIFEST, unpack, run the smoke check, then
+#                                                   # scripts/gpu_check.sh ARGS
 #
 # `check` writes to OUT (the device tool's folder; default ./gpu_bundle_out):
 #   bundle_env.txt          the machine, torch, the bundle's MANIFEST, whether vLLM's kernel library
 #                           loaded, and the environment the check ran with;
 #   gpu_check_results.md / .json   scripts/gpu_check.sh's results file, unchanged;
+#   smoke.log               scripts/gpu_bundle/smoke.py's output: one engine per model, four tokens
+#                           (KVHINT_GPU_BUNDLE_SMOKE=0 skips it);
 #   gpu_check_logs.tgz      its step logs.
-# Exit status: gpu_check.sh's, or 2 when a part is missing or damaged (bundle_env.txt says which).
+# Exit status: gpu_check.sh's; 2 when a part is missing or damaged (bundle_env.txt says which); 3
+# when the smoke check failed (gpu_check.sh then does not run: its steps would each fail in turn).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT="$PWD"
@@ -78,6 +82,16 @@ EOF
   env | grep -E '^(KVHINT_|VLLM_|PYTHONPATH=|CUDA_)' | sort
 } >>"$ENV_TXT"
 
+if [ "${KVHINT_GPU_BUNDLE_SMOKE:-1}" = 1 ]; then
+  python3 scripts/gpu_bundle/smoke.py >"$OUTDIR/smoke.log" 2>&1
+  src=$?
+  grep '^smoke: ' "$OUTDIR/smoke.log" >>"$ENV_TXT"
+  echo "smoke.py exit $src" | tee -a "$ENV_TXT"
+  if [ "$src" != 0 ]; then
+    tail -60 "$OUTDIR/smoke.log"
+    exit 3
+  fi
+fi
 GC="$STORE/gc"; rm -rf "$GC"
 scripts/gpu_check.sh --out "$GC" "$@" 2>&1 | tail -40
 rc=${PIPESTATUS[0]}

@@ -111,12 +111,15 @@ def test_the_flash_attention_import_error_is_dropped_from_vllms_own_file_and_not
     assert drop.main(str(target)) == 1 and target.read_text() == edited
 
 
-def _bundle(tmp_path: Path, corrupt: bool = False) -> Path:
+def _bundle(tmp_path: Path, corrupt: bool = False, broken_vllm: bool = False) -> Path:
     """A two-part bundle as build.sh lays it out: PARTS/part1, PARTS/part2, each a slice of
-    bundle.tar.xz with the MANIFEST."""
+    bundle.tar.xz with the MANIFEST. `broken_vllm`: its site holds a `vllm` that fails to import."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "payload.txt").write_bytes(os.urandom(4096).hex().encode())
+    if broken_vllm:
+        (src / "vllm").mkdir()
+        (src / "vllm" / "__init__.py").write_text("raise ImportError('the bundle test: no vLLM here')\n")
     whole = tmp_path / "bundle.tar.xz"
     subprocess.run(["tar", "cJf", str(whole), "-C", str(src), "."], check=True)
     data = whole.read_bytes()
@@ -135,9 +138,9 @@ def _bundle(tmp_path: Path, corrupt: bool = False) -> Path:
     return parts
 
 
-def _run(tmp_path: Path, parts: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, parts: Path, *args: str, smoke: bool = False) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KVHINT_GPU_BUNDLE_STORE": str(tmp_path / "store"), "KVHINT_GPU_BUNDLE_PARTS": str(parts),
-           "OUT": str(tmp_path / "out")}
+           "OUT": str(tmp_path / "out"), "KVHINT_GPU_BUNDLE_SMOKE": "1" if smoke else "0"}
     return subprocess.run(["bash", str(BUNDLE / "run.sh"), *args], env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -171,3 +174,15 @@ def test_run_stashes_parts_across_calls_and_then_finds_the_bundle_whole(tmp_path
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "store" / "site" / "payload.txt").exists()
     assert "gpu_check.sh exit 0" in (tmp_path / "out" / "bundle_env.txt").read_text()
+
+
+def test_a_failed_smoke_check_stops_the_run_before_the_gpu_check(tmp_path):
+    """An engine that cannot start fails smoke.py once (exit 3, its output in OUT/smoke.log)
+    instead of every gpu_check step in turn. Here the bundle's vLLM does not import."""
+    parts = _bundle(tmp_path, broken_vllm=True)
+    r = _run(tmp_path, parts, "check", "--help", smoke=True)
+    assert r.returncode == 3, r.stdout + r.stderr
+    env_txt = (tmp_path / "out" / "bundle_env.txt").read_text()
+    assert "smoke: dense FAILED" in env_txt and "smoke: hybrid FAILED" in env_txt and "smoke.py exit 1" in env_txt
+    assert "the bundle test: no vLLM here" in (tmp_path / "out" / "smoke.log").read_text()
+    assert "gpu_check.sh exit" not in env_txt
