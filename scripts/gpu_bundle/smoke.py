@@ -6,7 +6,7 @@ KvHint's side (KvHint's scheduler class, 80 blocks of 32 tokens, eager), which t
 tokens for one prompt. It prints the scheduling mode vLLM chose and `smoke: MODEL ok`.
 
 Why: on the lent H200 each of gpu_check's steps starts its own engines, so an engine that cannot
-start fails every step in turn. The second bundle run there spent 310 s of a 15-minute lease on
+start fails every step in turn. The second bundle run there spent 309 s of a 15-minute lease on
 such failures (bench/results/gpu_check_h200/bundle_run2/). This check fails in well under a
 minute and leaves the lease time for a fix.
 
