@@ -10,10 +10,10 @@
 #   - vLLM 0.32.0's Python code from that same wheel, and its kernel library
 #     `_C_stable_libtorch.abi3.so`. It is built on torch's stable ABI: every torch symbol it needs
 #     is exported by torch 2.11.0's libraries (checked with nm; `--check-abi` repeats the check),
-#     so it loads against the machine's torch. Left out: FlashAttention's kernels (418 MB; the
-#     shim below steers vLLM to its Triton attention instead), the MoE, FlashMLA, DeepGEMM and
-#     other kernels no dense or Gemma2-style model calls, and the `vllm-rs` frontend binary. One
-#     edit to vLLM's code: the ImportError vllm_flash_attn/__init__.py raises without
+#     so it loads against the machine's torch. Left out: FlashAttention's kernels (480.6 MB
+#     uncompressed; the shim below steers vLLM to its Triton attention instead), the MoE, FlashMLA,
+#     DeepGEMM and other kernels no dense or Gemma2-style model calls, and the `vllm-rs` frontend
+#     binary. One edit to vLLM's code: the ImportError vllm_flash_attn/__init__.py raises without
 #     FlashAttention's kernels is dropped (drop_fa_import_error.py).
 #   - the Python packages in scripts/gpu_bundle/requirements.txt (CPython 3.12 wheels);
 #   - kvhint_gpu_bundle_shim.py, a vLLM general plugin (see its docstring).
@@ -22,7 +22,8 @@
 #
 # Usage: scripts/gpu_bundle/build.sh [--check-abi]
 # Writes .gpu_bundle/part1 ... partN (ignored by git), each holding one slice of bundle.tar.xz and
-# MANIFEST (sha256 of the whole and of each slice). Downloads cache in ~/.cache/kvhint/gpu_bundle.
+# MANIFEST (sha256 of the whole and of each slice), and .gpu_bundle/BUILD.txt (sizes). Downloads
+# cache in ~/.cache/kvhint/gpu_bundle.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT="$PWD"
@@ -90,5 +91,11 @@ for s in "$stage"/bundle.tar.xz.*; do
   i=$((i + 1)); mkdir -p "$DEST/part$i"
   mv "$s" "$DEST/part$i/"; cp "$stage/MANIFEST" "$DEST/part$i/"
 done
-echo "gpu_bundle: $total bytes in $parts parts of at most $size (working tree $tree bytes)"
-du -b "$DEST"/part*
+# What went in and what was left out, with sizes (bench/results/gpu_check_h200/bundle_build.txt is
+# this file from the build the H200 runs used).
+{
+  echo "# scripts/gpu_bundle/build.sh, $(date -u +%F): vLLM $VLLM_VERSION bundle"
+  echo "bundle.tar.xz: $total bytes in $parts parts of at most $size; working tree $tree bytes; limit per call $((64 * 1048576))"
+  echo "compiled parts of $(basename "$VLLM_WHEEL") (uncompressed bytes; carried: _C_stable_libtorch only):"
+  unzip -l "$VLLM_WHEEL" | awk '$4 ~ /\.so$|vllm-rs$/ {print "  " $1 "  " $4}' | sort -k1,1nr
+} | tee "$DEST/BUILD.txt"

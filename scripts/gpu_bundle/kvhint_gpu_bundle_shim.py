@@ -2,7 +2,7 @@
 
 The bundle carries vLLM 0.32.0's Python code and its main kernel library
 (`_C_stable_libtorch`, built on torch's stable ABI, so it loads on the lent machine's torch 2.11)
-but not FlashAttention's kernels (`vllm_flash_attn/_vllm_fa2_C` and `_fa3_C`: 418 MB together,
+but not FlashAttention's kernels (`vllm_flash_attn/_vllm_fa2_C` and `_fa3_C`: 480.6 MB uncompressed,
 against the device tool's 64 MiB per call) nor FlashInfer. vLLM's CUDA platform ranks
 FLASH_ATTN first and does not check that its kernels load, so without this plugin every engine
 would pick it and fail at its first forward pass.

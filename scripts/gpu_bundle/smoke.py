@@ -1,9 +1,9 @@
 """The GPU bundle's smoke check: `scripts/gpu_bundle/run.sh check` runs it before
 scripts/gpu_check.sh, and runs the full check only when it passes.
 
-For each generated model, one offline vLLM engine built as the step-overhead benchmark builds
-KvHint's side (KvHint's scheduler class, 80 blocks of 32 tokens, eager), which then generates four
-tokens for one prompt. It prints the scheduling mode vLLM chose and `smoke: MODEL ok`.
+For each generated model, one offline vLLM engine with KvHint's scheduler and the served engines'
+settings (engine_integration.served.EngineSpec: blocks, model length, sequences, memory share,
+seed), eager, which then generates four tokens for one prompt. It prints the scheduling mode vLLM chose and `smoke: MODEL ok`.
 
 Why: on the lent H200 each of gpu_check's steps starts its own engines, so an engine that cannot
 start fails every step in turn. The second bundle run there spent 309 s of a 15-minute lease on
@@ -37,20 +37,21 @@ def smoke(preset: str) -> dict[str, object]:
     """One engine on the generated `preset`: four tokens for one prompt."""
     from vllm import LLM, SamplingParams
 
-    from engine_integration.served import default_model
+    from engine_integration.served import SCHEDULER_CLS, EngineSpec, default_model
 
+    spec = EngineSpec(model=default_model(preset))
     t = time.monotonic()
     llm = LLM(
-        default_model(preset),
-        scheduler_cls="engine_integration.scheduler.KvHintScheduler",
-        block_size=32,
-        num_gpu_blocks_override=80,
-        max_model_len=1024,
-        max_num_seqs=16,
+        spec.model,
+        scheduler_cls=SCHEDULER_CLS,
+        block_size=spec.block_size,
+        num_gpu_blocks_override=spec.num_gpu_blocks,
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.max_num_seqs,
         enforce_eager=True,
-        gpu_memory_utilization=float(os.environ.get("KVHINT_GPU_MEMORY_UTILIZATION", "0.1")),
+        gpu_memory_utilization=spec.gpu_memory_utilization,
         enable_prefix_caching=True,
-        seed=0,
+        seed=spec.seed,
     )
     started = time.monotonic() - t
     [out] = llm.generate([{"prompt_token_ids": list(range(1, 97))}], SamplingParams(max_tokens=4, temperature=0.0),
