@@ -20,8 +20,9 @@ methods and add:
   * removal: `_emit_block_removed_events` reports each logical block that
     stops being resident (its last copy in a residency group is gone; see
     kv_groups), with a cause (eviction, Evict hint, pin broken, replaced);
-    inside `get_new_blocks`, with the retention order off, the eviction step
-    buffers the removed keys itself (`_maybe_evict_cached_block`);
+    `get_new_blocks` reports an allocation's removals in one call after it
+    (with the retention order off it runs vLLM's own allocation with vLLM's
+    eviction step written into its loop: one Python frame fewer per block);
   * retention order: free blocks that a hint protects are kept out of the free
     queue (`ProtectedFreeBlocks`) and counted as free; the queue (ordinary,
     LRU) is consumed first, then retained blocks by priority, then pins.
@@ -31,8 +32,9 @@ block is protected, a pin is being broken or a retention grant is in effect,
 and off otherwise (`kvh_sync_mode`, on the engine thread: after every
 re-filing, and at each step boundary). With it off, `get_num_free_blocks`,
 `_maybe_evict_cached_block`, `touch` and `free_blocks` go straight to vLLM's
-own code, so the eviction order and allocation results are exactly stock
-vLLM's (tests/inproc/test_pool_hooks_stock.py).
+own code and `get_new_blocks` runs vLLM's statements, so the eviction order
+and allocation results are exactly stock vLLM's
+(tests/inproc/test_pool_hooks_stock.py).
 """
 
 from __future__ import annotations
@@ -114,25 +116,7 @@ class KvHintBlockPool(BlockPool):
 
     def _maybe_evict_cached_block(self, block):  # type: ignore[no-untyped-def]
         if not self._kvh_retaining:
-            pending = self._kvh_pending
-            if pending is None:
-                return _maybe_evict(self, block)
-            # Inside get_new_blocks (one call per block it takes off the free queue): vLLM 0.32's
-            # own body of this method, with the removed keys buffered here instead of through a
-            # call of _emit_block_removed_events per block (two Python frames fewer per evicted
-            # block; tests/inproc/test_pool_hooks_stock.py checks the body is still vLLM's).
-            if self.metrics_collector:
-                self.metrics_collector.on_block_evicted(block)
-            evicted = self._remove_cached_block_hashes(block)
-            if not evicted:
-                return False
-            if self.enable_kv_cache_events:
-                _emit_removed(self, evicted)
-            runs, cause = self._kvh_runs, self._kvh_cause
-            if not runs or runs[-1][1] is not cause:
-                runs.append((len(pending), cause))
-            pending.extend(evicted)
-            return True
+            return _maybe_evict(self, block)
         protected = self._kvh_protected
         # Inside get_new_blocks (pending is a list) the block came off the free queue, which
         # holds no protected block: only other callers (connector invalidation) need the check.
@@ -169,24 +153,67 @@ class KvHintBlockPool(BlockPool):
         return self.free_block_queue.num_free_blocks + self._kvh_protected.count
 
     def get_new_blocks(self, num_blocks: int):  # type: ignore[no-untyped-def]
-        if self._kvh_retaining and self._kvh_protected.count:
-            self._kvh.core.expire_retention()
-            shortfall = num_blocks - self.free_block_queue.num_free_blocks
-            if shortfall > 0:
-                self._kvh_reclaim(shortfall)
-        # Removals inside one allocation are reported together (one journal entry per run of
-        # the same cause), after it.
-        self._kvh_pending = pending = []
-        self._kvh_runs = runs = []
+        if self._kvh_retaining:
+            if self._kvh_protected.count:
+                self._kvh.core.expire_retention()  # may turn the retention order off
+                shortfall = num_blocks - self.free_block_queue.num_free_blocks
+                if shortfall > 0:
+                    self._kvh_reclaim(shortfall)
+            if self._kvh_retaining:
+                # vLLM's own allocation, which calls `_maybe_evict_cached_block` per block (a
+                # broken pin's blocks are evicted with their cause); the removals inside it are
+                # reported together after it (one journal entry per run of the same cause).
+                self._kvh_pending = pending = []
+                self._kvh_runs = runs = []
+                try:
+                    return _get_new_blocks(self, num_blocks)
+                finally:
+                    self._kvh_pending = None
+                    if pending:
+                        if len(runs) == 1:  # one cause (the usual case)
+                            self._kvh.on_keys_removed(pending, runs[0][1])
+                        else:
+                            self._kvh_flush_removed(pending, runs)
+        # The retention order is off (nothing is protected, so the free count is the queue's):
+        # vLLM 0.32's own get_new_blocks with its eviction step, vLLM's
+        # _maybe_evict_cached_block, written into the loop, and the removed keys of the whole
+        # allocation reported in one call after it. That is one Python frame fewer per block
+        # taken than vLLM's own loop, and a hybrid model takes a copy per group.
+        # tests/inproc/test_pool_hooks_stock.py compares both vLLM methods with the statements
+        # repeated here (AST) and the results with stock vLLM's (Hypothesis).
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        ret = self.free_block_queue.popleft_n(num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(ret)
+        if not self.enable_caching:
+            for block in ret:
+                assert block.ref_cnt == 0
+                block.ref_cnt += 1
+                if self.metrics_collector:
+                    self.metrics_collector.on_block_allocated(block)
+            return ret
+        removed: list[Any] = []
+        metrics = self.metrics_collector
+        remove_hashes = self._remove_cached_block_hashes
+        events = self.enable_kv_cache_events
         try:
-            return _get_new_blocks(self, num_blocks)
+            for block in ret:
+                if metrics:
+                    metrics.on_block_evicted(block)
+                evicted = remove_hashes(block)
+                if evicted:
+                    if events:
+                        _emit_removed(self, evicted)
+                    removed += evicted
+                assert block.ref_cnt == 0
+                block.ref_cnt += 1
+                if metrics:
+                    metrics.on_block_allocated(block)
         finally:
-            self._kvh_pending = None
-            if pending:
-                if len(runs) == 1:  # one cause (the usual case)
-                    self._kvh.on_keys_removed(pending, runs[0][1])
-                else:
-                    self._kvh_flush_removed(pending, runs)
+            if removed:
+                self._kvh.on_keys_removed(removed, self._kvh_cause)
+        return ret
 
     def _kvh_flush_removed(self, pending: list[Any], runs: list[tuple[int, RemovalCause]]) -> None:
         """Report buffered removals: `runs` holds (start in `pending`, cause) per run."""

@@ -140,9 +140,20 @@ def test_the_pool_runs_vllms_own_methods_while_nothing_is_retained():
     assert runs_stock_methods(cache)
 
 
-# vLLM 0.32.0's BlockPool._maybe_evict_cached_block, without its docstring: the statements that
-# KvHintBlockPool._maybe_evict_cached_block repeats inside get_new_blocks (the removed keys buffered
-# instead of one _emit_block_removed_events call per block).
+def _body_dump(function: object) -> list[str]:
+    """The AST of `function`'s statements, its docstring left out."""
+    import ast
+    import inspect
+    import textwrap
+
+    [fn] = ast.parse(textwrap.dedent(inspect.getsource(function))).body
+    body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+    return [ast.dump(s) for s in body]
+
+
+# vLLM 0.32.0's BlockPool._maybe_evict_cached_block, without its docstring: the eviction step that
+# KvHintBlockPool.get_new_blocks writes into its loop while the retention order is off (the removed
+# keys buffered for one report per allocation instead of one _emit_block_removed_events per block).
 _STOCK_EVICT_BODY = """
 if self.metrics_collector:
     self.metrics_collector.on_block_evicted(block)
@@ -156,15 +167,71 @@ return True
 
 def test_the_eviction_fast_path_repeats_vllms_own_method() -> None:
     """If vLLM's eviction step changes (a vLLM upgrade), this fails: re-check the copy in
-    KvHintBlockPool._maybe_evict_cached_block before trusting it (the property test above
-    compares the results, this the code)."""
+    KvHintBlockPool.get_new_blocks before trusting it (the property test above compares the
+    results, this the code)."""
     import ast
-    import inspect
-    import textwrap
 
-    [fn] = ast.parse(textwrap.dedent(inspect.getsource(BlockPool._maybe_evict_cached_block))).body
-    body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
-    expected = ast.parse(_STOCK_EVICT_BODY).body
-    assert [ast.dump(s) for s in body] == [ast.dump(s) for s in expected], (
+    assert _body_dump(BlockPool._maybe_evict_cached_block) == [ast.dump(s) for s in ast.parse(_STOCK_EVICT_BODY).body], (
         "vLLM's BlockPool._maybe_evict_cached_block is not the body KvHintBlockPool repeats"
     )
+
+
+# vLLM 0.32.0's BlockPool.get_new_blocks, without its docstring and comments: the statements that
+# KvHintBlockPool.get_new_blocks repeats while the retention order is off, with the eviction step
+# above written into its loop in place of the `self._maybe_evict_cached_block(block)` call.
+_STOCK_GET_NEW_BLOCKS_BODY = """
+if num_blocks > self.get_num_free_blocks():
+    raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+ret: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)
+if self._reuse_watchers:
+    self._notify_reuse(ret)
+if self.enable_caching:
+    for block in ret:
+        self._maybe_evict_cached_block(block)
+        assert block.ref_cnt == 0
+        block.ref_cnt += 1
+        if self.metrics_collector:
+            self.metrics_collector.on_block_allocated(block)
+else:
+    for block in ret:
+        assert block.ref_cnt == 0
+        block.ref_cnt += 1
+        if self.metrics_collector:
+            self.metrics_collector.on_block_allocated(block)
+return ret
+"""
+
+
+def test_the_allocation_fast_path_repeats_vllms_own_method() -> None:
+    """If vLLM's allocation changes (a vLLM upgrade), this fails: re-check the copy in
+    KvHintBlockPool.get_new_blocks before trusting it."""
+    import ast
+
+    assert _body_dump(BlockPool.get_new_blocks) == [ast.dump(s) for s in ast.parse(_STOCK_GET_NEW_BLOCKS_BODY).body], (
+        "vLLM's BlockPool.get_new_blocks is not the body KvHintBlockPool repeats"
+    )
+
+
+
+def test_an_allocation_that_expires_the_last_grant_reports_its_evictions():
+    """The expiry at the start of an allocation can turn the retention order off; the same
+    allocation then takes vLLM's path (the fast one), and the blocks it evicts, the expired
+    grant's among them, reach KvHint's stream as vLLM's own events report them."""
+    from kvhint_server.events import BlocksRemoved
+    from kvhint_server.model import RemovalCause
+
+    cache = Cache(NUM_BLOCKS)
+    kept = cache.run("kept", tokens(0, 3 * BLOCK_SIZE), "keep")
+    cache.run("other", tokens(1, 2 * BLOCK_SIZE), "other")
+    [granted] = cache.apply(retain(session("keep"), ttl_s=5.0))
+    assert granted.affected and not runs_stock_methods(cache)
+    cache.take_removed()
+    after = cache.core.bus.last_sequence
+    cache.clock.advance(6.0)
+    cache.allocate(cache.pool.get_num_free_blocks())  # every free block: all cached ones are evicted
+    assert runs_stock_methods(cache) and not cache.filed()
+    vllm_removed = cache.take_removed()
+    assert set(cache.chain(kept)) <= set(vllm_removed)
+    published = [e.payload for e in cache.core.bus.read_after(after, 100_000) if isinstance(e.payload, BlocksRemoved)]
+    assert [h for p in published for h in p.block_hashes] == vllm_removed
+    assert {p.cause for p in published} == {RemovalCause.EVICTED}
