@@ -1,5 +1,6 @@
 """Where the engine thread's extra time goes: cProfile of both sides of one bench.scale pair,
-function by function, KvHint minus stock.
+function by function, KvHint minus stock (the functions that grew most, then those that shrank
+most).
 
     python -m bench.scale_profile [--shape deferred|async|grants] [--steps 150] [--top 30]
                                   [--out bench/results/scale_profile_<shape>.md]
@@ -83,9 +84,16 @@ def markdown(result: dict[str, Any], command: str, top: int) -> str:
         "| function | calls per step, stock | calls per step, KvHint | own ms, stock | own ms, KvHint | KvHint - stock ms |",
         "|---|---|---|---|---|---|",
     ]
-    for r in result["rows"][:top]:
-        out.append(f"| `{r['function']}` | {r['stock_calls'] / steps:.1f} | {r['kvhint_calls'] / steps:.1f} "
-                   f"| {r['stock_s'] * 1e3:.1f} | {r['kvhint_s'] * 1e3:.1f} | {(r['kvhint_s'] - r['stock_s']) * 1e3:+.1f} |")
+    header = out[-2:]
+
+    def row(r: dict[str, Any]) -> str:
+        return (f"| `{r['function']}` | {r['stock_calls'] / steps:.1f} | {r['kvhint_calls'] / steps:.1f} "
+                f"| {r['stock_s'] * 1e3:.1f} | {r['kvhint_s'] * 1e3:.1f} | {(r['kvhint_s'] - r['stock_s']) * 1e3:+.1f} |")
+
+    out += [row(r) for r in result["rows"][:top]]
+    shrank = [r for r in reversed(result["rows"]) if r["kvhint_s"] < r["stock_s"]][:max(1, top // 3)]
+    out += ["", "The functions whose own time shrank most on the KvHint side (vLLM methods the hooks run in "
+            "their own code, and time swapped between wrappers):", "", *header, *(row(r) for r in shrank)]
     out += ["", "Wrappers of the timed region (the driver's `call`, KvHintScheduler's `update_from_output`) can swap "
             "time between them: what CPython frees or collects at a return is charged to the frame returning.", ""]
     return "\n".join(out)
