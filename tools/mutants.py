@@ -118,6 +118,20 @@ MUTANTS = (
         "protected blocks are not counted free (the pool shrinks under retention)",
     ),
     Mutant(
+        "fast-path-drops-removals",
+        "engine_integration/hooks.py",
+        r"self\._kvh\.on_keys_removed\(removed, self\._kvh_cause\)",
+        "pass",
+        "the allocation fast path does not report the blocks it evicts (KvHint's stream and index keep them resident)",
+    ),
+    Mutant(
+        "fast-path-no-vllm-events",
+        "engine_integration/hooks.py",
+        r"if events:\n(\s+)_emit_removed\(self, evicted\)",
+        r"if False:\n\1_emit_removed(self, evicted)",
+        "the allocation fast path drops vLLM's own BlockRemoved events (vLLM's ZMQ stream misses evictions)",
+    ),
+    Mutant(
         "bucket-lifo",
         "engine_integration/protected.py",
         r"plain_id = next\(iter\(self\.plain\), None\)",
