@@ -181,18 +181,13 @@ class KvHintBlockPool(BlockPool):
         # taken than vLLM's own loop, and a hybrid model takes a copy per group.
         # tests/inproc/test_pool_hooks_stock.py compares both vLLM methods with the statements
         # repeated here (AST) and the results with stock vLLM's (Hypothesis).
+        if not self.enable_caching:  # nothing to evict (KvHintScheduler refuses such an engine)
+            return _get_new_blocks(self, num_blocks)
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         ret = self.free_block_queue.popleft_n(num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(ret)
-        if not self.enable_caching:
-            for block in ret:
-                assert block.ref_cnt == 0
-                block.ref_cnt += 1
-                if self.metrics_collector:
-                    self.metrics_collector.on_block_allocated(block)
-            return ret
         removed: list[Any] = []
         metrics = self.metrics_collector
         remove_hashes = self._remove_cached_block_hashes

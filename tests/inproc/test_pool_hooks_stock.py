@@ -177,8 +177,9 @@ def test_the_eviction_fast_path_repeats_vllms_own_method() -> None:
 
 
 # vLLM 0.32.0's BlockPool.get_new_blocks, without its docstring and comments: the statements that
-# KvHintBlockPool.get_new_blocks repeats while the retention order is off, with the eviction step
-# above written into its loop in place of the `self._maybe_evict_cached_block(block)` call.
+# KvHintBlockPool.get_new_blocks repeats while the retention order is off (the caching branch; without
+# prefix caching it calls vLLM's method), with the eviction step above written into its loop in place
+# of the `self._maybe_evict_cached_block(block)` call.
 _STOCK_GET_NEW_BLOCKS_BODY = """
 if num_blocks > self.get_num_free_blocks():
     raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
