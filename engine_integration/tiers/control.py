@@ -280,12 +280,19 @@ class TierControl:
         self._installed = True
 
     def force_store(self, hashes: Iterable[BlockHash],
-                    on_done: Callable[[StoreOp], None] | None = None) -> StoreOp:
+                    on_done: Callable[[StoreOp], None] | None = None,
+                    keep: Iterable[BlockHash] = ()) -> StoreOp:
         """EXPERIMENTAL. Store G1 blocks that have no host copy, without a request.
 
         The G1 blocks are pinned (BlockPool.touch) until the copy completes, then
         released with BlockPool.free_blocks (they re-enter the free queue at the
         tail; `on_done` may move or evict them). Requires blocks_per_chunk == 1.
+
+        `keep`: blocks whose host copies this store must not evict to make its room
+        (an operation's copies made so far). Their landed keys go into the same
+        `prepare_store` call, and vLLM never evicts a key of the call's own input
+        (`cpu/manager.py`, "Chunks from the original input are excluded"): where the
+        room can only come from them, the store fails "no evictable chunk" instead.
         """
         assert self.blocks_per_chunk == 1, "force_store needs blocks_per_chunk == 1"
         self.install()
@@ -315,9 +322,12 @@ class TierControl:
         if not keys:
             op.done = True
             return op
+        stored = set(keys)
+        kept = [k for h in dict.fromkeys(keep) for g in self.group_ids
+                if (k := self.key(h, g)) not in stored and self.primary.lookup(k, self._probe) is LookupResult.HIT]
         ctx = ReqContext(req_id=op.op_id)
         self.manager.on_new_request(ctx)
-        out = self.manager.prepare_store(keys, ctx)
+        out = self.manager.prepare_store(keys + kept, ctx)
         if out is None:  # host tier full of in-use chunks
             self.manager.on_request_finished(ctx)
             op.failed, op.done = "host tier has no evictable chunk", True

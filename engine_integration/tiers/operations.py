@@ -225,7 +225,10 @@ class TierOperations:
             return None
         if op.store_tries >= MAX_STORE_RETRIES:
             return Failure(Reason.RESOURCE_EXHAUSTED, "host tier keeps evicting the copies (too small for the working set)")
-        store = self.ctl.force_store(missing)
+        absent = set(missing)
+        # The copies made so far are kept: room made by evicting them would only
+        # have to be stored again (a Demote of a full tier's worth chased its tail).
+        store = self.ctl.force_store(missing, keep=[d for d in op.digests if d not in absent])
         if store.failed:
             op.store = None  # no evictable chunk now: try again while the room may come back
             if self._wait_for_room(op):

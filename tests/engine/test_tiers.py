@@ -453,7 +453,7 @@ def test_tier_failures_are_rejections_or_failed_operations_never_hangs(pair: Pai
     (r,) = b.apply(pb.Hint(selector=session_sel("tier-big"), demote=pb.DemoteAction(), max_blocks=40))
     assert r.outcome == pb.OUTCOME_DEFERRED, r
     op, _ = b.wait_op(r.operation_id)
-    assert op.state == pb.Operation.STATE_SUCCEEDED and {c.tier: c.blocks for c in op.blocks} == {pb.TIER_HOST: 40}
+    assert op.state == pb.Operation.STATE_SUCCEEDED and {c.tier: c.blocks for c in op.blocks} == {pb.TIER_HOST: 40}, (op.state, op.reason, op.message, op.bytes_moved)
 
     # A Share to a peer that does not answer fails with a reason, quickly.
     a.complete(tokens("tier-down"), "tier-down")

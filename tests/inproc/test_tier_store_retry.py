@@ -49,12 +49,13 @@ class HostOnlyControl:
         self.calls = 0
         self._ids = itertools.count()
 
-    def force_store(self, hashes: list[int]) -> StoreOp:
+    def force_store(self, hashes: list[int], keep: list[int] = ()) -> StoreOp:  # type: ignore[assignment]
         self.calls += 1
         op = StoreOp(op_id=f"store-{next(self._ids)}", hashes=[], skipped_ready=[], not_in_g1=[])
+        kept = [key(h) for h in keep if self.manager.lookup(key(h), None).name == "HIT"]  # type: ignore[arg-type]
         ctx = ReqContext(req_id=op.op_id)
         self.manager.on_new_request(ctx)
-        out = self.manager.prepare_store([key(h) for h in hashes], ctx)
+        out = self.manager.prepare_store([key(h) for h in hashes] + kept, ctx)
         if out is None:
             self.manager.on_request_finished(ctx)
             op.failed, op.done = "host tier has no evictable chunk", True
@@ -111,7 +112,7 @@ def ops_over(ctl: HostOnlyControl) -> TierOperations:
 
 
 def demote_op() -> TierOp:
-    return TierOp("op-1", Action.DEMOTE, Tier.HOST, (b"x",), [b"d"], deadline=1e9)
+    return TierOp("op-1", Action.DEMOTE, Tier.HOST, (b"x",), [3], deadline=1e9)  # type: ignore[list-item]
 
 
 def test_a_store_waits_while_the_host_tier_is_pinned_by_stores_in_flight(clock: Clock) -> None:
@@ -156,6 +157,34 @@ def test_a_load_that_finishes_inside_the_grace_lets_the_store_through(clock: Clo
     assert ops._store_missing(op, [3]) is None
     assert op.store is not None and op.store.hashes == [3]
     assert ctl.manager.lookup(key(3), reader).name == "HIT"
+
+
+def test_a_demote_of_the_whole_tier_waits_for_room_instead_of_evicting_its_own_copies(clock: Clock) -> None:
+    """A Demote that selects as many blocks as the host tier holds, two already copied there,
+    while a request's store of another block is still landing (CI saw this one as a flaky
+    FAILED "host tier keeps evicting the copies"). The only evictable chunks are the
+    operation's own copies; the store waits for the request's chunk instead of evicting them."""
+    ctl = HostOnlyControl(chunks=4)
+    ops = ops_over(ctl)
+    op = TierOp("op-1", Action.DEMOTE, Tier.HOST, (b"a", b"b", b"c", b"d"), [1, 2, 3, 4], deadline=1e9)  # type: ignore[list-item]
+    ctl.land(*ctl.begin_store(1, 2))
+    other = ctl.begin_store(5)  # not the operation's: lands a few steps later
+    reader = ReqContext(req_id="probe")
+
+    def missing() -> list[int]:
+        return [d for d in (1, 2, 3, 4) if ctl.manager.lookup(key(d), reader).name == "MISS"]
+
+    for step in range(8):
+        if step == 4:
+            ctl.land(*other)
+        todo = missing()
+        if not todo:
+            break
+        assert ops._store_missing(op, todo) is None, f"step {step}"
+        assert ctl.manager.lookup(key(1), reader).name == "HIT" and ctl.manager.lookup(key(2), reader).name == "HIT"
+    assert missing() == []
+    assert ctl.manager.lookup(key(5), reader).name == "MISS"  # the request's copy made the room
+    assert op.stored_blocks == 2 and op.store_tries == 1
 
 
 # ---------------------------------------------------------------- Prefetch's promotions
