@@ -328,13 +328,19 @@ class TierOperations:
     def _progress_prefetch(self, op: TierOp, starting: bool) -> Failure | None:
         ctl = self.ctl
         if starting:
-            to_promote = []
+            to_promote, there = [], []
             for e, d in zip(op.exts, op.digests):
-                if ctl.g1_has(d) or ctl.host_state(d) is not HostState.ABSENT:
+                if ctl.g1_has(d):
                     continue
-                if self.feed.file_has(e, d):
+                if ctl.host_state(d) is not HostState.ABSENT:
+                    there.append(d)
+                elif self.feed.file_has(e, d):
                     to_promote.append(d)
             if to_promote:
+                # The selection's copies already on the host tier first in LRU order: the
+                # promotions make their room by evicting least-recent chunks, and these are
+                # wanted as much as the ones promoted (later rounds touch what is staged).
+                ctl.touch_host(there)
                 op.prefetch = Prefetch(ctl, to_promote)
             return None
         pf = op.prefetch

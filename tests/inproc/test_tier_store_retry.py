@@ -202,6 +202,7 @@ class PromotingControl:
         self.in_flight = False
         self.manager = self.primary = SimpleNamespace()
         self.rounds = 0
+        self.touched: list[tuple[int, list[bytes]]] = []  # (promotion rounds run before, digests)
 
     def g1_has(self, d: bytes) -> bool:
         return False
@@ -213,7 +214,7 @@ class PromotingControl:
         return True
 
     def touch_host(self, digests: list[bytes]) -> None:
-        pass
+        self.touched.append((self.rounds, list(digests)))
 
     def host_work_in_flight(self) -> bool:
         return self.in_flight
@@ -249,9 +250,11 @@ class Operations:
         self.done[op_id] = kw
 
 
-def prefetching(monkeypatch: pytest.MonkeyPatch, digests: list[bytes]) -> tuple[TierOperations, PromotingControl, Operations, TierOp]:
+def prefetching(monkeypatch: pytest.MonkeyPatch, digests: list[bytes],
+                host: tuple[bytes, ...] = ()) -> tuple[TierOperations, PromotingControl, Operations, TierOp]:
     monkeypatch.setattr(operations, "Prefetch", OneRoundPrefetch)
     ctl, registry = PromotingControl(), Operations()
+    ctl.host.update(host)
     core = SimpleNamespace(config=SimpleNamespace(auth_token=""), operations=registry, on_transfer=lambda *a: None)
     feed = SimpleNamespace(file_has=lambda ext, d: True)
     ops = TierOperations(core, ctl, book=None, feed=feed, settings=None,  # type: ignore[arg-type]
@@ -302,3 +305,15 @@ def test_a_round_that_promotes_something_starts_a_new_wait(clock: Clock, monkeyp
     ops.on_step()
     ops.on_step()
     assert registry.done["pf-1"]["ok"] and registry.done["pf-1"]["blocks"] == {Tier.HOST: 2}
+
+
+def test_a_prefetch_puts_the_selections_host_copies_first_before_it_promotes_the_rest(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The promotions make room by evicting the least-recent host chunks: the selected blocks
+    already on the host tier are touched before the first round, so they are not that room."""
+    ops, ctl, registry, op = prefetching(monkeypatch, [b"a", b"b", b"c"], host=(b"b",))
+    assert ctl.touched[0] == (0, [b"b"])  # before any promotion round
+    assert ctl.rounds == 1
+    ctl.room = {b"a", b"c"}
+    ops.on_step()
+    ops.on_step()
+    assert registry.done["pf-1"]["ok"] and registry.done["pf-1"]["blocks"] == {Tier.HOST: 3}
