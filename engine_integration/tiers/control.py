@@ -323,8 +323,7 @@ class TierControl:
             op.done = True
             return op
         stored = set(keys)
-        kept = [k for h in dict.fromkeys(keep) for g in self.group_ids
-                if (k := self.key(h, g)) not in stored and self.primary.lookup(k, self._probe) is LookupResult.HIT]
+        kept = [k for k in self.host_keys(dict.fromkeys(keep)) if k not in stored]
         ctx = ReqContext(req_id=op.op_id)
         self.manager.on_new_request(ctx)
         out = self.manager.prepare_store(keys + kept, ctx)

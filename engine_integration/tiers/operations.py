@@ -220,15 +220,16 @@ class TierOperations:
             return self._progress_prefetch(op, starting)
         return self._progress_copy(op, starting)
 
-    def _store_missing(self, op: TierOp, missing: list[bytes]) -> Failure | None:
+    def _store_missing(self, op: TierOp, missing: list[bytes], landed: list[bytes]) -> Failure | None:
+        """Store `missing` (no host copy) without evicting the copies of `landed`, the
+        operation's other blocks."""
         if op.store is not None and not op.store.done:
             return None
         if op.store_tries >= MAX_STORE_RETRIES:
             return Failure(Reason.RESOURCE_EXHAUSTED, "host tier keeps evicting the copies (too small for the working set)")
-        absent = set(missing)
         # The copies made so far are kept: room made by evicting them would only
         # have to be stored again (a Demote of a full tier's worth chased its tail).
-        store = self.ctl.force_store(missing, keep=[d for d in op.digests if d not in absent])
+        store = self.ctl.force_store(missing, keep=landed)
         if store.failed:
             op.store = None  # no evictable chunk now: try again while the room may come back
             if self._wait_for_room(op):
@@ -284,8 +285,9 @@ class TierOperations:
             # Most-recently-used first, so the host LRU does not make room for the
             # missing copies by evicting this operation's ready ones.
             absent = set(missing)
-            ctl.touch_host([d for d in op.digests if d not in absent])
-            failure = self._store_missing(op, missing)
+            landed = [d for d in op.digests if d not in absent]
+            ctl.touch_host(landed)
+            failure = self._store_missing(op, missing, landed)
             if failure is not None:
                 return failure
         if cascade:

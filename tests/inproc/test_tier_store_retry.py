@@ -112,7 +112,7 @@ def ops_over(ctl: HostOnlyControl) -> TierOperations:
 
 
 def demote_op() -> TierOp:
-    return TierOp("op-1", Action.DEMOTE, Tier.HOST, (b"x",), [3], deadline=1e9)  # type: ignore[list-item]
+    return TierOp("op-1", Action.DEMOTE, Tier.HOST, (b"x",), [b"d"], deadline=1e9)
 
 
 def test_a_store_waits_while_the_host_tier_is_pinned_by_stores_in_flight(clock: Clock) -> None:
@@ -121,12 +121,12 @@ def test_a_store_waits_while_the_host_tier_is_pinned_by_stores_in_flight(clock: 
     pending = ctl.begin_store(1, 2)  # every chunk: a store not landed yet
     assert ctl.host_work_in_flight()
     for _ in range(5):  # many steps, and far past the grace: the work in flight is still visible
-        assert ops._store_missing(op, [3]) is None
+        assert ops._store_missing(op, [3], []) is None
         clock.now += operations.HOST_FULL_GRACE_S
     assert ctl.calls == 5 and op.store is None and op.stored_blocks == 0
     ctl.land(*pending)
     assert not ctl.host_work_in_flight()
-    assert ops._store_missing(op, [3]) is None
+    assert ops._store_missing(op, [3], []) is None
     assert op.store is not None and op.store.hashes == [3] and op.stored_blocks == 1
     assert op.full_since is None
 
@@ -137,11 +137,11 @@ def test_a_tier_pinned_with_no_work_in_flight_fails_after_the_grace(clock: Clock
     ctl.land(*ctl.begin_store(1, 2))
     ctl.begin_load(1, 2)  # a load pins both, invisibly to the op
     assert not ctl.host_work_in_flight()
-    assert ops._store_missing(op, [3]) is None  # the grace starts
+    assert ops._store_missing(op, [3], []) is None  # the grace starts
     clock.now += operations.HOST_FULL_GRACE_S * 0.9
-    assert ops._store_missing(op, [3]) is None
+    assert ops._store_missing(op, [3], []) is None
     clock.now += operations.HOST_FULL_GRACE_S * 0.2
-    failure = ops._store_missing(op, [3])
+    failure = ops._store_missing(op, [3], [])
     assert isinstance(failure, Failure) and failure.reason is Reason.RESOURCE_EXHAUSTED
     assert "host tier is full" in failure.message and "2 of 2 chunks in use" in failure.message
 
@@ -151,10 +151,10 @@ def test_a_load_that_finishes_inside_the_grace_lets_the_store_through(clock: Clo
     ops, op = ops_over(ctl), demote_op()
     ctl.land(*ctl.begin_store(1, 2))
     reader = ctl.begin_load(1, 2)
-    assert ops._store_missing(op, [3]) is None
+    assert ops._store_missing(op, [3], []) is None
     clock.now += operations.HOST_FULL_GRACE_S / 2
     ctl.end_load(reader, 1, 2)
-    assert ops._store_missing(op, [3]) is None
+    assert ops._store_missing(op, [3], []) is None
     assert op.store is not None and op.store.hashes == [3]
     assert ctl.manager.lookup(key(3), reader).name == "HIT"
 
@@ -180,7 +180,7 @@ def test_a_demote_of_the_whole_tier_waits_for_room_instead_of_evicting_its_own_c
         todo = missing()
         if not todo:
             break
-        assert ops._store_missing(op, todo) is None, f"step {step}"
+        assert ops._store_missing(op, todo, [d for d in (1, 2, 3, 4) if d not in todo]) is None, f"step {step}"
         assert ctl.manager.lookup(key(1), reader).name == "HIT" and ctl.manager.lookup(key(2), reader).name == "HIT"
     assert missing() == []
     assert ctl.manager.lookup(key(5), reader).name == "MISS"  # the request's copy made the room
