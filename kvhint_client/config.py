@@ -15,6 +15,7 @@ Contracts:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -122,8 +123,14 @@ class RetryPolicy:
         return cls(max_attempts=1)
 
     def backoff(self, failed_attempt: int, rng: Optional[random.Random] = None) -> float:
-        """Seconds to sleep after the `failed_attempt`-th attempt (1-based) failed."""
-        base = min(self.max_backoff, self.initial_backoff * self.multiplier ** (failed_attempt - 1))
+        """Seconds to sleep after the `failed_attempt`-th attempt (1-based) failed. Any count: a
+        follower passes its count of failed reconnects, which grows for as long as an engine is
+        down (the growth is capped at `max_backoff` before it can overflow a float)."""
+        try:
+            grown = self.initial_backoff * float(self.multiplier) ** max(0, failed_attempt - 1)
+        except OverflowError:  # multiplier ** n past the float range: long past the cap
+            grown = math.inf if self.initial_backoff > 0 else 0.0
+        base = min(self.max_backoff, grown)
         if self.jitter:
             base *= 1 + (rng or random).uniform(-self.jitter, self.jitter)
         return max(0.0, base)

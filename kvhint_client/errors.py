@@ -102,7 +102,8 @@ class KvHintError(Exception):
         # Keyword-only fields do not survive the default Exception pickling.
         return (
             _rebuild,
-            (self.code, self.details, self.reason, self.domain, self.metadata, self.method, self.address),
+            (self.code, self.details, self.reason, self.domain, self.metadata, self.method, self.address,
+             tuple((d.type_url, d.value) for d in self.status_details)),
         )
 
     def __repr__(self) -> str:
@@ -142,8 +143,10 @@ class KvHintError(Exception):
 def _rebuild(
     code: grpc.StatusCode, details: str, reason: Optional[str], domain: Optional[str],
     metadata: dict[str, str], method: Optional[str], address: Optional[str],
+    status_details: tuple[tuple[str, bytes], ...] = (),
 ) -> KvHintError:
-    return KvHintError(code, details, reason=reason, domain=domain, metadata=metadata, method=method, address=address)
+    return KvHintError(code, details, reason=reason, domain=domain, metadata=metadata, method=method, address=address,
+                       status_details=[any_pb2.Any(type_url=url, value=value) for url, value in status_details])
 
 
 def _rich_status(error: grpc.RpcError) -> Optional[status_pb2.Status]:

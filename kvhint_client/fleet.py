@@ -24,13 +24,19 @@ EventFollower) routes each session's hints to the rank that served it.
 Each engine receives one ApplyHints batch holding its hints in request order (same hint_id on
 every engine, so per-engine retries stay idempotent). Engines that fail (routing or apply) are
 reported in `errors`; hints that no engine holds are reported in `unrouted` and sent nowhere.
+`apply(timeout=...)` bounds the whole call, routing and applying together (default: the longest
+of the engines' `default_timeout`s): each call gets the time left, an engine that failed to answer
+while routing is not asked again in the same call, and an engine whose batch the deadline leaves
+no time for reports DEADLINE_EXCEEDED in `errors` without being sent anything. A batch over an
+engine's known GetCapabilities limits raises ValueError before any engine is sent anything.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional, TypeVar, Union
+from typing import Callable, Optional, TypeVar, Union, overload
 
 import grpc
 
@@ -39,6 +45,7 @@ from kvhint.v1 import kvhint_pb2
 from . import _rpc
 from .builders import Target
 from .client import KvHintClient
+from .config import ConnectionConfig, as_config
 from .errors import KvHintError
 from .follower import EnginesLike, EventFollower, ResidencyIndex, _named_engines
 from .results import ApplyResult
@@ -72,22 +79,39 @@ class FleetApplyResult:
         return out
 
 
+@overload
 def data_parallel_endpoints(
     address: str, size: Optional[int] = None, *, name: str = "dp", timeout: Optional[float] = 10.0
-) -> dict[str, str]:
+) -> dict[str, str]: ...
+
+
+@overload
+def data_parallel_endpoints(
+    address: ConnectionConfig, size: Optional[int] = None, *, name: str = "dp", timeout: Optional[float] = 10.0
+) -> dict[str, ConnectionConfig]: ...
+
+
+def data_parallel_endpoints(
+    address: Union[str, ConnectionConfig], size: Optional[int] = None, *, name: str = "dp", timeout: Optional[float] = 10.0
+) -> Union[dict[str, str], dict[str, ConnectionConfig]]:
     """{"dp0": "host:port", "dp1": "host:port+1", ...}: the KvHint servers of a data-parallel engine.
 
-    `address` is rank 0's server (the engine's KVHINT_GRPC_ADDRESS). Without `size`, rank 0's
-    GetCapabilities.data_parallel_size says how many ranks there are (0 from an older server:
-    one). Every rank's GetCapabilities must name its own rank; KvHintError otherwise (e.g. the
-    port range overlaps another engine's)."""
-    host, port = address.rsplit(":", 1)
+    `address` is rank 0's server (the engine's KVHINT_GRPC_ADDRESS), as a "host:port" string or a
+    ConnectionConfig. Given a ConnectionConfig (TLS, a bearer token: what a server listening
+    beyond loopback requires), every rank is reached with its settings and the mapping holds a
+    copy of it per rank, with the rank's address; given a string, plain addresses. Without
+    `size`, rank 0's GetCapabilities.data_parallel_size says how many ranks there are (0 from an
+    older server: one). Every rank's GetCapabilities must name its own rank; KvHintError
+    otherwise (e.g. the port range overlaps another engine's)."""
+    base = as_config(address)
+    host, port = base.address.rsplit(":", 1)
     if size is None:
-        with KvHintClient(address) as client:
+        with KvHintClient(base) as client:
             size = max(1, client.capabilities(timeout=timeout).data_parallel_size)
-    endpoints = {f"{name}{rank}": f"{host}:{int(port) + rank}" for rank in range(size)}
-    for rank, rank_address in enumerate(endpoints.values()):
-        with KvHintClient(rank_address) as client:
+    configs = {f"{name}{rank}": base.replace(address=f"{host}:{int(port) + rank}") for rank in range(size)}
+    for rank, config in enumerate(configs.values()):
+        rank_address = config.address
+        with KvHintClient(config) as client:
             caps = client.capabilities(timeout=timeout)
         if caps.data_parallel_rank != rank or max(1, caps.data_parallel_size) != size:
             raise KvHintError(
@@ -97,7 +121,9 @@ def data_parallel_endpoints(
                 method="GetCapabilities",
                 address=rank_address,
             )
-    return endpoints
+    if isinstance(address, ConnectionConfig):
+        return configs
+    return {rank_name: config.address for rank_name, config in configs.items()}
 
 
 class FleetClient:
@@ -150,20 +176,27 @@ class FleetClient:
             if not tokens.advance(page.next_page_token):
                 return False
 
-    def _ask_engines(self, hint: kvhint_pb2.Hint, timeout: Optional[float]) -> tuple[list[str], dict[str, KvHintError]]:
+    def _ask_engines(
+        self, hint: kvhint_pb2.Hint, timeout: Optional[float], engines: Optional[list[str]] = None
+    ) -> tuple[list[str], dict[str, KvHintError]]:
+        engines = self.engines if engines is None else engines
         selector = hint.selector
         if selector.WhichOneof("target") == "session" and not selector.session.include_children:
             session_id = selector.session.session_id
-            held, errors = self._fan_out(self.engines, lambda _, c: self._holds_session(c, session_id, timeout))
+            held, errors = self._fan_out(engines, lambda _, c: self._holds_session(c, session_id, timeout))
         else:
             held, errors = self._fan_out(
-                self.engines,
+                engines,
                 lambda _, c: bool(c.query_residency_page(selector, page_size=1, timeout=timeout).blocks),
             )
-        return [e for e in self.engines if held.get(e)], errors
+        return [e for e in engines if held.get(e)], errors
 
     def engines_for(self, hint: kvhint_pb2.Hint, *, timeout: Optional[float] = None) -> tuple[list[str], dict[str, KvHintError]]:
         """The engines a hint is routed to, and errors from engines that could not be asked."""
+        return self._route(hint, timeout, self.engines)
+
+    def _route(self, hint: kvhint_pb2.Hint, timeout: Optional[float], askable: list[str]) -> tuple[list[str], dict[str, KvHintError]]:
+        """`engines_for`, asking only the `askable` engines when the index does not resolve it."""
         target = Target.from_selector(hint.selector)
         if self._index is not None:
             found: list[str] = []
@@ -176,13 +209,18 @@ class FleetClient:
                 found = [e for e in self.engines if e in holders]
             if found:
                 return found, {}
-        return self._ask_engines(hint, timeout)
+        return self._ask_engines(hint, timeout, askable)
 
     # -- apply --------------------------------------------------------------------------------------
 
     def apply(self, *hints: kvhint_pb2.Hint, broadcast: bool = False, timeout: Optional[float] = None) -> FleetApplyResult:
-        """Route each hint (see module doc), then apply one batch per engine, in parallel."""
+        """Route each hint (see module doc), then apply one batch per engine, in parallel. `timeout`
+        bounds the whole call (module doc); default: the longest of the engines' default_timeout
+        (None, no deadline, when one of them has none)."""
         prepared = _rpc.prepare_hints(hints)
+        if timeout is not None and timeout <= 0:
+            raise ValueError("timeout must be > 0")
+        deadline = _Deadline(timeout if timeout is not None else self._default_timeout())
         batches: dict[str, list[kvhint_pb2.Hint]] = {}
         routes: dict[str, list[str]] = {}
         unrouted: list[kvhint_pb2.Hint] = []
@@ -191,7 +229,12 @@ class FleetClient:
             if broadcast:
                 engines = self.engines
             else:
-                engines, route_errors = self.engines_for(hint, timeout=timeout)
+                askable = [e for e in self.engines if e not in errors]  # not asked again once failed
+                left = deadline.left()
+                if left == 0.0:
+                    engines, route_errors = [], {e: deadline.exceeded("ListSessions", self._clients[e]) for e in askable}
+                else:
+                    engines, route_errors = self._route(hint, left, askable)
                 errors.update(route_errors)
             routes[hint.hint_id] = engines
             if not engines:
@@ -199,9 +242,22 @@ class FleetClient:
             for engine in engines:
                 batches.setdefault(engine, []).append(hint)
         order = [e for e in self.engines if e in batches]
-        per_engine, apply_errors = self._fan_out(order, lambda name, c: c.apply(*batches[name], timeout=timeout))
+        for engine in order:  # ValueError before any engine applies anything
+            _rpc.check_limits(batches[engine], self._clients[engine].limits)
+
+        def send(name: str, client: KvHintClient) -> ApplyResult:
+            left = deadline.left()
+            if left == 0.0:
+                raise deadline.exceeded("ApplyHints", client)
+            return client.apply(*batches[name], timeout=left)
+
+        per_engine, apply_errors = self._fan_out(order, send)
         errors.update(apply_errors)
         return FleetApplyResult(per_engine=per_engine, errors=errors, routes=routes, unrouted=unrouted)
+
+    def _default_timeout(self) -> Optional[float]:
+        timeouts = [cfg.default_timeout for cfg in self._configs.values()]
+        return None if any(t is None for t in timeouts) else max(t for t in timeouts if t is not None)
 
     def apply_to(self, engine: str, *hints: kvhint_pb2.Hint, timeout: Optional[float] = None) -> ApplyResult:
         """Apply hints on one named engine."""
@@ -219,6 +275,26 @@ class FleetClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Deadline:
+    """One call's deadline (None: none): the time left for each step of it."""
+
+    def __init__(self, timeout: Optional[float]) -> None:
+        self.timeout = timeout
+        self._at = None if timeout is None else time.monotonic() + timeout
+
+    def left(self) -> Optional[float]:
+        """Seconds left (None: no deadline; 0.0 once it has passed)."""
+        return None if self._at is None else max(0.0, self._at - time.monotonic())
+
+    def exceeded(self, method: str, client: KvHintClient) -> KvHintError:
+        return KvHintError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"FleetClient.apply's deadline ({self.timeout:g}s) passed before this engine was sent {method}",
+            method=method,
+            address=client.address,
+        )
 
 
 __all__ = ["FleetApplyResult", "FleetClient", "data_parallel_endpoints"]

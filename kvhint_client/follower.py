@@ -229,6 +229,9 @@ class EventFollower(_FollowerBase):
                 except KvHintError as exc:
                     error = exc
                     log.debug("engine %s stream failed: %s", engine, exc)
+                except Exception as exc:  # a bug, not the engine: log it and keep following
+                    error = exc
+                    log.exception("engine %s: following failed; reconnecting", engine)
                 finally:
                     stream.cancel()
                     with self._streams_lock:
@@ -320,6 +323,9 @@ class AsyncEventFollower(_FollowerBase):
                             break
                 except KvHintError as exc:
                     error = exc
+                except Exception as exc:  # a bug, not the engine: log it and keep following
+                    error = exc
+                    log.exception("engine %s: following failed; reconnecting", engine)
                 finally:
                     stream.cancel()
                 progressed = tracker.stream_ended(error)

@@ -6,6 +6,8 @@ import random
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvhint_client.config import ConnectionConfig, RetryPolicy, TlsConfig, as_config
 
@@ -25,6 +27,28 @@ def test_backoff_grows_to_the_cap_within_jitter() -> None:
     samples = [jittery.backoff(1, rng) for _ in range(200)]
     assert all(0.75 <= s <= 1.25 for s in samples) and max(samples) - min(samples) > 0.1
     assert RetryPolicy.disabled().max_attempts == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    initial=st.floats(0, 10), cap=st.floats(0, 60), multiplier=st.floats(1, 1000),
+    failed=st.integers(1, 10**9), integer_multiplier=st.booleans(),
+)
+def test_backoff_stays_within_the_cap_however_many_attempts_failed(initial, cap, multiplier, failed, integer_multiplier) -> None:
+    """A follower passes its count of failed reconnects, which grows while an engine is down (about
+    1024 after 8 minutes with the default policy): the backoff is a number in [0, max_backoff],
+    never an OverflowError that would end the follower's thread."""
+    policy = RetryPolicy(initial_backoff=initial, max_backoff=cap, multiplier=int(multiplier) if integer_multiplier else multiplier, jitter=0.0)
+    delay = policy.backoff(failed)
+    assert 0.0 <= delay <= cap
+    assert delay == min(cap, initial) or failed > 1 or initial == 0
+
+
+def test_the_default_reconnect_policy_after_an_hour_down_waits_its_cap() -> None:
+    from kvhint_client.follower import DEFAULT_RECONNECT
+
+    assert DEFAULT_RECONNECT.backoff(1025) == pytest.approx(DEFAULT_RECONNECT.max_backoff, rel=DEFAULT_RECONNECT.jitter)
+    assert DEFAULT_RECONNECT.backoff(10**6) <= DEFAULT_RECONNECT.max_backoff * (1 + DEFAULT_RECONNECT.jitter)
 
 
 @pytest.mark.parametrize("kwargs", [{"max_attempts": 0}, {"multiplier": 0.5}, {"jitter": 1.5}, {"initial_backoff": -1}])

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from fake_kvhint_server import h, snapshot, start_fake_server
 
 from kvhint.v1 import kvhint_pb2
 from kvhint_client.builders import blocks, continuation, session
+from kvhint_client.config import ConnectionConfig
 from kvhint_client.errors import KvHintError
 from kvhint_client.fleet import FleetClient, data_parallel_endpoints
 from kvhint_client.follower import EngineTracker, ResidencyIndex
@@ -125,3 +128,71 @@ def test_data_parallel_endpoints_checks_every_rank_names_itself() -> None:
     finally:
         for server in servers:
             server.stop()
+
+
+def test_data_parallel_endpoints_reach_every_rank_with_the_given_token() -> None:
+    """A server listening beyond loopback requires TLS or a token: a ConnectionConfig for rank 0
+    gives every rank its settings, and the mapping keeps them for the FleetClient."""
+    servers = _consecutive_fake_servers(2)
+    try:
+        _as_ranks(servers, 2)
+        servers[1].servicer.sessions = [kvhint_pb2.SessionInfo(session_id="on-rank-1")]
+        endpoints = data_parallel_endpoints(ConnectionConfig(servers[0].address, bearer_token="tok", default_timeout=7.0))
+        assert {name: cfg.address for name, cfg in endpoints.items()} == {"dp0": servers[0].address, "dp1": servers[1].address}
+        assert all(cfg.bearer_token == "tok" and cfg.default_timeout == 7.0 for cfg in endpoints.values())
+        with FleetClient(endpoints) as fleet:
+            assert fleet.apply(session("on-rank-1").pin(ttl=5, hint_id="p")).routes == {"p": ["dp1"]}
+        for server in servers:
+            seen = server.servicer.metadata_seen
+            assert seen and all(m.get("authorization") == "Bearer tok" for m in seen)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_apply_timeout_bounds_the_whole_call_with_a_slow_engine() -> None:
+    """One engine answering slowly costs the call its timeout once, not once per hint: routing asks
+    it once, the engines left without time are reported, and nothing is sent after the deadline."""
+    a, b = start_fake_server(), start_fake_server()
+    a.servicer.sessions = [kvhint_pb2.SessionInfo(session_id=f"S{i}") for i in range(10)]
+    b.servicer.delay["ListSessions"] = 2.0
+    try:
+        with FleetClient({"a": a.address, "b": b.address}) as fleet:
+            started = time.monotonic()
+            out = fleet.apply(*[session(f"S{i}").evict(hint_id=f"h{i}") for i in range(10)], timeout=0.5)
+            took = time.monotonic() - started
+        assert took < 1.5, f"apply(timeout=0.5) took {took:.1f}s"
+        assert out.errors["b"].code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert b.servicer.count("ListSessions") == 1, "an engine that failed routing is not asked again"
+        assert not b.servicer.applied
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_apply_routes_and_applies_within_the_timeout_when_every_engine_answers() -> None:
+    a, b = _two_engines()
+    b.servicer.delay["ListSessions"] = 0.05
+    try:
+        with FleetClient({"a": a.address, "b": b.address}) as fleet:
+            out = fleet.apply(session("S").pin(ttl=5, hint_id="p"), session("U").evict(hint_id="u"), timeout=5)
+        assert out.routes == {"p": ["a"], "u": ["b"]} and out.all_accepted and not out.errors
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_batch_over_an_engines_limits_is_refused_before_any_engine_applies() -> None:
+    a, b = start_fake_server(), start_fake_server()
+    b.servicer.capabilities.limits.max_hints_per_batch = 1
+    try:
+        with FleetClient({"a": a.address, "b": b.address}) as fleet:
+            fleet.client("b").capabilities()  # the limits are known once read
+            with pytest.raises(ValueError, match="at most 1 per batch"):
+                fleet.apply(session("X").evict(), session("Y").evict(), broadcast=True)
+            assert not a.servicer.applied and not b.servicer.applied
+            with pytest.raises(ValueError, match="timeout must be > 0"):
+                fleet.apply(session("X").evict(), timeout=0)
+    finally:
+        a.stop()
+        b.stop()

@@ -208,6 +208,63 @@ def test_follower_waits_for_an_engine_that_is_down() -> None:
             server.stop()
 
 
+# No wait between reconnects: 1100 failed reconnects take well under a second against a closed port.
+NO_WAIT = RetryPolicy(max_attempts=10**6, initial_backoff=0.0, max_backoff=0.0, jitter=0.0)
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_an_engine_down_for_more_than_a_thousand_reconnects_is_followed_when_it_is_back() -> None:
+    """With the default policy 1024 failed reconnects are about 8 minutes of an engine being down
+    (a redeploy). The backoff of the 1025th once overflowed a float and ended the engine's thread
+    for good: the engine was never followed again."""
+    port = _closed_port()
+    follower = EventFollower([f"127.0.0.1:{port}"], reconnect=NO_WAIT)
+    server = None
+    try:
+        follower.start()
+        assert wait_until(lambda: follower.status()[f"127.0.0.1:{port}"].connects >= 1100, timeout=30)
+        servicer = FakeKvHint()
+        servicer.watch_scripts = [[*snapshot("E1", 3, {"S": [(1, [DEVICE])]}), HANG]]
+        server = start_fake_server(servicer, port=port)
+        assert follower.wait_synced(timeout=10)
+    finally:
+        follower.stop()
+        if server is not None:
+            server.stop()
+
+
+def test_the_async_follower_also_outlasts_a_thousand_failed_reconnects() -> None:
+    port = _closed_port()
+    servicer = FakeKvHint()
+    servicer.watch_scripts = [[*snapshot("E1", 3, {"S": [(1, [DEVICE])]}), HANG]]
+    servers = []
+
+    async def scenario() -> None:
+        follower = AsyncEventFollower({"e1": f"127.0.0.1:{port}"}, reconnect=NO_WAIT)
+        await follower.start()
+        try:
+            for _ in range(3000):
+                if follower.status()["e1"].connects >= 1100:
+                    break
+                await asyncio.sleep(0.01)
+            assert follower.status()["e1"].connects >= 1100
+            servers.append(start_fake_server(servicer, port=port))
+            assert await follower.wait_synced(timeout=10)
+        finally:
+            await follower.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def test_follower_over_two_engines_answers_router_queries() -> None:
     servers = []
     for sessions in ({"S": [(1, [DEVICE]), (2, [DEVICE])], "T": [(5, [DEVICE])]}, {"S": [(1, [HOST])]}):

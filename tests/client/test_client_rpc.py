@@ -130,6 +130,21 @@ def test_error_survives_pickling() -> None:
         error.code, error.reason, "hints[0]", "ApplyHints", str(error))
 
 
+def test_an_overload_error_keeps_its_retry_after_through_pickling() -> None:
+    """A router handing errors between processes still knows when to retry."""
+    import pickle
+
+    from google.protobuf import any_pb2, duration_pb2
+    from google.rpc import error_details_pb2
+
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=2, nanos=500_000_000)))
+    error = KvHintError(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limited", method="ApplyHints", status_details=[detail])
+    assert error.retry_after == 2.5
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.retry_after == 2.5 and copy.is_overloaded and str(copy) == str(error)
+
+
 def test_unknown_operation_is_not_found(fake: RunningServer) -> None:
     with client_for(fake) as kv, pytest.raises(KvHintError) as info:
         kv.get_operation("nope")
