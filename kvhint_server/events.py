@@ -92,6 +92,9 @@ class HintApplied(NamedTuple):
     # The result's pb.HintResult, converted once by the executor for both the
     # ApplyHints response and this event (None: converted when sent).
     message: Any = None
+    # The tenant that sent the hint ("" without tenancy or from an admin): with tenancy, its
+    # subscriptions alone get the event (tenant_guard.WatchScope), whatever the selector names.
+    scope: str = ""
 
 
 class OperationCompleted(NamedTuple):

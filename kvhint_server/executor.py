@@ -96,7 +96,8 @@ class HintExecutor:
                 if hint_id:
                     self._remember(self._guard.id_key(hint_id) if self._guard else hint_id, fingerprint, result)
             message = wire_format.hint_result(result)
-            self.core.bus.publish(HintApplied(wire, result, message), sessions=_sessions_of(item))
+            scope = self._guard.tenant.name if self._guard is not None else ""
+            self.core.bus.publish(HintApplied(wire, result, message, scope), sessions=_sessions_of(item))
             results.append(result)
             messages.append(message)
         return BatchApplied(results, self.core.bus.last_sequence, messages)
@@ -285,7 +286,8 @@ class HintExecutor:
                 return _result(spec, clips, {})
         if spec.action is Action.PREFETCH and all(tiers[h] & Tier.DEVICE.bit for h in hashes):
             return _result(spec, clips, {Tier.DEVICE: len(hashes)}, message="already resident on the device tier")
-        op = core.operations.create(spec.hint_id, spec.action, _sessions_of(spec), spec.destination)
+        scope = self._guard.tenant.name if self._guard is not None else ""
+        op = core.operations.create(spec.hint_id, spec.action, _sessions_of(spec), spec.destination, scope)
         refusal = core.adapter.start_tier_task(TierTask(op.operation_id, spec, tuple(hashes)))
         if refusal is not None:
             core.operations.discard(op.operation_id)

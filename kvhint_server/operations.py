@@ -44,6 +44,9 @@ class Operation:
     blocks: dict[Tier, int] = field(default_factory=dict)
     bytes_moved: int = 0
     destination: str = ""
+    # The tenant whose hint started it ("" without tenancy or from an admin): with tenancy, that
+    # tenant alone may read it (GetOperation) and get its OperationCompleted event.
+    scope: str = ""
 
 
 class OperationRegistry:
@@ -53,7 +56,7 @@ class OperationRegistry:
         self._ops: OrderedDict[str, Operation] = OrderedDict()
         self._lock = threading.Lock()
 
-    def create(self, hint_id: str, action: Action, sessions: tuple[str, ...] = (), destination: str = "") -> Operation:
+    def create(self, hint_id: str, action: Action, sessions: tuple[str, ...] = (), destination: str = "", scope: str = "") -> Operation:
         op = Operation(
             operation_id="op-" + uuid.uuid4().hex[:16],
             hint_id=hint_id,
@@ -62,6 +65,7 @@ class OperationRegistry:
             created_at=time.time(),
             sessions=sessions,
             destination=destination,
+            scope=scope,
         )
         with self._lock:
             self._ops[op.operation_id] = op

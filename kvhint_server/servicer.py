@@ -32,7 +32,7 @@ from .overload import CAUSE_QUEUE_FULL, CAUSE_RATE_LIMITED, QueueFull, RateLimit
 from .page_tokens import PageTokens
 from . import tenant_guard
 from .tenancy import Tenant, current_principal
-from .validation import check_request_id, parse_apply_request, parse_query_selector, parse_query_tiers, validate_watch_request
+from .validation import check_apply_batch_size, check_request_id, parse_apply_request, parse_query_selector, parse_query_tiers, validate_watch_request
 from .watch import WatchHub
 
 if TYPE_CHECKING:
@@ -108,10 +108,16 @@ class KvHintServicer:
         return self.core.submit(fn, bounded=True)
 
     async def _await_engine(self, future: TaskFuture[T], context: grpc.aio.ServicerContext) -> T:
+        """The engine task's result, bounded by the RPC deadline and engine_task_timeout_s. A task
+        the engine thread has not started when the call ends (its deadline passed, or the client
+        cancelled it) is withdrawn: it does not run after the caller was told it failed."""
         remaining = context.time_remaining()
         timeout = self.config.engine_task_timeout_s if remaining is None else min(remaining, self.config.engine_task_timeout_s)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout=timeout)
+        except asyncio.CancelledError:  # gRPC ended the call (deadline or cancellation) first
+            future.cancel()
+            raise
         except asyncio.TimeoutError:
             if future.cancel():
                 raise unavailable(Reason.DEADLINE_EXCEEDED, f"the engine did not reach a step boundary within {timeout:.1f}s") from None
@@ -133,9 +139,15 @@ class KvHintServicer:
         return await self._apply_hints(request, context)
 
     async def _apply_hints(self, request: pb.ApplyHintsRequest, context: grpc.aio.ServicerContext) -> pb.ApplyHintsResponse:
+        check_apply_batch_size(request, self.config)  # refused as a whole: no rate-limit tokens spent
         cost = len(request.hints)
         principal = self._rate_limit(context, cost)
-        parsed = parse_apply_request(request, self.config, self.core.info)
+        try:
+            parsed = parse_apply_request(request, self.config, self.core.info)
+        except RpcError:
+            if self.rate_limiter is not None:
+                self.rate_limiter.give_back(principal, cost)  # refused as a whole: nothing applied
+            raise
         tenant = self._scoped()
         guard = tenant_guard.TenantGuard(self.core, self.tenants, tenant) if tenant is not None else None
         future = self._submit(lambda: self.executor.apply_batch(parsed, guard))
@@ -215,7 +227,7 @@ class KvHintServicer:
         operation_id = check_request_id(request.operation_id, "operation_id", self.config.max_id_length)
         op = self.core.operations.get(operation_id)
         tenant = self._scoped()
-        if op is None or (tenant is not None and not all(tenant.owns(s) for s in op.sessions)):
+        if op is None or (tenant is not None and not tenant_guard.owns_operation(tenant, op)):
             raise not_found(f"no operation {excerpt(operation_id)}", "operation_id")
         return pb.GetOperationResponse(operation=wire.operation(op))
 

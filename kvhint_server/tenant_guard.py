@@ -52,8 +52,9 @@ from kvhint.v1 import kvhint_pb2 as pb
 from . import wire
 from .core import KvHintCore
 from .errors import RpcError, excerpt
-from .events import AllBlocksCleared, BlocksRemoved, BlocksStored, Event
+from .events import AllBlocksCleared, BlocksRemoved, BlocksStored, Event, HintApplied, OperationCompleted
 from .model import Action, Clip, HintResult, HintSpec, Reason, Selector, SelectorKind, tiers_of
+from .operations import Operation
 from .queries import Residency
 from .tenancy import Tenant, Tenants
 
@@ -154,6 +155,11 @@ class TenantGuard:
     def admit(self, spec: HintSpec) -> HintSpec | HintResult:
         """The spec to apply (block hashes narrowed to the tenant's), or a
         REJECTED/PERMISSION_DENIED result with zero effect."""
+        if spec.action not in (Action.RETAIN, Action.PIN):
+            # Release, Evict and the tier actions can end grants: the budget use counted for
+            # an earlier hint of the batch is recounted for the next Retain or Pin, so a batch
+            # applies in order exactly as the same hints sent one batch each.
+            self._use = None
         sel = spec.selector
         tenant = self.tenant
         if sel.kind is SelectorKind.BLOCK_HASHES:
@@ -268,6 +274,16 @@ def narrow_prefix(tenant: Tenant | None, prefix: str) -> str | None:
 # ---------------------------------------------------------------- events (the server's loop)
 
 
+def owns_operation(tenant: Tenant, op: Operation) -> bool:
+    """Whether `tenant` may read operation `op` (GetOperation) and get its OperationCompleted: it
+    sent the hint that started it, or (an admin's operation) every session it names is the
+    tenant's. An operation that names no session (a continuation or block-hash selector) is
+    the sender's alone."""
+    if op.scope:
+        return op.scope == tenant.name
+    return bool(op.sessions) and all(tenant.owns(s) for s in op.sessions)
+
+
 class WatchScope:
     """One tenant's view of the event stream (one subscription; its coroutine only).
 
@@ -294,6 +310,10 @@ class WatchScope:
 
     def matches(self, ev: Event) -> bool:
         p = ev.payload
+        if isinstance(p, HintApplied) and p.scope:
+            return p.scope == self.tenant.name  # a tenant's hint: its sender's alone
+        if isinstance(p, OperationCompleted):
+            return owns_operation(self.tenant, p.operation)
         mine = any(self.tenant.owns(s) for s in ev.sessions)
         if isinstance(p, BlocksStored):
             if mine:

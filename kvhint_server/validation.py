@@ -37,10 +37,14 @@ _KIND_OF_FIELD = {
 
 
 class HintInvalid(Exception):
-    def __init__(self, reason: Reason, message: str) -> None:
+    """A hint (or a query's selector) that cannot be applied. `field`: the path of the field at
+    fault, relative to the message parse_* was given ("" when it is the message itself)."""
+
+    def __init__(self, reason: Reason, message: str, field: str = "") -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.field = field
 
 
 # google.protobuf.Duration's valid range: +-10,000 years.
@@ -68,10 +72,10 @@ def _id_problem(value: str, what: str, limit: int, required: bool = True) -> str
     return None
 
 
-def _check_id(value: str, what: str, limit: int) -> str:
+def _check_id(value: str, what: str, limit: int, field: str = "") -> str:
     problem = _id_problem(value, what, limit)
     if problem:
-        raise HintInvalid(Reason.INVALID_HINT, problem)
+        raise HintInvalid(Reason.INVALID_HINT, problem, field)
     return value
 
 
@@ -94,16 +98,16 @@ def parse_selector(sel: pb.Selector, config: ServerConfig) -> Selector:
     range_start, range_end = 0, None
     if sel.HasField("range"):
         if kind is SelectorKind.BLOCK_HASHES:
-            raise HintInvalid(Reason.INVALID_HINT, "range cannot narrow a block_hashes selector")
+            raise HintInvalid(Reason.INVALID_HINT, "range cannot narrow a block_hashes selector", "range")
         range_start = sel.range.start
         if sel.range.HasField("end"):
             range_end = sel.range.end
             if range_end <= range_start:
-                raise HintInvalid(Reason.INVALID_HINT, f"range end {range_end} must be greater than start {range_start}")
+                raise HintInvalid(Reason.INVALID_HINT, f"range end {range_end} must be greater than start {range_start}", "range.end")
     if kind is SelectorKind.SESSION:
         return Selector(
             kind,
-            session_id=_check_id(sel.session.session_id, "session_id", config.max_id_length),
+            session_id=_check_id(sel.session.session_id, "session_id", config.max_id_length, "session.session_id"),
             include_children=sel.session.include_children,
             range_start=range_start,
             range_end=range_end,
@@ -111,20 +115,23 @@ def parse_selector(sel: pb.Selector, config: ServerConfig) -> Selector:
     if kind is SelectorKind.CONTINUATION:
         return Selector(
             kind,
-            continuation_id=_check_id(sel.continuation.continuation_id, "continuation_id", config.max_id_length),
+            continuation_id=_check_id(sel.continuation.continuation_id, "continuation_id", config.max_id_length,
+                                      "continuation.continuation_id"),
             range_start=range_start,
             range_end=range_end,
         )
     hashes = list(sel.block_hashes.block_hashes)
     if not hashes:
-        raise HintInvalid(Reason.INVALID_HINT, "block_hashes selector needs at least one hash")
+        raise HintInvalid(Reason.INVALID_HINT, "block_hashes selector needs at least one hash", "block_hashes.block_hashes")
     if len(hashes) > config.max_block_hashes_per_selector:
         raise HintInvalid(
-            Reason.INVALID_HINT, f"{len(hashes)} block hashes exceed the limit of {config.max_block_hashes_per_selector}"
+            Reason.INVALID_HINT, f"{len(hashes)} block hashes exceed the limit of {config.max_block_hashes_per_selector}",
+            "block_hashes.block_hashes",
         )
-    for h in hashes:
+    for i, h in enumerate(hashes):
         if not 1 <= len(h) <= MAX_BLOCK_HASH_BYTES:
-            raise HintInvalid(Reason.INVALID_HINT, f"block hash of {len(h)} bytes; expected 1..{MAX_BLOCK_HASH_BYTES}")
+            raise HintInvalid(Reason.INVALID_HINT, f"block hash of {len(h)} bytes; expected 1..{MAX_BLOCK_HASH_BYTES}",
+                              f"block_hashes.block_hashes[{i}]")
     return Selector(kind, block_hashes=tuple(dict.fromkeys(hashes)))
 
 
@@ -256,7 +263,9 @@ def _expected_reuse(msg: pb.RetainAction | pb.PinAction, ttl_s: float) -> float 
     return min(seconds, ttl_s)
 
 
-def parse_apply_request(request: pb.ApplyHintsRequest, config: ServerConfig, info: EngineInfo) -> list[ParsedHint]:
+def check_apply_batch_size(request: pb.ApplyHintsRequest, config: ServerConfig) -> None:
+    """INVALID_ARGUMENT for an empty batch or one over max_hints_per_batch (checked before the
+    batch is charged to the caller's rate limit: a batch refused as a whole costs nothing)."""
     n = len(request.hints)
     if n == 0:
         raise invalid_argument("ApplyHintsRequest.hints is empty", "hints")
@@ -264,6 +273,10 @@ def parse_apply_request(request: pb.ApplyHintsRequest, config: ServerConfig, inf
         raise invalid_argument(
             f"{n} hints exceed max_hints_per_batch={config.max_hints_per_batch}", "hints", Reason.TOO_MANY_HINTS
         )
+
+
+def parse_apply_request(request: pb.ApplyHintsRequest, config: ServerConfig, info: EngineInfo) -> list[ParsedHint]:
+    check_apply_batch_size(request, config)
     return parse_hints(request.hints, config, info)
 
 
@@ -273,7 +286,7 @@ def parse_query_selector(request_selector: pb.Selector, has_selector: bool, conf
     try:
         return parse_selector(request_selector, config)
     except HintInvalid as exc:
-        raise invalid_argument(exc.message, "selector") from exc
+        raise invalid_argument(exc.message, f"selector.{exc.field}" if exc.field else "selector") from exc
 
 
 def parse_query_tiers(values: list[int] | object) -> list[Tier]:

@@ -4,11 +4,12 @@ copies of the defaults; and UNAVAILABLE says why (engine stopped vs no step boun
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
 import pytest
-from kvhint_unit_support import Harness, error_info
+from kvhint_unit_support import Harness, error_info, h, pin
 
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client import KvHintClient
@@ -63,3 +64,31 @@ def test_stopped_engine_is_unavailable_shutting_down(make_harness: Callable[...,
         harness.stub.ListSessions(pb.ListSessionsRequest(), timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert error_info(info.value).reason == "REASON_SHUTTING_DOWN"
+
+
+@pytest.mark.parametrize("ends", ["client cancels", "deadline passes"])
+def test_a_batch_the_caller_gave_up_on_before_the_engine_took_it_is_never_applied(
+    make_harness: Callable[..., Harness], ends: str
+) -> None:
+    """The batch waits for the engine thread (busy here). When the call ends first, by the
+    client's cancellation or its deadline (gRPC cancels the handler, or the server's own bound
+    answers UNAVAILABLE), the queued batch is withdrawn: the Pin must not take effect later,
+    after the caller was told it failed."""
+    harness = make_harness()
+    harness.engine.store([h(1), h(2)], session="s1")
+    for trial in range(4):
+        gate = threading.Event()
+        harness.core.submit(lambda: gate.wait(5))  # no step boundary until the gate opens
+        request = pb.ApplyHintsRequest(hints=[pin("s1", 60, hint_id=f"p{trial}")])
+        if ends == "client cancels":
+            call = harness.stub.ApplyHints.future(request, timeout=30)
+            time.sleep(0.3)
+            assert call.cancel()
+        else:
+            with pytest.raises(grpc.RpcError) as info:
+                harness.stub.ApplyHints(request, timeout=0.3)
+            assert info.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+        time.sleep(0.1)  # the server's handler sees the end of the call
+        gate.set()
+        owners = harness.engine.run(lambda: {o for x in (h(1), h(2)) for o in harness.core.ledger.owners(x)})
+        assert owners == set(), f"trial {trial}: the abandoned Pin took effect ({owners})"

@@ -141,6 +141,23 @@ def test_excerpt_quotes_a_short_prefix_and_the_size():
     assert long.startswith(repr("z" * EXCERPT_CHARS)) and "5000 chars" in long and len(long) < 2 * EXCERPT_CHARS + 20
 
 
+@pytest.mark.parametrize(
+    ("selector", "field"),
+    [
+        (pb.Selector(), "selector"),
+        (pb.Selector(session=pb.SessionSelector(session_id="")), "selector.session.session_id"),
+        (pb.Selector(continuation=pb.ContinuationSelector(continuation_id="")), "selector.continuation.continuation_id"),
+        (pb.Selector(session=pb.SessionSelector(session_id="s"), range=pb.BlockRange(start=3, end=2)), "selector.range.end"),
+        (pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=[b"x"]), range=pb.BlockRange(start=1)), "selector.range"),
+        (pb.Selector(block_hashes=pb.BlockHashSelector()), "selector.block_hashes.block_hashes"),
+        (pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=[b"x", b""])), "selector.block_hashes.block_hashes[1]"),
+    ],
+)
+def test_a_bad_query_selector_names_the_field_at_fault(harness, selector: pb.Selector, field: str) -> None:
+    """QueryResidency's INVALID_ARGUMENT names the selector's field, as its PERMISSION_DENIED does."""
+    _invalid(lambda: harness.stub.QueryResidency(pb.QueryResidencyRequest(selector=selector), timeout=5), field)
+
+
 def test_get_operation_with_a_5000_byte_id_is_invalid_argument_with_a_short_message(harness):
     err = _invalid(lambda: harness.stub.GetOperation(pb.GetOperationRequest(operation_id="x" * 5000), timeout=5), "operation_id")
     assert len(err.details()) < 100
@@ -153,7 +170,8 @@ def test_get_operation_with_a_5000_byte_id_is_invalid_argument_with_a_short_mess
 def test_every_request_id_is_length_checked(harness):
     long = "s" * (harness.config.max_id_length + 1)
     _invalid(lambda: harness.stub.ListSessions(pb.ListSessionsRequest(session_id_prefix=long), timeout=5), "session_id_prefix")
-    _invalid(lambda: harness.stub.QueryResidency(pb.QueryResidencyRequest(selector=session_sel(long)), timeout=5), "selector")
+    _invalid(lambda: harness.stub.QueryResidency(pb.QueryResidencyRequest(selector=session_sel(long)), timeout=5),
+             "selector.session.session_id")
 
     def watch(**kw: object) -> None:
         next(iter(harness.stub.WatchEvents(pb.WatchEventsRequest(**kw), timeout=5)))

@@ -215,6 +215,25 @@ def test_a_batch_larger_than_the_burst_is_refused_without_retry_info(make_harnes
     assert retry_info(exc.value) is None
 
 
+def test_a_batch_refused_as_a_whole_costs_no_rate_limit_tokens(make_harness):
+    """An empty batch or one over max_hints_per_batch is INVALID_ARGUMENT (TOO_MANY_HINTS, as
+    GetCapabilities' limits say), even when it is also over the burst, and it leaves the
+    caller's bucket as it was: nothing was applied."""
+    harness = make_harness(rate_limit_hints_per_s=0.01, rate_limit_burst=6, max_hints_per_batch=4)
+    harness.engine.store([h(1)], session="a")
+    for hints in ([retain("a", 1)] * 5, [retain("a", 1)] * 9, []):
+        with pytest.raises(grpc.RpcError) as exc:
+            harness.apply(*hints)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value.details()
+        assert error_info(exc.value).reason == ("REASON_TOO_MANY_HINTS" if hints else "REASON_MALFORMED_REQUEST")
+    # The whole burst is still there: 4 + 2 hints go through, the next one is rate limited.
+    assert len(harness.apply(*[retain("a", 1)] * 4).results) == 4
+    assert len(harness.apply(*[retain("a", 1)] * 2).results) == 2
+    with pytest.raises(grpc.RpcError) as exc:
+        harness.apply(retain("a", 1))
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_queries_cost_one_call(make_harness):
     harness = make_harness(rate_limit_hints_per_s=0.01, rate_limit_burst=2)
     md = (("authorization", "Bearer q"),)

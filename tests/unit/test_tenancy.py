@@ -19,7 +19,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.config import ConfigError, ServerConfig
 from kvhint_server.metrics import KvHintMetrics, MetricsExporter
 
-from kvhint_unit_support import Harness, error_info, h, local_engine_info, pin, retain, session_sel
+from kvhint_unit_support import Harness, error_info, h, local_engine_info, pin, retain, session_sel, tiered_engine_info
 
 TENANTS = {
     "tenants": [
@@ -292,6 +292,32 @@ def test_pin_and_retention_budgets_clip(hx: Harness) -> None:
     assert "b/big" not in str([s for m in registry.collect() for s in m.samples])
 
 
+_BUDGET_ACTIONS = st.sampled_from(["retain", "pin", "release", "evict"])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(_BUDGET_ACTIONS, st.sampled_from(["b/1", "b/2", "b/3"])), min_size=2, max_size=6))
+def test_a_tenants_batch_spends_its_budgets_as_the_same_hints_one_batch_each(tmp_path_factory, hints) -> None:
+    """"Applied in order": within one batch, a Release or Evict that ends some of B's grants
+    gives the budget back to the Retain or Pin after it, exactly as when each hint is its own
+    batch (pin budget 2, retention budget 3 blocks; three sessions of 2 blocks each)."""
+    def run(batched: bool) -> tuple[object, ...]:
+        hx = Harness(local_engine_info(num_device_blocks=64), tenants_file=write(tmp_path_factory.mktemp("t"), TENANTS))
+        try:
+            for i, s in enumerate(("b/1", "b/2", "b/3")):
+                hx.engine.store([h(10 * i + 1), h(10 * i + 2)], session=s)
+            wire = [_hint(a, session_sel(s)) for a, s in hints]
+            results = apply(hx, B, *wire) if batched else [apply(hx, B, w)[0] for w in wire]
+            return (
+                [(outcome(r), [(c.requested_blocks, c.granted_blocks) for c in r.clips]) for r in results],
+                {block: {owner: g.pinned for owner, g in per.items()} for block, per in grants_of(hx, "b/").items()},
+            )
+        finally:
+            hx.close()
+
+    assert run(batched=True) == run(batched=False)
+
+
 def test_admin_sees_and_may_do_everything(hx: Harness) -> None:
     hx.engine.store([h(1), h(2)], session="a/x")
     hx.engine.store([h(1), h(2)], session="b/y", prefix_hit=True)
@@ -299,6 +325,75 @@ def test_admin_sees_and_may_do_everything(hx: Harness) -> None:
     result = apply(hx, ADMIN, evict(session_sel("b/y")))[0]
     assert outcome(result) == ("OUTCOME_ACCEPTED", "REASON_UNSPECIFIED")
     assert h(1) not in hx.engine.device
+
+
+def _payloads(got: list[pb.WatchEventsResponse], kind: str) -> list:
+    return [getattr(m, kind) for m in got if m.WhichOneof("payload") == kind]
+
+
+def test_an_operation_without_sessions_is_its_senders_alone(tmp_path: Path) -> None:
+    """A Demote by continuation id names no session: only the tenant that sent it may read its
+    operation (another tenant gets NOT_FOUND, as for a foreign session's operation), and its
+    HintApplied and OperationCompleted reach that tenant's stream and no other tenant's."""
+    hx = Harness(tiered_engine_info(num_device_blocks=64), tenants_file=write(tmp_path, TENANTS))
+    try:
+        hx.engine.store([h(1), h(2)], session="a/s1", continuation="a/c1")
+        got_a: list[pb.WatchEventsResponse] = []
+        got_b: list[pb.WatchEventsResponse] = []
+        stop = threading.Event()
+        threads = [_watch(hx, A, got_a, stop), _watch(hx, B, got_b, stop)]
+        hx.wait_subscribers(2)
+        sel = pb.Selector(continuation=pb.ContinuationSelector(continuation_id="a/c1"))
+        result = apply(hx, A, pb.Hint(hint_id="a-demote", selector=sel, demote=pb.DemoteAction()))[0]
+        assert result.outcome == pb.OUTCOME_DEFERRED and result.operation_id
+        hx.core.operations.complete(result.operation_id, ok=True)
+        read = lambda who: hx.stub.GetOperation(pb.GetOperationRequest(operation_id=result.operation_id), metadata=who, timeout=5)
+        assert read(A).operation.hint_id == "a-demote"
+        assert read(ADMIN).operation.hint_id == "a-demote"
+        with pytest.raises(grpc.RpcError) as err:
+            read(B)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not _payloads(got_a, "operation_completed"):
+            time.sleep(0.02)
+        stop.set()
+        hx.engine.store([h(5)], session="a/end")  # wakes both streams so they see `stop`
+        hx.engine.store([h(6)], session="b/end")
+        for t in threads:
+            t.join(5)
+        assert [e.hint.hint_id for e in _payloads(got_a, "hint_applied")] == ["a-demote"]
+        assert [e.operation.operation_id for e in _payloads(got_a, "operation_completed")] == [result.operation_id]
+        assert not _payloads(got_b, "hint_applied") and not _payloads(got_b, "operation_completed")
+    finally:
+        hx.close()
+
+
+def test_a_tenants_hints_reach_its_own_stream_and_never_another_tenants(hx: Harness) -> None:
+    """A block-hash hint names no session: its HintApplied still reaches the sender. A hint on
+    another tenant's session (REJECTED) is the sender's business, not the session owner's."""
+    hx.engine.store([h(1)], session="a/x")
+    hx.engine.store([h(2)], session="b/y")
+    got_a: list[pb.WatchEventsResponse] = []
+    got_b: list[pb.WatchEventsResponse] = []
+    stop = threading.Event()
+    threads = [_watch(hx, A, got_a, stop), _watch(hx, B, got_b, stop)]
+    hx.wait_subscribers(2)
+    results = apply(hx, A, evict(hashes_sel(h(1)), hint_id="by-hash"), evict(session_sel("b/y"), hint_id="probe"))
+    assert [outcome(r)[0] for r in results] == ["OUTCOME_ACCEPTED", "OUTCOME_REJECTED"]
+    assert [outcome(r) for r in apply(hx, ADMIN, evict(session_sel("b/y"), hint_id="admin-evict"))] == [
+        ("OUTCOME_ACCEPTED", "REASON_UNSPECIFIED")]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (len(_payloads(got_a, "hint_applied")) < 2 or not _payloads(got_b, "hint_applied")):
+        time.sleep(0.02)
+    time.sleep(0.1)
+    stop.set()
+    hx.engine.store([h(5)], session="a/end")
+    hx.engine.store([h(6)], session="b/end")
+    for t in threads:
+        t.join(5)
+    assert [e.hint.hint_id for e in _payloads(got_a, "hint_applied")] == ["by-hash", "probe"]
+    # B sees the admin's hint on its session (as before), not A's rejected probe of it.
+    assert [e.hint.hint_id for e in _payloads(got_b, "hint_applied")] == ["admin-evict"]
 
 
 # ---------------------------------------------------------------- randomized isolation
