@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TextIO
 
 from .cases import REGISTRY
+from .cases.requirements import CASE_OF_NEED
 from .model import RELEASE, SUITE, Case, CaseFailed, CaseResult, CaseSkipped, Registry, Status
 from .profiles import DEFAULT as DEFAULT_PROFILE
 from .profiles import PROFILES
@@ -80,6 +81,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             raise ValueError
     except ValueError:
         p.error(f"--token-range {args.token_range!r}: expected LOW:HIGH with 0 <= LOW < HIGH")
+    for option, patterns in (("--run", args.run), ("--skip", args.skip)):
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                p.error(f"{option} {pattern!r}: not a regular expression ({exc})")
     args.token_low, args.token_high = low, high
     if not (math.isfinite(args.tie_nats) and args.tie_nats >= 0):
         p.error(f"--tie-nats {args.tie_nats!r}: expected a finite number of nats >= 0")
@@ -87,12 +94,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def select(registry: Registry, run: Sequence[str], skip: Sequence[str]) -> list[Case]:
+    """The cases --run/--skip select, in registry order, plus the `requirements/*` case of every
+    need a selected case has (model.py, `needs`): a case whose need is unmet is SKIPPED, and the
+    requirement's case FAILS, so a filtered run (`--run retention/` without --openai-url) cannot
+    pass having checked nothing. Bad patterns raise re.error."""
     runs = [re.compile(r) for r in run]
     skips = [re.compile(r) for r in skip]
-    return [
-        c for c in registry.cases
+    chosen = {
+        c.id for c in registry.cases
         if (not runs or any(r.search(c.id) for r in runs)) and not any(s.search(c.id) for s in skips)
-    ]
+    }
+    required = {f"{SUITE}/requirements/{CASE_OF_NEED[n]}" for c in registry.cases if c.id in chosen for n in c.needs}
+    return [c for c in registry.cases if c.id in chosen or c.id in required]
 
 
 def parse_known_failing(text: str) -> list[str]:
@@ -208,6 +221,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         known = read_known_failing(args.known_failing, REGISTRY) if args.known_failing else []
     except SystemExit as exc:
         print(exc, file=sys.stderr)
+        return 2
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"kvhint-conformance: --known-failing {args.known_failing}: {exc}", file=sys.stderr)
         return 2
     if not cases:
         print("kvhint-conformance: no case matches --run/--skip", file=sys.stderr)

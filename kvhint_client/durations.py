@@ -7,7 +7,7 @@ Contract: conversions are exact to the nanosecond for every value a float prints
 from __future__ import annotations
 
 import datetime as _dt
-from decimal import ROUND_HALF_EVEN, Decimal
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from typing import Union
 
 from google.protobuf import duration_pb2
@@ -34,7 +34,10 @@ def to_decimal_seconds(value: Seconds, *, name: str = "duration") -> Decimal:
         if value != value or value in (float("inf"), float("-inf")):
             raise ValueError(f"{name} must be finite, got {value!r}")
         # repr() is the shortest decimal that reads back as the same float.
-        return Decimal(repr(value)).quantize(_ONE_NANO, rounding=ROUND_HALF_EVEN)
+        try:
+            return Decimal(repr(value)).quantize(_ONE_NANO, rounding=ROUND_HALF_EVEN)
+        except InvalidOperation:  # more digits than Decimal's context holds: far out of any range
+            raise ValueError(f"{name} {value!r} is out of range") from None
     raise ValueError(f"{name} must be a number of seconds or a timedelta, got {value!r}")
 
 

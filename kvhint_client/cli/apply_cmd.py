@@ -95,13 +95,18 @@ def _hint_from_args(args: argparse.Namespace) -> kvhint_pb2.Hint:
 
 def _hints_from_envelope(path: str) -> list[kvhint_pb2.Hint]:
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except OSError as error:
         raise UsageError(f"cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise UsageError(f"cannot read {path}: not UTF-8 JSON ({error.reason} at byte {error.start})") from None
     try:
-        return envelope_to_hints(text)
+        hints = envelope_to_hints(text)
     except EnvelopeError as error:
         raise UsageError(f"envelope: {error}") from None
+    if not hints:
+        raise UsageError("envelope: it has no actions (nothing to apply)")
+    return hints
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -91,8 +92,8 @@ class CliContext:
 
     def config(self) -> ConnectionConfig:
         args = self.args
-        if self.timeout <= 0:
-            raise UsageError("--timeout must be > 0")
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise UsageError(f"--timeout must be a finite number of seconds > 0, got {self.timeout!r}")
         retries = getattr(args, "retries", 2)
         if retries < 0:
             raise UsageError("--retries must be >= 0")
@@ -106,13 +107,16 @@ class CliContext:
                 tls = TlsConfig(root_certificates=ca, certificate_chain=cert, private_key=key, server_name_override=name)
             except ValueError as error:
                 raise UsageError(str(error)) from None
-        return ConnectionConfig(
-            address=self.address,
-            tls=tls,
-            bearer_token=getattr(args, "token", None) or None,
-            default_timeout=self.timeout,
-            retry=RetryPolicy(max_attempts=retries + 1, initial_backoff=0.1, max_backoff=1.0),
-        )
+        try:
+            return ConnectionConfig(
+                address=self.address,
+                tls=tls,
+                bearer_token=getattr(args, "token", None) or None,
+                default_timeout=self.timeout,
+                retry=RetryPolicy(max_attempts=retries + 1, initial_backoff=0.1, max_backoff=1.0),
+            )
+        except ValueError as error:  # e.g. an empty --address / KVHINT_ADDRESS
+            raise UsageError(str(error)) from None
 
     def client(self) -> KvHintClient:
         if self._client is None:

@@ -39,8 +39,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _page_size(value: int) -> int:
-    if value < 0:
-        raise UsageError("--page-size must be >= 0")
+    if not 0 <= value <= 2**32 - 1:
+        raise UsageError(f"--page-size must be in 0..{2**32 - 1} (0: the server's default)")
     return value
 
 

@@ -9,6 +9,7 @@ sends Resync (exit 1: the consumer must take a fresh snapshot).
 from __future__ import annotations
 
 import argparse
+import math
 import threading
 from typing import Any
 
@@ -64,6 +65,8 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     timer = None
+    if args.duration is not None and not (math.isfinite(args.duration) and args.duration > 0):
+        raise UsageError(f"--duration must be a finite number of seconds > 0, got {args.duration!r}")
     if args.duration is not None:
         timer = threading.Timer(args.duration, stream.cancel)
         timer.daemon = True

@@ -115,15 +115,34 @@ def test_usage_errors_exit_2_without_calling_the_server(fake: RunningServer) -> 
         (["residency", "--session", "S", "--tier", "ssd"], "unknown tier"),
         (["frobnicate"], "invalid choice"),
         (["capabilities", "--ca-cert", "/nonexistent/ca.pem"], "--ca-cert /nonexistent/ca.pem: no such file"),
-        (["capabilities", "--timeout", "0"], "--timeout must be > 0"),
+        (["capabilities", "--timeout", "0"], "--timeout must be a finite number of seconds > 0"),
+        (["capabilities", "--timeout", "nan"], "--timeout must be a finite number of seconds > 0"),
+        (["capabilities", "--timeout", "inf"], "--timeout must be a finite number of seconds > 0"),
+        (["apply", "pin", "--session", "S", "--ttl", "1e20"], "out of range"),
+        (["watch", "--heartbeat", "1e20", "--count", "1"], "out of range"),
+        (["watch", "--duration", "-1"], "--duration must be a finite number of seconds > 0"),
+        (["watch", "--duration", "nan"], "--duration must be a finite number of seconds > 0"),
+        (["sessions", "--page-size", "99999999999"], "--page-size must be in 0..4294967295"),
+        (["residency", "--session", "S", "--page-size", "-1"], "--page-size must be in"),
+        (["apply", "--envelope", "-"], "envelope: it has no actions"),
     ]
+    stdin = json.dumps({"protocol_version": "0.1", "message_id": "x", "actions": []})
     for args, message in cases:
-        run = kvhint(*args, address=fake.address)
+        run = kvhint(*args, address=fake.address, stdin=stdin)
         assert run.returncode == 2, (args, run.stdout, run.stderr)
         assert message in run.stderr, (args, run.stderr)
     run = kvhint_subprocess(*cases[0][0], address=fake.address)  # the same through the entry point
     assert run.returncode == 2 and cases[0][1] in run.stderr, run.stderr
-    assert fake.servicer.count("ApplyHints") == 0
+    run = kvhint("sessions", address="")
+    assert run.returncode == 2 and "address must not be empty" in run.stderr, run.stderr
+    assert fake.servicer.count("ApplyHints") == 0 and fake.servicer.count("WatchEvents") == 0
+
+
+def test_an_envelope_file_that_is_not_utf8_is_a_usage_error(fake: RunningServer, tmp_path: Path) -> None:
+    envelope = tmp_path / "e.json"
+    envelope.write_text(json.dumps({"protocol_version": "0.1", "message_id": "x", "actions": []}), encoding="utf-16")
+    run = kvhint("apply", "--envelope", str(envelope), address=fake.address)
+    assert run.returncode == 2 and "not UTF-8 JSON" in run.stderr, run.stderr
 
 
 def test_invalid_argument_from_server_exit_2_with_reason_and_field(fake: RunningServer) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from conformance import hints as H
 from conformance.cases import REGISTRY
+from conformance.cases.requirements import CASE_OF_NEED
 from conformance.model import Case, CaseResult, Registry, Status
 from conformance.report import RunInfo, junit_xml, summary
 from conformance.runner import apply_known_failing, main, read_known_failing, select
@@ -75,7 +76,38 @@ def test_list_and_filters() -> None:
     assert main(["--list"], out=out) == 0
     assert out.getvalue().split() == REGISTRY.ids()
     chosen = select(REGISTRY, [r"/events/"], [r"resync"])
-    assert chosen and all("/events/" in c.id and "resync" not in c.id for c in chosen)
+    picked = [c for c in chosen if "/requirements/" not in c.id]
+    assert picked and all("/events/" in c.id and "resync" not in c.id for c in picked)
+    # The requirement case of every need of a selected case runs with it (even under --skip).
+    needs = {n for c in picked for n in c.needs}
+    assert needs, "some /events/ case needs traffic"
+    assert {c.id for c in chosen if "/requirements/" in c.id} == {
+        f"kvhint.v1/requirements/{CASE_OF_NEED[n]}" for n in needs}
+    assert select(REGISTRY, [r"/events/"], [r"resync", r"requirements/"]) == chosen
+
+
+def test_a_filtered_run_without_an_openai_endpoint_is_not_a_pass(tmp_path: Path) -> None:
+    """`--run retention/` without --openai-url skips every case (each needs traffic or pressure):
+    the requirement cases run with them and fail, so the run fails instead of passing having
+    checked nothing. Usage errors (a bad pattern, a missing known-failing file) exit 2."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from kvhint_unit_support import Harness, local_engine_info
+
+    harness = Harness(local_engine_info(num_device_blocks=64))
+    try:
+        out = io.StringIO()
+        rc = main(["--target", f"127.0.0.1:{harness.port}", "--run", "retention/"], out=out)
+        text = out.getvalue()
+        assert rc == 1, text
+        assert "FAILED: kvhint.v1/requirements/" in text and "no --openai-url given" in text, text
+        assert text.splitlines()[-1].startswith("FAIL: 0 passed"), text
+    finally:
+        harness.close()
+    assert main(["--target", "h:1", "--run", "("], out=io.StringIO()) == 2
+    assert main(["--list", "--skip", "[z-a]"], out=io.StringIO()) == 2
+    assert main(["--target", "h:1", "--known-failing", str(tmp_path / "absent.txt")], out=io.StringIO()) == 2
 
 
 def _results() -> list[CaseResult]:

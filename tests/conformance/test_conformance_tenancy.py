@@ -1,6 +1,7 @@
 """The tenancy conformance cases (conformance/cases/tenancy.py) against the real servicer over the
 fake engine, with a tenants file: they pass with two tenants' credentials, and skip with a reason
-naming the options without them. The case that needs traffic skips (no OpenAI endpoint here)."""
+naming the options without them. The case that needs traffic skips (no OpenAI endpoint here), and
+the requirement case that checks traffic runs with it and fails, so such a run is not a pass."""
 
 from __future__ import annotations
 
@@ -41,13 +42,19 @@ def server(tmp_path: Path) -> Iterator[Harness]:
         harness.close()
 
 
+REQUIREMENT = "kvhint.v1/requirements/token-id-prompts"
+
+
 def test_tenancy_cases_pass_against_the_servicer_with_tenants(server: Harness) -> None:
     rc, text = run(f"127.0.0.1:{server.port}", *TENANT_OPTIONS)
-    assert rc == 0, text
     skipped = lines(text, "SKIPPED")
     assert set(skipped) == {S + "shared-prefix-not-evicted-by-other-tenant"}, text
     assert "openai" in skipped[S + "shared-prefix-not-evicted-by-other-tenant"].lower(), text
-    assert not lines(text, "FAILED"), text
+    # The skipped case's need is checked by its requirement case, which fails: not a pass.
+    assert rc == 1 and set(lines(text, "FAILED")) == {REQUIREMENT}, text
+    # Leaving out the case that needs an OpenAI endpoint leaves out its requirement too.
+    rc, text = run(f"127.0.0.1:{server.port}", *TENANT_OPTIONS, "--skip", "shared-prefix")
+    assert rc == 0 and not lines(text, "FAILED") and not lines(text, "SKIPPED"), text
 
 
 def test_tenancy_cases_fail_against_a_servicer_without_isolation(server: Harness) -> None:
@@ -64,7 +71,7 @@ def test_tenancy_cases_fail_against_a_servicer_without_isolation(server: Harness
 
 def test_tenancy_cases_skip_without_tenant_options(server: Harness) -> None:
     rc, text = run(f"127.0.0.1:{server.port}", "--token", "tok-ops", "--run", "tenancy/")
-    assert rc == 0, text
+    assert rc == 1 and set(lines(text, "FAILED")) == {REQUIREMENT}, text
     skipped = lines(text, "SKIPPED")
     assert set(skipped) == {S + n for n in ("unknown-token-unauthenticated", "cross-tenant-hints-have-no-effect",
                                             "list-sessions-own-namespace", "foreign-query-and-watch-denied",
