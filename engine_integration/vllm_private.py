@@ -214,14 +214,3 @@ def file_writes_in_flight(manager: Any) -> int:
 def file_transfers_in_flight(manager: Any) -> int:
     return len(getattr(manager, "_jobs", ()))
 
-
-def recount_injected_stores(manager: Any, contexts: Iterable[Any]) -> None:
-    """After a reset, keep `TieringOffloadingManager._req_state` consistent for
-    injected stores still in flight (they complete against the reset manager)."""
-    req_state = getattr(manager, "_req_state", None)
-    if req_state is None:
-        return
-    for ctx in contexts:
-        st = req_state.get(ctx.req_id) if ctx is not None else None
-        if st is not None:
-            st.pending_primary_stores += 1

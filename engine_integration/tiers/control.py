@@ -95,6 +95,9 @@ class StoreOp:
     _blocks: list[Any] = field(default_factory=list)
     _job: TransferJob | None = None
     _pending_workers: int = 0
+    # The connector's cache was reset while the copy was in flight (`drop_in_flight_stores`):
+    # its keys belong to the manager before the reset, so the completion only unpins.
+    _stale: bool = False
     on_done: Callable[["StoreOp"], None] | None = None
 
 
@@ -350,8 +353,22 @@ class TierControl:
         self._ops[op.job_id] = op
         return op
 
+    def drop_in_flight_stores(self) -> None:
+        """After the connector's cache was reset (reset_prefix_cache with reset_connector):
+        the stores still in flight were prepared on the manager before the reset. vLLM drops
+        its own such jobs (`_stale_job_threshold`); these complete only to unpin their device
+        blocks, never against the reset manager (whose chunks for the same keys, if any, are a
+        later request's, still being written; with a file tier, completing them would cascade
+        chunks the reset manager does not hold and fail the engine step)."""
+        for op in self._ops.values():
+            op._stale = True
+
     def _finish_store(self, op: StoreOp, success: bool) -> None:
-        self.manager.complete_store(op._keys, op._ctx, success)  # tiering: cascades to file tiers here
+        if op._stale:
+            success = False
+            op.failed = op.failed or "the KV connector cache was reset during the copy"
+        else:
+            self.manager.complete_store(op._keys, op._ctx, success)  # tiering: cascades to file tiers here
         self.manager.on_request_finished(op._ctx)
         self.scheduler.kv_cache_manager.block_pool.free_blocks(op._blocks)
         op._blocks = []

@@ -126,9 +126,6 @@ class TierOperations:
     def needs_steps(self) -> bool:
         return any(op.phase is Phase.COPY for op in self._ops.values())
 
-    def injected_store_contexts(self) -> list[Any]:
-        return [store._ctx for store in self.ctl._ops.values()]
-
     # ------------------------------------------------------------ start
 
     def start(self, task: TierTask) -> TierRefusal | None:
@@ -239,8 +236,10 @@ class TierOperations:
         op.store_tries += 1
         op.store = store
         op.stored_blocks += len(store.hashes)
-        if self.has_file:
-            op.written_blocks += len(store.hashes)  # complete_store cascades them to the file tier
+        if self.has_file and op.target is Tier.DISK:
+            # complete_store cascades them to the file tier: part of this operation's bytes only
+            # when the file tier is its target (a host-tier Demote moved them device -> host).
+            op.written_blocks += len(store.hashes)
         return None
 
     def _wait_for_room(self, op: TierOp) -> bool:

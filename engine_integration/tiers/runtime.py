@@ -150,9 +150,9 @@ class TierRuntime:
         vllm_private.tap_take_events(self.ctl.manager, tap, forward=forward)
 
     def _after_reset(self) -> None:
-        # An injected store still in flight completes against the reset manager;
-        # keep the tiering manager's per-request store count consistent for it.
-        vllm_private.recount_injected_stores(self.ctl.manager, self.ops.injected_store_contexts())
+        # An injected store still in flight was prepared on the manager before the reset: its
+        # completion only unpins its device blocks (TierControl.drop_in_flight_stores).
+        self.ctl.drop_in_flight_stores()
         self.ops.fail_copying(Failure(Reason.OPERATION_FAILED, "the KV connector cache was reset"))
         self.core.on_cleared(Tier.HOST)
 

@@ -317,3 +317,47 @@ def test_a_prefetch_puts_the_selections_host_copies_first_before_it_promotes_the
     ops.on_step()
     ops.on_step()
     assert registry.done["pf-1"]["ok"] and registry.done["pf-1"]["blocks"] == {Tier.HOST: 3}
+
+
+class _WithFileTier(HostOnlyControl):
+    """The same control on an engine that also has a file tier (the store's cascade to it is
+    vLLM's own, after the host copy landed)."""
+
+    host_state = TierControl.host_state
+    file_tiers = [object()]
+    group_ids = required_group_ids = (0,)
+
+    def __init__(self, chunks: int, in_g1: set[int]) -> None:
+        super().__init__(chunks)
+        self._probe = SimpleNamespace(req_id="probe")
+        self.in_g1 = in_g1
+
+    def key(self, d: int, g: int = 0) -> Any:
+        return key(d)
+
+    def g1_has(self, d: int) -> bool:
+        return d in self.in_g1
+
+    def touch_host(self, digests: Any) -> None:
+        pass
+
+
+def test_a_host_tier_demote_reports_the_bytes_it_moved_also_when_a_file_tier_is_configured() -> None:
+    """Three 1000-byte blocks copied device -> host are 3000 bytes, in the DEVICE -> HOST transfer
+    and the operation's bytes_moved, whether or not vLLM then cascades them to a file tier (it
+    counted the cascade too: 6000)."""
+    sent: list[Any] = []
+    core = SimpleNamespace(
+        config=SimpleNamespace(auth_token=""),
+        on_transfer=lambda exts, src, dst, nbytes, op_id: sent.append((src, dst, nbytes)),
+        operations=SimpleNamespace(running=lambda *a: None,
+                                   complete=lambda op_id, **kw: sent.append(("complete", kw["blocks"], kw["bytes_moved"]))),
+    )
+    ctl = _WithFileTier(chunks=8, in_g1={1, 2, 3})
+    ops = TierOperations(core, ctl, book=SimpleNamespace(mark_demoted=lambda exts: None), feed=None,  # type: ignore[arg-type]
+                         settings=None, bytes_per_block=1000, demote_first=lambda exts: 0, wake=lambda: None)
+    op = TierOp("op-1", Action.DEMOTE, Tier.HOST, (b"a", b"b", b"c"), [1, 2, 3], deadline=1e9)  # type: ignore[list-item]
+    ops._ops[op.op_id] = op
+    ops._progress(op, starting=True)  # the store lands at once in this control
+    ops.on_step()
+    assert sent == [(Tier.DEVICE, Tier.HOST, 3000), ("complete", {Tier.HOST: 3}, 3000)]
