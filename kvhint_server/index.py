@@ -146,6 +146,11 @@ class SessionPrefixIndex:
         # continuation -> number of live sessions listing it (SessionState.continuations),
         # so forgetting a session asks "does another session hold it?" in O(1).
         self._continuation_holders: dict[str, int] = {}
+        # Children recorded before their parent: parent hash -> how many tracked nodes name it
+        # as parent while it is not tracked itself. A parent recorded later starts with that
+        # count (a run may be recorded before the block before it: a sliding-window tail, a
+        # caller's explicit parent), so `children` always counts the tracked nodes naming it.
+        self._orphans: dict[bytes, int] = {}
         # Hears every forget_session that took a session off blocks.
         self.listener: LeaveListener | None = None
 
@@ -182,10 +187,15 @@ class SessionPrefixIndex:
             node = nodes.get(h)
             if node is None:
                 existing = other_tiers(h) if other_tiers is not None else 0
-                node = Node(prev, first_position + offset, existing | bit, 0, None, session, continuation)
+                orphans = self._orphans
+                children = orphans.pop(h, 0) if orphans else 0
+                node = Node(prev, first_position + offset, existing | bit, children, None, session, continuation)
                 nodes[h] = node
-                if prev is not None and (parent_node := nodes.get(prev)) is not None:
-                    parent_node.children += 1
+                if prev is not None:
+                    if (parent_node := nodes.get(prev)) is not None:
+                        parent_node.children += 1
+                    else:
+                        orphans[prev] = orphans.get(prev, 0) + 1
             else:
                 node.tiers |= bit
             if state is not None:
@@ -433,8 +443,16 @@ class SessionPrefixIndex:
                     self._point_continuation(c, parent)
                 else:
                     self.continuations.pop(c, None)
-            if parent is not None and (parent_node := self.nodes.get(parent)) is not None:
-                parent_node.children -= 1
+            if parent is not None:
+                if (parent_node := self.nodes.get(parent)) is not None:
+                    parent_node.children -= 1
+                else:  # recorded before its parent, which is still untracked
+                    orphans = self._orphans
+                    left = orphans.get(parent, 0) - 1
+                    if left > 0:
+                        orphans[parent] = left
+                    else:
+                        orphans.pop(parent, None)
             h = parent
 
     def _point_continuation(self, c: str, h: bytes) -> None:

@@ -656,3 +656,53 @@ def test_shared_block_members_are_capped_and_leaves_are_exact(n, leave):
     assert removal is not None and len(removal.sessions) == min(len(remaining), MAX_MEMBERS_REPORTED)
     assert not index.node(A).sessions
     assert all(A not in st_.blocks and st_.resident == 2 for st_ in index.sessions.values())
+
+
+# --------------------------------------------------------------------------- runs recorded out of order
+
+_OP = st.one_of(
+    st.tuples(st.just("record"), st.sampled_from(LEAVES), st.integers(0, DEPTH - 1), st.integers(1, DEPTH),
+              st.sampled_from(TIERS), st.none() | st.sampled_from(SESSIONS[:2]), st.none() | st.sampled_from(CONTINUATIONS[:2])),
+    st.tuples(st.just("remove"), st.sampled_from(PATHS), st.sampled_from(TIERS)),
+    st.tuples(st.just("forget"), st.sampled_from(SESSIONS[:2])),
+    st.tuples(st.just("clear"), st.sampled_from(TIERS)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_OP, max_size=30))
+def test_runs_recorded_before_their_parent_are_counted_and_nothing_leaks(ops):
+    """A run may be recorded before the block before it (a sliding-window model stores only its
+    prompt's tail; core.on_stored takes any parent). Every node's `children` is the number of
+    tracked nodes naming it as parent, whichever was recorded first, and once every copy is gone
+    the index holds nothing. (Such a parent used to start at 0 children and fall to -1 when the
+    child went: it then outlived every copy, and a parent kept to connect resident descendants
+    was deleted instead.)"""
+    index = SessionPrefixIndex()
+    resident: dict[Tier, set[bytes]] = {t: set() for t in TIERS}
+    for step, op in enumerate(ops):
+        if op[0] == "record":
+            _, leaf, start, length, tier, s, cont = op
+            path = [HASH[leaf[:i]] for i in range(1, DEPTH + 1)][start:start + length]
+            coords = RequestCoords(session_id=s, continuation_id=cont)
+            if not coords:
+                continue
+            index.record_chain(path, start, HASH[leaf[:start]] if start else None, tier, coords, float(step),
+                               lambda h: sum(t.bit for t in TIERS if h in resident[t] and t is not tier))
+            resident[tier].update(path)
+        elif op[0] == "remove":
+            h = HASH[op[1]]
+            if h in resident[op[2]]:
+                resident[op[2]].discard(h)
+                index.mark_removed(h, op[2])
+        elif op[0] == "forget":
+            index.forget_session(op[1])
+        else:
+            resident[op[1]].clear()
+            index.clear_tier(op[1])
+        for h, node in index.nodes.items():
+            assert node.children == sum(1 for c in CHILDREN[h] if c in index.nodes), f"children of {PATH_OF[h]}"
+    for tier in TIERS:
+        for h in list(resident[tier]):
+            index.mark_removed(h, tier)
+    assert not index.nodes and not index.sessions and not index.continuations and not index._orphans
