@@ -437,6 +437,7 @@ class VllmAdapter:
             anywhere = [any(key[:-4] + suffix in cache for suffix in others[key[-4:]]) for key in popped]
         if self.core.ledger.grants:
             self.core.drop_grants([key[self._key_to_external] for key in popped])
+            self._unprotect_copies([key[:-4] for key in popped])
         # The keys go into the journal entry itself (see on_blocks_cached).
         self.core.record(VllmAdapter._book_removed, self, anywhere, cause, *popped)
 
@@ -473,7 +474,31 @@ class VllmAdapter:
         hashes = list(dict.fromkeys(self.external(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None))
         log.info("kvhint: breaking %d pinned blocks under memory pressure (shortfall %d)", len(hashes), shortfall)
         sessions = self.core.drop_grants(hashes)  # engine thread: the ledger is its own
+        self._unprotect_copies(list(dict.fromkeys(get_block_hash(b.block_hash) for b in blocks if b.block_hash is not None)))
         self.core.record(self.core.on_pin_broken, hashes, shortfall, sessions)
+
+    def _unprotect_copies(self, digests: list[bytes]) -> None:
+        """Engine thread: the grants of these logical blocks just ended (their residency copy
+        was evicted, or their pin broken). Their free copies that are still filed as protected,
+        in any group, go to the free queue's head as ordinary blocks. The retention order takes
+        victims one copy at a time, so on a hybrid model it can stop between a block's
+        full-attention copy and its sliding-window copy; the copy left behind kept its class
+        with no grant behind it (outranking every ordinary block, out of Release's reach,
+        broken again as a pin later). Outside vLLM's allocation loop (after it, or before it
+        in the reclaim), so the queue may change."""
+        pool = self.pool
+        protected = pool._kvh_protected
+        if not protected.count:
+            return
+        cache = vllm_private.cached_block_map(pool)
+        freed = []
+        for digest in digests:
+            for suffix in self._cacheable_suffixes:
+                for block in vllm_private.copies_in(cache.get(digest + suffix)):
+                    if protected.remove(block):
+                        freed.append(block)
+        if freed:
+            pool.free_block_queue.prepend_n(freed)
 
     def on_device_cleared(self) -> None:
         self.core.clear_grants()  # engine thread, as drop_grants

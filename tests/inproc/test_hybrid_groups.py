@@ -153,6 +153,38 @@ def test_pinned_window_copies_are_protected_free_blocks() -> None:
         assert pool._kvh_protected.count == 0
 
 
+@ORDERS
+@pytest.mark.parametrize("action", ["retain", "pin"])
+@pytest.mark.parametrize("past_the_queue", [1, 2, 5, 9])
+def test_no_copy_stays_protected_after_its_blocks_hint_ended(window_first: bool, action: str, past_the_queue: int) -> None:
+    """An allocation that needs more than the ordinary free queue takes protected copies one at
+    a time, so it can stop between a block's full-attention copy and its sliding-window copy.
+    The block's grant ends there (its residency copy was evicted, or its pin broken); the copy
+    left in the other group must not stay protected with no grant behind it (it outranked every
+    ordinary block, Release could not reach it, and it was broken as a pin a second time)."""
+    with hybrid(window_first) as s:
+        pool, adapter, core = s.kv_cache_manager.block_pool, s.kvhint_adapter, s.kvhint_core
+        broken: list[bytes] = []
+        on_pin_broken = core.on_pin_broken
+        core.on_pin_broken = lambda hashes, n, sessions=None: (broken.extend(hashes), on_pin_broken(hashes, n, sessions))
+        run(s, "a", prompt_of("A"), "A")
+        hint = retain(session("A"), priority=5) if action == "retain" else pin(session("A"))
+        assert apply(s, hint)[0].outcome is Outcome.ACCEPTED
+        for _ in range(2):  # pressure, then more pressure
+            extra = min(past_the_queue, pool._kvh_protected.count)  # what the pool can give
+            taken = pool.get_new_blocks(pool.free_block_queue.num_free_blocks + extra)
+            pool.free_blocks(taken)
+            core.settle()
+            grants = core.ledger.grants
+            orphans = [b.block_id for b in pool._kvh_protected.blocks() if adapter.external(get_block_hash(b.block_hash)) not in grants]
+            assert not orphans, f"protected copies with no grant: {orphans}"
+        assert len(broken) == len(set(broken)), "a pin broken twice"
+        apply(s, release(session("A")))
+        assert pool._kvh_protected.count == 0 and not core.ledger.grants
+        run(s, "b", prompt_of("B"))  # the next step boundary turns the retention order off
+        assert not pool.kvh_retaining
+
+
 # ---------------------------------------------------------------- residency, by property
 
 prompts = st.lists(
