@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.metadata as _metadata
+import math
 import os
 import shutil
 import tempfile
@@ -88,10 +89,11 @@ def parse_tiers_spec(spec: str) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         key = key.strip().lower().replace("_", "-")
         try:
-            if key == "host":
-                out["host_blocks"] = int(value)
-            elif key == "host-bytes":
-                out["host_bytes"] = int(value)
+            if key in ("host", "host-bytes"):
+                size = int(value)
+                if size <= 0:
+                    raise ValueError(f"{key}={value!r}: the host tier's size must be > 0")
+                out["host_blocks" if key == "host" else "host_bytes"] = size
             elif key == "file":
                 if not value:
                     raise ValueError("file= needs a directory")
@@ -112,8 +114,8 @@ def parse_tiers_spec(spec: str) -> dict[str, Any]:
                 out["eviction_policy"] = value
             elif key == "timeout":
                 out["timeout"] = float(value)
-                if out["timeout"] <= 0:
-                    raise ValueError("timeout must be positive")
+                if not (math.isfinite(out["timeout"]) and out["timeout"] > 0):
+                    raise ValueError(f"timeout={value!r}: expected a finite number of seconds > 0")
             else:
                 raise ValueError(f"unknown key {key!r}")
         except ValueError as exc:

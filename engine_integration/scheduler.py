@@ -27,7 +27,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from kvhint_server.config import ServerConfig, check_environment, resolve_bookkeeping
 from kvhint_server.core import KvHintCore
 from kvhint_server.journal import SETTLE_INTERVAL_S
-from kvhint_server.metrics import process_metrics
+from kvhint_server.metrics import multiprocess_mode, process_metrics
 from kvhint_server.server import KvHintServer
 
 from .adapter import VllmAdapter
@@ -66,14 +66,28 @@ def _route_logs_through_vllm() -> None:
 
 
 def _config_for(vllm_config: Any) -> ServerConfig:
-    """The sidecar's config: KVHINT_* settings; DP rank r listens on port + r (port 0 stays 0)."""
+    """The sidecar's config: KVHINT_* settings, per data-parallel rank r > 0:
+
+    * the gRPC address: port + r (port 0 stays 0: any free port); a unix socket `unix:PATH`
+      becomes `unix:PATH.r` (one socket per rank; on one path the last rank to bind took it);
+    * KVHINT_METRICS_ADDRESS: port + r, except in prometheus_client's multiprocess mode
+      (kvhint-vllm's default), where an endpoint serves every process's values: rank 0's
+      endpoint serves the whole engine and the other ranks serve none (each would have served
+      the same totals, counted N times by a scraper of the N ports)."""
     config = ServerConfig.from_env()
     rank, _ = dp_rank_and_size(vllm_config)
     if not rank:
         return config
-    shifted = {}
+    shifted: dict[str, str] = {}
     for name in ("address", "metrics_address"):
-        host, _, port = getattr(config, name).rpartition(":")
+        value = getattr(config, name)
+        if name == "address" and value.startswith(("unix:", "unix-abstract:")):
+            shifted[name] = f"{value}.{rank}"
+            continue
+        if name == "metrics_address" and value and multiprocess_mode():
+            shifted[name] = ""
+            continue
+        host, _, port = value.rpartition(":")
         if host and port.isdigit() and int(port):
             shifted[name] = f"{host}:{int(port) + rank}"
     return ServerConfig.from_env(**shifted) if shifted else config

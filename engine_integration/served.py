@@ -68,6 +68,10 @@ def free_port() -> int:
     """
     low, high = _ephemeral_range()
     candidates = range(10000, low) if low > 10000 else range(high + 1, 65536)
+    if not candidates:  # the ephemeral range covers every port above 10000: take one from it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
     for _ in range(200):
         port = random.choice(candidates)
         with socket.socket() as s:

@@ -159,6 +159,11 @@ class ServerConfig:
             object.__setattr__(self, "subscriber_buffer", self.event_replay_window)
         _check_tls(self.tls_cert_file, self.tls_key_file)
         _check_tenancy(self)
+        if self.metrics_address and _same_listener(self.address, self.metrics_address):
+            raise ConfigError(
+                f"{env_name('metrics_address')}={self.metrics_address!r} is the gRPC listen address "
+                f"({env_name('address')}={self.address!r}); give /metrics a port of its own"
+            )
         if self.insecure_remote and not self.allow_insecure_remote:
             raise ConfigError(
                 f"{env_name('address')}={self.address!r} is not a loopback address and neither TLS "
@@ -254,16 +259,34 @@ def _check_field(name: str, value: object) -> None:
             raise ConfigError(f"{env}={shown} must be {'>=' if inclusive else '>'} {low:g} and <= {high:g}")
     elif isinstance(value, str):
         if name == "address" or (name == "metrics_address" and value):
-            _check_address(value, env)
+            _check_address(value, env, unix=name == "address")
         elif name == "residency_bookkeeping" and value not in BOOKKEEPING_MODES:
             raise ConfigError(f"{env}={value!r}: expected one of {', '.join(BOOKKEEPING_MODES)}")
         elif name in _SECRET and value and not (value.isascii() and value.isprintable() and " " not in value):
             raise ConfigError(f"{env} must be printable ASCII without spaces (it travels in an HTTP/2 header)")
 
 
-def _check_address(address: str, env: str) -> None:
+_WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+def _same_listener(a: str, b: str) -> bool:
+    """Two HOST:PORT listen addresses that would bind the same socket (the same non-zero port on
+    the same host, or on a wildcard host)."""
+    if a.startswith("unix") or b.startswith("unix"):
+        return a == b
+    host_a, _, port_a = a.rpartition(":")
+    host_b, _, port_b = b.rpartition(":")
+    if port_a != port_b or port_a in ("", "0"):
+        return False
+    return host_a == host_b or host_a in _WILDCARDS or host_b in _WILDCARDS
+
+
+def _check_address(address: str, env: str, unix: bool = True) -> None:
+    """HOST:PORT (a bracketed IPv6 host too), or with `unix` a gRPC unix socket address."""
     if address.startswith(("unix:", "unix-abstract:")):
-        return
+        if unix:
+            return
+        raise ConfigError(f"{env}={address!r}: expected HOST:PORT (an HTTP endpoint; no unix socket)")
     host, colon, port = address.rpartition(":")
     if not colon or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{env}={address!r}: expected HOST:PORT with a port in 0..65535")

@@ -284,6 +284,7 @@ def serve_metrics(address: str) -> None:
     """Serve /metrics on `address` (host:port) from a daemon thread. In
     multiprocess mode the endpoint aggregates the whole process tree."""
     host, _, port = address.rpartition(":")
+    host = host.strip("[]")  # a bracketed IPv6 host, e.g. [::1]:9100
     registry = None
     if multiprocess_mode():
         registry = CollectorRegistry()

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvhint.v1 import kvhint_pb2
 
-from .config import ServerConfig
+from .config import ConfigError, ServerConfig, env_name
 from .core import KvHintCore
 from .metrics import KvHintMetrics, MetricsExporter, serve_metrics
 from .servicer import SERVICE, KvHintServicer, generic_handler
@@ -84,6 +84,9 @@ class KvHintServer:
 
     @property
     def address(self) -> str:
+        """Where it listens: the configured address with the bound port (a unix socket as given)."""
+        if self.config.address.startswith(("unix:", "unix-abstract:")):
+            return self.config.address
         host = self.config.address.rsplit(":", 1)[0]
         return f"{host}:{self.port}"
 
@@ -107,7 +110,11 @@ class KvHintServer:
                                          tenant_usage=self._tenant_usage if self.config.tenants is not None else None)
         self._exporter.start()
         if self.config.metrics_address:
-            serve_metrics(self.config.metrics_address)
+            try:
+                serve_metrics(self.config.metrics_address)
+            except OSError as exc:  # in use, or a host that does not resolve here
+                self.stop()
+                raise ConfigError(f"{env_name('metrics_address')}={self.config.metrics_address!r}: cannot serve /metrics there: {exc}") from exc
             log.info("kvhint sidecar serving /metrics on %s", self.config.metrics_address)
 
     def _tenant_usage(self) -> list[tuple[str, str, int, int | None]]:

@@ -228,7 +228,8 @@ def test_kvhint_tiers_flag_expands_into_vllm_flags() -> None:
     opted = expand_tiers_flag(["serve", "m", "--kvhint-tiers", "host=8,host-eviction=kvhint"])
     extra = json.loads(opted[opted.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     assert extra["eviction_policy"] == "KvHintHostPolicy" and extra["cache_policy_module_path"] == "engine_integration.tiers.host_policy"
-    for bad in ("file=/kv", "host=8,peer=b=h:1", "host=8,bogus=1", "host=x", "host=8,host-eviction=mru"):
+    for bad in ("file=/kv", "host=8,peer=b=h:1", "host=8,bogus=1", "host=x", "host=8,host-eviction=mru", "host=0", "host=-5",
+                "host-bytes=0", "host=8,timeout=nan", "host=8,timeout=inf", "host=8,timeout=0"):
         with pytest.raises(SystemExit):
             expand_tiers_flag(["serve", "m", "--kvhint-tiers", bad])
 

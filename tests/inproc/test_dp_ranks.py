@@ -113,3 +113,40 @@ def test_rank_and_size_from_vllms_parallel_config(fields: dict, expected: tuple[
     from engine_integration.dp import dp_rank_and_size
 
     assert dp_rank_and_size(SimpleNamespace(parallel_config=SimpleNamespace(enable_elastic_ep=False, **fields))) == expected
+
+
+def test_data_parallel_ranks_get_their_own_sockets_and_one_metrics_endpoint(monkeypatch):
+    """Rank r > 0 listens on port + r; a unix socket gets a path per rank (on one path the last
+    rank to bind took it); in prometheus_client's multiprocess mode every endpoint serves every
+    process's values, so only rank 0 serves KVHINT_METRICS_ADDRESS."""
+    from types import SimpleNamespace
+
+    from engine_integration import scheduler as sched_module
+
+    def config_for(rank: int, **env: str):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=rank, data_parallel_size=2))
+        return sched_module._config_for(vllm_config)
+
+    monkeypatch.setattr(sched_module, "multiprocess_mode", lambda: False)
+    tcp = {"KVHINT_GRPC_ADDRESS": "127.0.0.1:50151", "KVHINT_METRICS_ADDRESS": "127.0.0.1:9100"}
+    assert (config_for(0, **tcp).address, config_for(0, **tcp).metrics_address) == ("127.0.0.1:50151", "127.0.0.1:9100")
+    assert (config_for(1, **tcp).address, config_for(1, **tcp).metrics_address) == ("127.0.0.1:50152", "127.0.0.1:9101")
+    assert config_for(1, KVHINT_GRPC_ADDRESS="unix:/tmp/kv.sock").address == "unix:/tmp/kv.sock.1"
+    monkeypatch.setattr(sched_module, "multiprocess_mode", lambda: True)
+    assert config_for(0, **tcp).metrics_address == "127.0.0.1:9100"
+    assert config_for(1, **tcp).metrics_address == ""
+
+
+def test_free_port_works_when_the_ephemeral_range_covers_every_high_port(monkeypatch):
+    """With ip_local_port_range 1024 65535 there is no port outside the range above 10000: the
+    engine tests' and benchmarks' free_port takes one from the kernel instead of failing."""
+    import socket
+
+    from engine_integration import served
+
+    monkeypatch.setattr(served, "_ephemeral_range", lambda: (1024, 65535))
+    port = served.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

@@ -190,3 +190,44 @@ def test_the_readme_lists_every_server_variable():
     readme = (REPO / "README.md").read_text()
     missing = [env_name(f.name) for f in dataclasses.fields(ServerConfig) if f"`{env_name(f.name)}`" not in readme]
     assert not missing, f"README configuration table lacks {missing}"
+
+
+@pytest.mark.parametrize(
+    ("metrics", "why"),
+    [("unix:/tmp/m.sock", "no unix socket"), ("127.0.0.1:50151", "give /metrics a port of its own"),
+     ("0.0.0.0:50151", "give /metrics a port of its own"), ("localhost", "expected HOST:PORT")],
+)
+def test_a_metrics_address_that_cannot_serve_is_refused_before_the_engine_starts(metrics, why):
+    message = _error({"KVHINT_METRICS_ADDRESS": metrics})
+    assert "KVHINT_METRICS_ADDRESS" in message and why in message
+    assert check_environment({"KVHINT_METRICS_ADDRESS": "127.0.0.1:50152"}).metrics_address == "127.0.0.1:50152"
+    assert check_environment({"KVHINT_METRICS_ADDRESS": "[::1]:9100"}).metrics_address == "[::1]:9100"
+
+
+def test_metrics_on_a_port_in_use_fail_the_start_naming_the_variable():
+    """Checked at the start (the port's owner is only known then): a clear ConfigError, and the
+    sidecar stopped, not left serving with health SERVING."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        from prometheus_client import CollectorRegistry
+
+        from kvhint_server.metrics import KvHintMetrics
+
+        config = ServerConfig(address="127.0.0.1:0", metrics_address=f"127.0.0.1:{port}")
+        core = KvHintCore(config)
+        engine = FakeEngine(core, local_engine_info())
+        core.attach(engine)
+        engine.start()
+        server = KvHintServer(core, config, metrics=KvHintMetrics(CollectorRegistry()))
+        try:
+            with pytest.raises(ConfigError, match="KVHINT_METRICS_ADDRESS"):
+                server.start()
+            assert not server._thread.is_alive(), "the gRPC server was stopped"
+        finally:
+            server.stop(grace=0.1)
+            engine.stop()
+
