@@ -52,3 +52,12 @@ def request_coords(request: Any, max_len: int = 256) -> RequestCoords:
     except AttributeError:
         pass
     return coords
+
+
+def forget_request_coords(request: Any) -> None:
+    """Drop the coordinates cached on `request` (its sampling params were replaced: the next
+    chunk of a streaming-input request may name another continuation)."""
+    try:
+        delattr(request, _ATTR)
+    except AttributeError:
+        pass

@@ -31,6 +31,7 @@ from kvhint_server.metrics import multiprocess_mode, process_metrics
 from kvhint_server.server import KvHintServer
 
 from .adapter import VllmAdapter
+from .coords import forget_request_coords
 from .dp import dp_rank_and_size
 from .envelope_hints import apply_request_envelope
 from .hooks import hooked_construction, install
@@ -179,6 +180,16 @@ class KvHintScheduler(Scheduler):
             self._kvhint_in_step -= 1
             if not self._kvhint_in_step:
                 self.kvhint_core.journal.wake()
+
+    def _update_request_as_session(self, session: Any, update: Any) -> None:
+        """A streaming-input request takes its next chunk (vLLM replaces its sampling params,
+        whose extra_args carry the continuation and parent session ids). What the earlier chunk
+        journaled is booked first, with the coordinates it had (deferred bookkeeping reads them
+        when it settles), and the cached coordinates are dropped so the next chunk's blocks get
+        its own. Only on streaming updates; a private vLLM method (scheduler.py, 0.32)."""
+        self.kvhint_core.journal.settle()
+        forget_request_coords(session)
+        super()._update_request_as_session(session, update)
 
     def add_request(self, request: Any) -> None:
         if getattr(request, "kv_hints", None) is not None:
