@@ -27,12 +27,35 @@ def resolve(core: KvHintCore, selector: Selector) -> list[bytes]:
     elif selector.kind is SelectorKind.CONTINUATION:
         hashes = index.resolve_continuation(selector.continuation_id)
     else:
-        return list(selector.block_hashes)
+        return _chain_ordered(core, selector.block_hashes)
     if selector.has_range:
         end = selector.range_end if selector.range_end is not None else 1 << 62
         nodes = index.nodes
         hashes = [h for h in hashes if selector.range_start <= nodes[h].position < end]
     return hashes
+
+
+def _chain_ordered(core: KvHintCore, hashes: Sequence[bytes]) -> list[bytes]:
+    """Explicit hashes in chain order (position ascending: what max_blocks takes from the start
+    or the end of, and the order QueryResidency reports), whatever order they were sent in.
+    Positions come from the index, else from the engine; hashes with no known position keep
+    their request order, after the others."""
+    index = core.index
+    positions: dict[bytes, int] = {}
+    unknown: list[bytes] = []
+    for h in hashes:
+        node = index.node(h)
+        if node is not None:
+            positions[h] = node.position
+        else:
+            unknown.append(h)
+    if unknown:
+        for h, state in core.adapter.lookup(unknown).items():
+            if state.position is not None:
+                positions[h] = state.position
+    last = 1 << 62
+    order = {h: i for i, h in enumerate(hashes)}
+    return sorted(hashes, key=lambda h: (positions.get(h, last), order[h]))
 
 
 def tiers_of(core: KvHintCore, hashes: Sequence[bytes]) -> dict[bytes, int]:

@@ -12,6 +12,8 @@ import time
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from google.protobuf import duration_pb2
 from kvhint_server.adapter import TierRefusal
 from kvhint_server.model import Reason, Tier
@@ -213,6 +215,28 @@ def test_max_blocks_takes_retain_from_the_start_and_evict_from_the_end(harness):
     r = harness.apply(pb.Hint(selector=session_sel("a"), evict=pb.EvictAction(), max_blocks=2)).results[0]
     assert r.reason == pb.REASON_MAX_BLOCKS
     assert set(harness.engine.device) == set(chain[:3])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(order=st.permutations(range(5)), keep=st.integers(1, 4), action=st.sampled_from(["pin", "evict"]))
+def test_a_block_hash_selector_is_taken_in_chain_order_whatever_order_the_hashes_came_in(make_harness, order, keep, action):
+    """max_blocks takes Pin's blocks from the start of the chain and Evict's from its end, for
+    explicit hashes as for a session (proto, Hint.max_blocks), and QueryResidency reports them
+    in chain order: the order the hashes were sent in does not matter."""
+    harness = make_harness()
+    chain = [h(i) for i in range(1, 6)]
+    harness.engine.store(chain, session="a")
+    selector = pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=[chain[i] for i in order]))
+    reported = harness.stub.QueryResidency(pb.QueryResidencyRequest(selector=selector), timeout=5).blocks
+    assert [b.block_hash for b in reported] == chain
+    if action == "pin":
+        hint = pb.Hint(selector=selector, max_blocks=keep, pin=pb.PinAction(ttl=duration_pb2.Duration(seconds=60)))
+        assert harness.apply(hint).results[0].reason == pb.REASON_MAX_BLOCKS
+        blocks = residency(harness, "a")
+        assert [blocks[x].retention.retention_class == R.CLASS_PINNED for x in chain] == [True] * keep + [False] * (5 - keep)
+    else:
+        assert harness.apply(pb.Hint(selector=selector, max_blocks=keep, evict=pb.EvictAction())).results[0].reason == pb.REASON_MAX_BLOCKS
+        assert set(harness.engine.device) == set(chain[: 5 - keep]), "the tail went, the prefix stays"
 
 
 def test_expired_retention_reads_as_ordinary(harness):
