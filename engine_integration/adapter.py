@@ -256,14 +256,15 @@ class VllmAdapter:
             if key[cut] in grants:
                 refile_block(block)
 
-    def demote_first(self, hashes: Iterable[bytes]) -> int:
-        moved = 0  # logical blocks
+    def demote_first(self, hashes: Iterable[bytes]) -> list[bytes]:
+        moved = []  # logical blocks
         # Chain order in, so the chain's tail ends up at the queue head.
         for h in hashes:
             free = [b for b in self._copies(h) if b.ref_cnt == 0]
             for block in free:
                 self.pool.kvh_to_queue_head(block)
-            moved += bool(free)
+            if free:
+                moved.append(h)
         return moved
 
     def evict(self, hashes: Sequence[bytes]) -> EvictReport:

@@ -65,9 +65,9 @@ class EngineAdapter(Protocol):
         `KvHintCore.retention(h)`). `hashes` come in the order they should
         become eviction candidates within their class: a chain's tail first."""
 
-    def demote_first(self, hashes: Iterable[bytes]) -> int:
+    def demote_first(self, hashes: Iterable[bytes]) -> list[bytes]:
         """Make the free device copies of these blocks the first eviction
-        candidates. Returns how many were moved."""
+        candidates. Returns the blocks moved (those with a free device copy)."""
 
     def evict(self, hashes: Sequence[bytes]) -> EvictReport:
         """Free the device copies now, skipping blocks in use. Removals are

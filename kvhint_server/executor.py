@@ -242,7 +242,8 @@ class HintExecutor:
         if sel.kind is SelectorKind.SESSION and not narrowed:
             for s in sessions:
                 index.forget_session(s)
-        return _result(spec, clips, {Tier.DEVICE: max(moved, len(released))})
+        # Applied to: the blocks whose grants it dropped and the blocks it made first candidates.
+        return _result(spec, clips, {Tier.DEVICE: len(released.union(moved))})
 
     def _evict(self, spec: HintSpec) -> HintResult:
         core = self.core

@@ -37,7 +37,8 @@ def resolve(core: KvHintCore, selector: Selector) -> list[bytes]:
 
 def _chain_ordered(core: KvHintCore, hashes: Sequence[bytes]) -> list[bytes]:
     """Explicit hashes in chain order (position ascending: what max_blocks takes from the start
-    or the end of, and the order QueryResidency reports), whatever order they were sent in.
+    or the end of, and the order QueryResidency reports; several chains interleave by position,
+    equal positions in request order), whatever order they were sent in.
     Positions come from the index, else from the engine; hashes with no known position keep
     their request order, after the others."""
     index = core.index

@@ -106,7 +106,7 @@ class TierOperations:
         settings: TierSettings,
         *,
         bytes_per_block: int,
-        demote_first: Callable[[tuple[bytes, ...]], int],
+        demote_first: Callable[[tuple[bytes, ...]], list[bytes]],
         wake: Callable[[], None],
     ) -> None:
         self.core = core

@@ -611,7 +611,10 @@ class RetainAction(_message.Message):
     a resume reads (see KvCacheGroup); counts are logical blocks. Lower tiers
     that advertise TierInfo.honours_retention order their eviction of the
     selected blocks' copies by the same classes; on other tiers retention
-    protects device copies only.
+    protects device copies only. A grant lasts while its block has a device
+    copy: it ends with the block's last device copy (an eviction, an Evict, a
+    broken pin, a cache reset), and Retain and Pin select the blocks that have
+    one (a selection with none is MISSING/NOT_RESIDENT).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -621,8 +624,13 @@ class RetainAction(_message.Message):
     EXPECTED_REUSE_IN_FIELD_NUMBER: _builtins.int
     priority: _builtins.int
     """Higher priority is kept longer. Any int32; equal priorities evict in LRU
-    order. Re-retaining a block replaces its priority and deadline for the
-    same session.
+    order. A selector's owner (a session, a continuation, or a caller's
+    explicit block hashes) holds one grant per block: a Retain or Pin of the
+    block replaces that owner's earlier Retain or Pin of it (class, priority,
+    deadline and expectation), so re-retaining replaces the priority and
+    deadline, and a Pin after a Retain (or the reverse) is the block's only
+    grant from that owner. Grants of different owners add up (the block takes
+    the strongest).
     """
     @_builtins.property
     def ttl(self) -> _duration_pb2.Duration:
@@ -648,8 +656,8 @@ class RetainAction(_message.Message):
            order; then the blocks with an expected time in the future, the one
            expected furthest in the future first. A stale expectation therefore
            protects nothing beyond LRU; refresh it by sending the hint again.
-         * Several grants on one block (several sessions, or Retain and Pin):
-           the block uses the earliest expectation among its unexpired grants
+         * Several grants on one block (of several owners, each a Retain or a
+           Pin): the block uses the earliest expectation among its unexpired grants
            that set one. Re-sending the hint for the same selector replaces that
            selector's expectation (unset clears it).
         """
@@ -893,8 +901,11 @@ class Clip(_message.Message):
     detail: _builtins.str
     """Human-readable detail, for example "ttl 7200s capped to 3600s"."""
     requested_blocks: _builtins.int
-    """For block-count reductions: how many blocks were asked for (resolved by
-    the selector) and how many the action applied to.
+    """For block-count reductions, in the order the reductions were applied:
+    how many blocks reached this reduction (for the first clip, as resolved
+    by the selector; for a later one, the previous clip's granted_blocks) and
+    how many passed it. The last clip's granted_blocks is how many blocks the
+    action applied to.
     """
     granted_blocks: _builtins.int
     @_builtins.property
@@ -1175,6 +1186,10 @@ class TierInfo(_message.Message):
         (no or a passed expectation in the tier's order, then the furthest
         expected reuse first);
      4. copies of pinned blocks, in the same order.
+    Grants end with the block's last device copy (RetainAction), so the
+    protected copies a tier holds are those of blocks the device still holds
+    (2): steps 3 and 4 order copies whose grants outlive their device copy,
+    which an engine whose grants do may offer (vLLM's integration's do not).
     As on the device tier, protection never makes the tier refuse a store it
     would otherwise accept: it only chooses which copies go. Dropping a lower
     copy of a pinned block breaks no pin (no PinBroken event): pins and the
@@ -1583,7 +1598,10 @@ Global___QueryResidencyRequest: _TypeAlias = QueryResidencyRequest  # noqa: Y015
 
 @_typing.final
 class QueryResidencyResponse(_message.Message):
-    """QueryResidencyResponse reports blocks in chain order."""
+    """QueryResidencyResponse reports blocks in chain order: by chain position,
+    ascending (the blocks of several chains, as explicit block hashes may
+    select, interleave by position; equal positions keep the request's order).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -54,6 +54,8 @@ def _resume(text: str) -> tuple[str, int]:
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
     if args.count is not None and args.count <= 0:
         raise UsageError("--count must be > 0")
+    if args.duration is not None and not (math.isfinite(args.duration) and args.duration > 0):
+        raise UsageError(f"--duration must be a finite number of seconds > 0, got {args.duration!r}")
     try:
         filt = event_filter(sessions=args.session, tiers=args.tier, kinds=args.kind)
     except ValueError as error:
@@ -65,8 +67,6 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     timer = None
-    if args.duration is not None and not (math.isfinite(args.duration) and args.duration > 0):
-        raise UsageError(f"--duration must be a finite number of seconds > 0, got {args.duration!r}")
     if args.duration is not None:
         timer = threading.Timer(args.duration, stream.cancel)
         timer.daemon = True

@@ -127,6 +127,7 @@ def test_usage_errors_exit_2_without_calling_the_server(fake: RunningServer) -> 
         (["apply", "--envelope", "-"], "envelope: it has no actions"),
     ]
     stdin = json.dumps({"protocol_version": "0.1", "message_id": "x", "actions": []})
+    watched = fake.servicer.count("WatchEvents")  # the fixture's server is shared with other tests
     for args, message in cases:
         run = kvhint(*args, address=fake.address, stdin=stdin)
         assert run.returncode == 2, (args, run.stdout, run.stderr)
@@ -135,7 +136,7 @@ def test_usage_errors_exit_2_without_calling_the_server(fake: RunningServer) -> 
     assert run.returncode == 2 and cases[0][1] in run.stderr, run.stderr
     run = kvhint("sessions", address="")
     assert run.returncode == 2 and "address must not be empty" in run.stderr, run.stderr
-    assert fake.servicer.count("ApplyHints") == 0 and fake.servicer.count("WatchEvents") == 0
+    assert fake.servicer.count("ApplyHints") == 0 and fake.servicer.count("WatchEvents") == watched
 
 
 def test_an_envelope_file_that_is_not_utf8_is_a_usage_error(fake: RunningServer, tmp_path: Path) -> None:

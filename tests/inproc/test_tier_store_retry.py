@@ -108,7 +108,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
 def ops_over(ctl: HostOnlyControl) -> TierOperations:
     core = SimpleNamespace(config=SimpleNamespace(auth_token=""))
     return TierOperations(core, ctl, book=None, feed=None, settings=None,  # type: ignore[arg-type]
-                          bytes_per_block=1, demote_first=lambda exts: 0, wake=lambda: None)
+                          bytes_per_block=1, demote_first=lambda exts: [], wake=lambda: None)
 
 
 def demote_op() -> TierOp:
@@ -258,7 +258,7 @@ def prefetching(monkeypatch: pytest.MonkeyPatch, digests: list[bytes],
     core = SimpleNamespace(config=SimpleNamespace(auth_token=""), operations=registry, on_transfer=lambda *a: None)
     feed = SimpleNamespace(file_has=lambda ext, d: True)
     ops = TierOperations(core, ctl, book=None, feed=feed, settings=None,  # type: ignore[arg-type]
-                         bytes_per_block=1, demote_first=lambda exts: 0, wake=lambda: None)
+                         bytes_per_block=1, demote_first=lambda exts: [], wake=lambda: None)
     op = TierOp("pf-1", Action.PREFETCH, Tier.HOST, tuple(b"e" + d for d in digests), list(digests), deadline=1e9)
     ops._ops[op.op_id] = op
     assert ops._progress(op, starting=True) is None  # the first round
@@ -355,7 +355,7 @@ def test_a_host_tier_demote_reports_the_bytes_it_moved_also_when_a_file_tier_is_
     )
     ctl = _WithFileTier(chunks=8, in_g1={1, 2, 3})
     ops = TierOperations(core, ctl, book=SimpleNamespace(mark_demoted=lambda exts: None), feed=None,  # type: ignore[arg-type]
-                         settings=None, bytes_per_block=1000, demote_first=lambda exts: 0, wake=lambda: None)
+                         settings=None, bytes_per_block=1000, demote_first=lambda exts: [], wake=lambda: None)
     op = TierOp("op-1", Action.DEMOTE, Tier.HOST, (b"a", b"b", b"c"), [1, 2, 3], deadline=1e9)  # type: ignore[list-item]
     ops._ops[op.op_id] = op
     ops._progress(op, starting=True)  # the store lands at once in this control

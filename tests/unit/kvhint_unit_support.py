@@ -138,11 +138,11 @@ class FakeEngine:
         self._engine_only("refile")
         self.refiled.extend(hashes)
 
-    def demote_first(self, hashes: Iterable[bytes]) -> int:
+    def demote_first(self, hashes: Iterable[bytes]) -> list[bytes]:
         self._engine_only("demote_first")
         moved = [x for x in hashes if x in self.device and not self.device[x]]
         self.demoted_first.extend(moved)
-        return len(moved)
+        return moved
 
     def evict(self, hashes: Sequence[bytes]) -> EvictReport:
         self._engine_only("evict")

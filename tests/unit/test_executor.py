@@ -162,6 +162,20 @@ def test_unknown_session_is_missing(harness, action):
     assert residency(harness, "a")[h(1)].retention.retention_class == R.CLASS_ORDINARY
 
 
+def test_release_counts_each_block_it_applied_to_once(harness):
+    """Release applies to the blocks whose grants it dropped and the blocks it made first eviction
+    candidates: five distinct blocks here (2 retained and shared, 3 the session's alone), not the
+    larger of the two counts (3)."""
+    engine = harness.engine
+    engine.store([h(1), h(2), h(3), h(4), h(5)], session="s")
+    engine.store([h(1), h(2)], session="t", prefix_hit=True)
+    harness.apply(pb.Hint(selector=session_sel("s", end=2), retain=pb.RetainAction(priority=5, ttl=duration_pb2.Duration(seconds=60))))
+    r = harness.apply(pb.Hint(selector=session_sel("s"), release=pb.ReleaseAction())).results[0]
+    assert r.outcome == pb.OUTCOME_ACCEPTED
+    assert [(c.tier, c.blocks) for c in r.affected_blocks] == [(pb.TIER_DEVICE, 5)]
+    assert engine.demoted_first == [h(3), h(4), h(5)]
+
+
 def test_release_drops_only_that_sessions_retention(harness):
     engine = harness.engine
     engine.store([h(1), h(2), h(3)], session="a")
@@ -172,6 +186,8 @@ def test_release_drops_only_that_sessions_retention(harness):
     assert residency(harness, "b")[h(1)].retention.priority == 5  # highest priority over all sessions
     r = harness.apply(pb.Hint(hint_id="rel", selector=session_sel("a"), release=pb.ReleaseAction())).results[0]
     assert r.outcome == pb.OUTCOME_ACCEPTED
+    # Applied to its three blocks: grants dropped on 1, 2 and 3, and 3 made a first candidate.
+    assert [(c.tier, c.blocks) for c in r.affected_blocks] == [(pb.TIER_DEVICE, 3)]
     blocks = residency(harness, "b")
     for x in (h(1), h(2), h(4)):
         assert (blocks[x].retention.retention_class, blocks[x].retention.priority) == (R.CLASS_RETAINED, 1)

@@ -179,7 +179,7 @@ def test_lists_and_queries_see_only_own_sessions(hx: Harness) -> None:
     assert info is not None and info.reason == "REASON_PERMISSION_DENIED"
     assert info.metadata["field"] == "selector.session.session_id"
     shared = device_of(hx, B, hashes_sel(h(1), h(2), h(3)))
-    assert [b.block_hash for b in shared] == [h(1), h(2), h(3)]
+    assert [b.block_hash for b in shared] == [h(1), h(3), h(2)]  # chain positions 0, 0, 1
     assert all(set(b.session_ids) <= {"b/y", "b/z"} and b.session_ids for b in shared)
     assert {s for b in device_of(hx, ADMIN, hashes_sel(h(1))) for s in b.session_ids} == {"a/x", "b/y"}
     # A's exclusive block is invisible to B even by hash.
