@@ -14,8 +14,8 @@ such action (Share is a push from the engine holding the KV), so `kv.fetch` is r
 other unsupported type. The kvhint actions follow the same `kv.<verb>` / "1.0" convention:
 
     action_type    action_version   kvhint.v1 action   payload keys besides "selector"/"max_blocks"
-    kv.retain      1.0              RetainAction       ttl_seconds (required), priority
-    kv.pin         1.0              PinAction          ttl_seconds (required)
+    kv.retain      1.0              RetainAction       ttl_seconds (required), priority, expected_reuse_in_seconds
+    kv.pin         1.0              PinAction          ttl_seconds (required), expected_reuse_in_seconds
     kv.release     1.0              ReleaseAction      -
     kv.evict       1.0              EvictAction        -
     kv.demote      1.0              DemoteAction       target_tier
@@ -33,6 +33,8 @@ Payload schema (version 1.0), shared by all actions:
     "max_blocks":  int >= 0
     "ttl_seconds", "deadline_seconds": JSON number of seconds (> 0); a decimal string such as
                   "4000000.000000001" is emitted only where a double would lose nanoseconds
+    "expected_reuse_in_seconds": the same, >= 0 (RetainAction / PinAction.expected_reuse_in;
+                  omitted: no expectation)
     "priority":    int32
     "target_tier": "device" | "host" | "disk" | "remote" (also accepted: "TIER_HOST", and vLLM's
                   medium names "GPU" / "CPU" / "STORAGE")
@@ -95,8 +97,8 @@ ACTION_TYPES: dict[str, str] = {
 }
 _ACTION_TYPE_OF: dict[str, str] = {hint_field: action_type for action_type, hint_field in ACTION_TYPES.items()}
 _ACTION_PARAMS: dict[str, frozenset[str]] = {
-    "retain": frozenset({"ttl_seconds", "priority"}),
-    "pin": frozenset({"ttl_seconds"}),
+    "retain": frozenset({"ttl_seconds", "priority", "expected_reuse_in_seconds"}),
+    "pin": frozenset({"ttl_seconds", "expected_reuse_in_seconds"}),
     "release": frozenset(),
     "evict": frozenset(),
     "demote": frozenset({"target_tier"}),
@@ -163,15 +165,15 @@ def _require(mapping: Mapping[str, Any], key: str, kind: type, where: str) -> An
     return value
 
 
-def _seconds(value: Any, key: str) -> duration_pb2.Duration:
+def _seconds(value: Any, key: str, *, zero: bool = False) -> duration_pb2.Duration:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"{key} must be a number of seconds, got {value!r}")
     try:
         seconds = Decimal(value) if isinstance(value, (int, str)) else Decimal(repr(value))
     except ArithmeticError:
         raise ValueError(f"{key} must be a number of seconds, got {value!r}") from None
-    if not seconds.is_finite() or seconds <= 0:
-        raise ValueError(f"{key} must be > 0 seconds, got {value!r}")
+    if not seconds.is_finite() or seconds < 0 or (seconds == 0 and not zero):
+        raise ValueError(f"{key} must be {'>=' if zero else '>'} 0 seconds, got {value!r}")
     return duration_from_decimal(seconds)
 
 
@@ -229,6 +231,9 @@ def _build_hint(hint_field: str, action_id: str, payload: Mapping[str, Any]) -> 
         if "ttl_seconds" not in payload:
             raise ValueError(f"kv.{hint_field} needs ttl_seconds")
         ttl = _seconds(payload["ttl_seconds"], "ttl_seconds")
+        reuse = payload.get("expected_reuse_in_seconds")
+        if reuse is not None:
+            common["expected_reuse_in"] = _seconds(reuse, "expected_reuse_in_seconds", zero=True)
         if hint_field == "retain":
             return target.retain(ttl, _int(payload.get("priority", 0), "priority"), **common)
         return target.pin(ttl, **common)
@@ -365,6 +370,10 @@ def hint_to_action(
         payload["ttl_seconds"] = _seconds_json(action.ttl)
         if kind == "retain" and hint.retain.priority:
             payload["priority"] = hint.retain.priority
+        if action.HasField("expected_reuse_in"):
+            if duration_to_decimal(action.expected_reuse_in) < 0:
+                raise EnvelopeError(f"hint {hint.hint_id!r}: expected_reuse_in must be >= 0")
+            payload["expected_reuse_in_seconds"] = _seconds_json(action.expected_reuse_in)
     elif kind == "demote" and hint.demote.target_tier:
         payload["target_tier"] = TIER_NAMES.get(hint.demote.target_tier) or _raise_tier(hint.demote.target_tier)
     elif kind == "prefetch" and hint.prefetch.HasField("deadline"):

@@ -134,7 +134,11 @@ def _blend_quantile(sample: Sequence[float], prior: LogNormalPrior, weight: floa
         return math.inf
     top = sample[finite - 1] if finite else 0.0
     lo, hi = 0.0, max(top, prior.quantile(0.999)) * 2 + 1e-9
-    for _ in range(48):  # bisection on the mixture CDF
+    for _ in range(1024):  # widen until the bracket holds the quantile (a q in the prior's far tail)
+        if (bisect.bisect_right(sample, hi) + weight * prior.cdf(hi)) / total >= q or not math.isfinite(hi * 2):
+            break
+        lo, hi = hi, hi * 2
+    for _ in range(64):  # bisection on the mixture CDF
         mid = (lo + hi) / 2
         mass = (bisect.bisect_right(sample, mid) + weight * prior.cdf(mid)) / total
         if mass < q:
@@ -285,9 +289,14 @@ class PauseModel:
         weight = self.prior_weight
         survived = _blend_cdf(sample, p, weight, max(elapsed, 0.0))
         target = survived + q * (1.0 - survived)
-        if target >= 1.0 - 1e-12:
-            return max(0.0, _blend_quantile(sample, p, weight, 1 - 1e-9) - elapsed)
-        return max(0.0, _blend_quantile(sample, p, weight, target) - elapsed)
+        end = _blend_quantile(sample, p, weight, min(target, 1 - 1e-9))
+        if elapsed > 0 and end <= elapsed:
+            # Past everything the model can place (the sample and the prior's far tail, where
+            # the survival is below float resolution): no end in sight, as for a pause that
+            # ends its session. A residual of 0 would say "due now" at every look, and a
+            # caller re-sending its hint then never lets the session go.
+            return math.inf
+        return max(0.0, end - elapsed)
 
 
 def _parse_state(state: Mapping[str, Any]) -> list[tuple[tuple[str, ...], list[float]]]:

@@ -173,6 +173,10 @@ class OpenAITrafficAdapter:
             self.policy.observe(ChildSpawned(parent, sid, t=now))
         self.policy.observe(RequestSent(sid, session_class=self.session_class_of(body, headers), t=now))
         self.last_seen[sid] = now
+        if parent is not None and parent in self.last_seen:
+            # A parent waiting on its sub-agent is not idle: the idle timeout would end it (and
+            # release the working child with it) while the child still runs.
+            self.last_seen[parent] = now
         self._streams.pop(sid, None)
         return sid
 

@@ -320,7 +320,7 @@ class SessionPolicy:
         elif isinstance(signal, SessionEnded):
             self._end(signal.session_id)
         elif isinstance(signal, TemplateDeclared):
-            self.templates[signal.template_id] = _Template(signal.target, now + self.config.template_ttl_s / 2)
+            self.templates[signal.template_id] = _Template(signal.target, now + self._template_ttl() / 2)
             self._queue_template(signal.template_id, signal.target)
         elif isinstance(signal, TemplateRetired):
             entry = self.templates.pop(signal.template_id, None)
@@ -422,6 +422,9 @@ class SessionPolicy:
 
     def _pause(self, s: _Session, now: float, state: str, keys: tuple[Key, ...], prior: Optional[LogNormalPrior]) -> None:
         s.state, s.pause_start, s.keys, s.prior, s.awaiting = state, now, keys, prior, False
+        # A MISSING answer made it cold; the request that ran since stored its blocks again, so
+        # this pause is kept (re-predicted, refreshed, prefetched, released) like any other.
+        s.cold = False
         self._predict_and_keep(s, now)
 
     def _end(self, sid: str) -> None:
@@ -551,7 +554,7 @@ class SessionPolicy:
 
     def _queue_template(self, template_id: str, target: Target) -> None:
         c = self.config
-        hint = target.retain(ttl=min(c.template_ttl_s, self.max_ttl_s), priority=c.template_priority)
+        hint = target.retain(ttl=self._template_ttl(), priority=c.template_priority)
         self._queue("keep", _TEMPLATE + template_id, hint, -1.0)
 
     def _unqueue(self, owner: str, *kinds: str) -> None:
@@ -595,7 +598,7 @@ class SessionPolicy:
                 self._predict_and_keep(s, now)  # still paused: re-predict from the time waited
         for tid, template in self.templates.items():
             if now >= template.refresh_at:
-                template.refresh_at = now + self.config.template_ttl_s / 2
+                template.refresh_at = now + self._template_ttl() / 2
                 self._queue_template(tid, template.target)
 
     def drain(self, now: Optional[float] = None) -> list[pb.Hint]:
@@ -649,6 +652,11 @@ class SessionPolicy:
             if any(clip.reason == pb.REASON_TTL_CAPPED for clip in result.clips) and result.HasField("effective_ttl"):
                 self.max_ttl_s = min(self.max_ttl_s, duration_to_seconds(result.effective_ttl))
 
+    def _template_ttl(self) -> float:
+        """A template Retain's TTL: template_ttl_s, within the engine's max_ttl. Refreshes come
+        at half of it (with the uncapped value they came after the Retain had ended)."""
+        return min(self.config.template_ttl_s, self.max_ttl_s)
+
     def _template_result(self, template_id: str, intent: _Intent, result: pb.HintResult) -> None:
         """A template's Retain found nothing resident (declared before its first request, or
         evicted before it was declared): retry after template_retry_s, doubling up to the regular
@@ -660,7 +668,7 @@ class SessionPolicy:
             template.retry_s = 0.0
             return
         c = self.config
-        period = c.template_ttl_s / 2
+        period = self._template_ttl() / 2
         template.retry_s = min(period, template.retry_s * 2 if template.retry_s else c.template_retry_s)
         template.refresh_at = min(template.refresh_at, self._last_t + template.retry_s)
 

@@ -51,10 +51,12 @@ def hints(draw) -> kvhint_pb2.Hint:
     target = draw(targets())
     common = {"hint_id": draw(ids), "max_blocks": draw(st.integers(min_value=0, max_value=2**32 - 1))}
     action = draw(st.sampled_from(sorted(ACTION_TYPES.values())))
+    reuse = draw(st.one_of(st.none(), st.just(0), durations))  # expected_reuse_in: unset, 0 or > 0
     if action == "retain":
-        return target.retain(draw(durations), draw(st.integers(min_value=-(2**31), max_value=2**31 - 1)), **common)
+        return target.retain(draw(durations), draw(st.integers(min_value=-(2**31), max_value=2**31 - 1)),
+                             expected_reuse_in=reuse, **common)
     if action == "pin":
-        return target.pin(draw(durations), **common)
+        return target.pin(draw(durations), expected_reuse_in=reuse, **common)
     if action == "demote":
         return target.demote(draw(st.sampled_from([None, "device", "host", "disk", "remote"])), **common)
     if action == "prefetch":

@@ -637,3 +637,73 @@ def test_flush_async_sends_through_an_async_sink() -> None:
     policy.observe(ToolCallStarted("a", t=0.0))
     pairs = asyncio.run(policy.flush_async(sink, 0.0))
     assert len(pairs) == 1 and sink.hints[0].HasField("retain") and policy.stats["OUTCOME_ACCEPTED"] == 1
+
+
+# -- found in review: pauses past the model's range, cold sessions, templates under a short max_ttl
+
+
+def test_a_pause_past_everything_the_model_can_place_is_let_go_not_kept_due_now() -> None:
+    """A user who got an answer and left with no end signal: once the pause outlives what the
+    prior can place, its residual used to come out 0 ("due now"), and every flush re-sent a
+    Retain with expected_reuse_in=0 and never released it (14,400 hints in an hour)."""
+    policy, sink = SessionPolicy(clock=lambda: 0.0), RecordingSink()
+    policy.observe(RequestSent("u", t=0))
+    policy.observe(RequestCompleted("u", t=1))
+    residuals = [policy.residual(policy.sessions["u"], 1 + e) for e in (60, 600, 3000, 6000, 7000, 20000)]
+    assert all(r > 0 for r in residuals), residuals
+    for step in range(4 * 3600):  # flush four times a second for an hour, after two hours idle
+        policy.flush(sink, now=7201 + step * 0.25)
+    assert len(sink.hints) <= 5 and any(h.HasField("release") for h in sink.hints), sink.hints
+    assert policy.sessions["u"].let_go
+
+
+def test_a_hung_tool_call_is_not_re_sent_a_hint_at_every_flush() -> None:
+    """The tool usually returns in 20 to 60 s; this run hangs for 30 minutes."""
+    policy, sink = SessionPolicy(clock=lambda: 0.0), RecordingSink()
+    t = 0.0
+    for i in range(5):
+        policy.observe(ToolCallStarted("a1", tools=("run_tests",), t=t))
+        t += 20 + 10 * i
+        policy.observe(RequestSent("a1", t=t))
+        t += 1
+    policy.observe(ToolCallStarted("a2", tools=("run_tests",), t=t))
+    for step in range(4 * 1800):
+        policy.flush(sink, now=t + step * 0.25)
+    hung = [h for h in sink.hints if h.selector.session.session_id == "a2"]
+    assert len(hung) <= 30, f"{len(hung)} hints in 30 minutes"
+
+
+def test_a_session_that_came_back_cold_is_kept_again_in_its_next_pause() -> None:
+    """A Retain answered MISSING (the blocks were evicted while paused) marks the session cold;
+    its next request stores the blocks again, so the pause after it is kept and refreshed."""
+    policy, sink = SessionPolicy(clock=lambda: 0.0), RecordingSink()
+    policy.observe(RequestSent("s", t=0))
+    policy.observe(ToolCallStarted("s", tools=("build",), t=1))
+    (keep,) = policy.drain(now=1)
+    policy.observe(RequestSent("s", t=100))
+    # The answer arrives once the request is on its way: MISSING, the blocks were evicted.
+    policy.record([keep], [pb.HintResult(hint_id=keep.hint_id, outcome=pb.OUTCOME_MISSING, reason=pb.REASON_NOT_RESIDENT)])
+    assert policy.sessions["s"].cold
+    policy.observe(ToolCallStarted("s", tools=("build",), t=101))
+    assert not policy.sessions["s"].cold
+    before = len(sink.hints)
+    for t in range(101, 1200, 5):
+        policy.flush(sink, now=float(t))
+    assert len([h for h in sink.hints[before:] if h.WhichOneof("action") in ("retain", "pin")]) >= 2, "kept and refreshed"
+
+
+def test_a_template_stays_protected_when_the_engine_caps_its_ttl() -> None:
+    """Template Retains ask for template_ttl_s (600 s) within the engine's max_ttl; with a 120 s
+    max_ttl the refresh came every 300 s, leaving the template unprotected 180 s of every 300."""
+    caps = pb.GetCapabilitiesResponse(limits=pb.Limits(max_ttl={"seconds": 120}))
+    policy, sink = SessionPolicy(clock=lambda: 0.0), RecordingSink()
+    policy.configure(caps)
+    policy.observe(TemplateDeclared("sys", continuation("sys-v3"), t=0))
+    protected_until = 0.0
+    for t in range(0, 1801, 10):
+        n = len(sink.hints)
+        policy.flush(sink, now=float(t))
+        for hint in sink.hints[n:]:
+            assert hint.retain.ttl.seconds <= 120
+            protected_until = t + hint.retain.ttl.seconds
+        assert protected_until > t, f"unprotected at t={t}"

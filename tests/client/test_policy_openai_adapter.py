@@ -169,3 +169,16 @@ def test_a_failed_request_leaves_its_session_idle_not_running() -> None:
     assert [h.WhichOneof("action") for h in sink.hints] == ["retain"]
     adapter.on_error(None, t=2.0)  # untracked request: nothing
     assert len(policy.signals) == 2
+
+
+def test_a_parent_waiting_on_its_working_sub_agent_is_not_idle() -> None:
+    """The idle timeout ended a parent whose child had worked longer than it, and releasing the
+    parent released the working child with it. A child's request is the parent's activity."""
+    policy = Recorder()
+    adapter = OpenAITrafficAdapter(policy, idle_timeout_s=600)
+    adapter.on_request(REQUEST, {"X-Session-ID": "p"}, t=0.0)
+    for t in range(2, 1200, 60):  # the sub-agent works for 20 minutes
+        adapter.on_request(REQUEST, {"X-Session-ID": "p.c", "X-Parent-Session-ID": "p"}, t=float(t))
+        assert adapter.tick(t=t + 6.0) == [], f"idle-ended at t={t + 6}"
+    assert not [s for s in policy.signals if isinstance(s, SessionEnded)]
+    assert sorted(adapter.tick(t=1800.0)) == ["p", "p.c"], "both idle once the child stops"
