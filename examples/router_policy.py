@@ -84,47 +84,74 @@ def make_handler(router: Router, upstream: urllib.parse.SplitResult) -> type[Bas
                     payload = json.loads(body)
                 except ValueError:
                     payload = {}
+                if not isinstance(payload, dict):  # a JSON array or string: the engine answers 400
+                    payload = {}
                 with router.lock:
                     sid = router.adapter.on_request(payload, dict(self.headers.items()))
             conn = http.client.HTTPConnection(upstream.hostname, upstream.port or 80, timeout=600)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
             # The engine must tag the request with the id the hints name (an id from "user" is not).
             headers = upstream_headers(payload, headers, sid)
-            conn.request(self.command, self.path, body=body, headers=headers)
-            resp = conn.getresponse()
+            try:
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+            except OSError as exc:  # the engine is down or restarting: 502, and the session is idle
+                conn.close()
+                if sid is not None:
+                    with router.lock:
+                        router.adapter.on_error(sid)
+                self.send_error(502, f"upstream: {exc}")
+                router.flush()
+                return
             self.send_response(resp.status)
             for k, v in resp.getheaders():
                 if k.lower() not in HOP_HEADERS:
                     self.send_header(k, v)
-            if payload.get("stream"):
-                self._stream(resp, sid)
-            else:
-                data = resp.read()
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                if sid is not None:
-                    with router.lock:
-                        if resp.status == 200:
-                            router.adapter.on_response(sid, json.loads(data))
-                        else:  # failed: the session is idle, not running until the idle timeout
-                            router.adapter.on_error(sid)
+            # Streamed whatever the path (completions too): the upstream says so.
+            if (resp.getheader("Content-Type") or "").startswith("text/event-stream"):
+                try:
+                    self._stream(resp, sid)
+                finally:
+                    conn.close()
+                router.flush()
+                return
+            data = resp.read()
             conn.close()
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            try:
+                self.wfile.write(data)
+            except OSError:  # the client went away; the engine answered all the same
+                pass
+            if sid is not None:
+                try:
+                    answer = json.loads(data) if resp.status == 200 else None
+                except ValueError:
+                    answer = None
+                with router.lock:
+                    if isinstance(answer, dict):
+                        router.adapter.on_response(sid, answer)
+                    else:  # failed: the session is idle, not running until the idle timeout
+                        router.adapter.on_error(sid)
             router.flush()
 
         def _stream(self, resp: http.client.HTTPResponse, sid: str | None) -> None:
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            for line in iter(resp.readline, b""):
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
-                chunk = parse_sse_line(line)
-                if chunk is not None and sid is not None:
+            try:
+                for line in iter(resp.readline, b""):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                    chunk = parse_sse_line(line)
+                    if chunk is not None and sid is not None:
+                        with router.lock:
+                            router.adapter.on_stream_chunk(sid, chunk)
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:  # the client went away mid-stream: the turn still ends here
+                pass
+            finally:
+                if sid is not None:
                     with router.lock:
-                        router.adapter.on_stream_chunk(sid, chunk)
-            self.wfile.write(b"0\r\n\r\n")
-            if sid is not None:
-                with router.lock:
-                    router.adapter.on_stream_end(sid)
+                        router.adapter.on_stream_end(sid)
 
     return Handler
 

@@ -38,6 +38,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -68,6 +69,9 @@ WALL_LIMIT_S = 600.0  # the GPU check must finish in under 10 minutes
 GPU_BUDGET_S = 570.0
 # A step that would start with less than this left is skipped: no engine starts in less.
 MIN_STEP_S = 30.0
+# A step past its time gets SIGINT and this long to stop what it started (pytest's fixture
+# teardown stops its engines), then SIGKILL. Part of GPU_BUDGET_S's margin under the limit.
+STOP_GRACE_S = 15.0
 SKIPPED_FOR_TIME = "budget"  # Step.details["skipped"] of a step skipped for lack of time
 
 
@@ -143,8 +147,14 @@ def _run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None =
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+            # SIGINT first: pytest then runs its fixtures' teardown, which stops the engines it
+            # served (ServedEngine starts each in a session of its own, out of this group's reach).
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             rc = 124
             f.write(f"\n[gpu_check] timed out after {timeout:.0f}s\n")
     return rc, log.read_text(errors="replace")
@@ -476,7 +486,8 @@ def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Ste
         lines += ["| model | check | status | seconds | engines | result | log |", "|---|---|---|---|---|---|---|"]
     for model, group in steps.items():
         for s in group:
-            lines.append(f"| {model} | {s.name} | {s.status} | {s.seconds} | {_eager_cell(s)} | {s.summary.replace('|', '/')} | {s.log} |")
+            summary = " ".join(s.summary.replace("|", "/").split())  # one table row (a log tail has newlines)
+            lines.append(f"| {model} | {s.name} | {s.status} | {s.seconds} | {_eager_cell(s)} | {summary} | {s.log} |")
     (opts.out / "gpu_check_results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return ok
@@ -502,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=None,
                         help=f"total seconds for the run (default {GPU_BUDGET_S:.0f} on a GPU, none with --cpu; 0: none); "
                              f"the results compare the wall time with the {WALL_LIMIT_S:.0f} s limit either way")
+    out = Path(parser.parse_known_args(argv)[0].out or ROOT / "gpu_check_out").resolve()
+    for stale in ("gpu_check_results.md", "gpu_check_results.json"):  # an earlier run's: never left
+        (out / stale).unlink(missing_ok=True)                           # to pass for this one
     args = parser.parse_args(argv)
     wanted = set(args.models.split(","))
     if not wanted or not wanted <= {name for name, _ in MODELS}:

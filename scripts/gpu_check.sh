@@ -28,8 +28,9 @@
 #
 # The script takes no lock: on a shared machine run it under `flock /tmp/kvhint-engine.lock`.
 # Exit status: 0 when every check passed (and, on a GPU, within 10 minutes), 1 when one failed or
-# was skipped, 2 when the check could not start (usage error, no CUDA device visible; the results
-# file then says why).
+# was skipped, 2 when the check could not start (no CUDA device visible, vLLM not importable: the
+# results file then says why; a usage error: the message on stderr, and no results file, an
+# earlier run's included, is left in the output folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ " $* " == *" --cpu "* ]]; then

@@ -43,7 +43,7 @@ VLLM_WHEEL="$(ls "$CACHE"/vllm-$VLLM_VERSION-*.whl)"
 if [[ " $* " == *" --check-abi "* ]]; then
   # Every torch symbol the kernel library needs, against torch 2.11.0's exported ones.
   python3 -m pip download -q --no-deps "${plat[@]}" -d "$CACHE/torch211" torch==2.11.0
-  t="$(mktemp -d)"; trap 'rm -rf "$t"' EXIT
+  t="$(mktemp -d)"; trap 'rm -rf "$t"' EXIT  # replaced below by one trap for both folders
   unzip -q -o "$CACHE"/torch211/torch-2.11.0-*.whl 'torch/lib/libtorch*.so' 'torch/lib/libc10*.so' -d "$t"
   unzip -q -o "$VLLM_WHEEL" 'vllm/_C_stable_libtorch.abi3.so' -d "$t"
   for l in "$t"/torch/lib/*.so; do nm -D --defined-only "$l" | awk '{print $NF}'; done | sort -u >"$t/defined"
@@ -53,7 +53,7 @@ if [[ " $* " == *" --check-abi "* ]]; then
   echo "gpu_bundle: every torch symbol _C_stable_libtorch needs is in torch 2.11.0"
 fi
 
-stage="$(mktemp -d)"; trap 'rm -rf "$stage"' EXIT
+stage="$(mktemp -d)"; trap 'rm -rf "$stage" ${t:+"$t"}' EXIT
 site="$stage/site"; mkdir -p "$site"
 # vLLM's Python code and its stable-ABI kernel library; not the other compiled parts.
 unzip -q "$VLLM_WHEEL" -d "$site" -x 'vllm/vllm-rs' 'vllm/third_party/fmha_sm100/*' \

@@ -16,6 +16,11 @@
 #   gpu_check_logs.tgz      its step logs.
 # Exit status: gpu_check.sh's; 2 when a part is missing or damaged (bundle_env.txt says which); 3
 # when the smoke check failed (gpu_check.sh then does not run: its steps would each fail in turn).
+#
+# The whole call fits KVHINT_GPU_BUNDLE_LIMIT_S (default 570 s, under the device tool's 600 s per
+# call): the smoke check runs under `timeout` with what is left, and gpu_check.sh gets
+# `--budget <seconds left>` unless ARGS give one. gpu_check.sh writes straight under OUT, so a
+# call that is cut short still brings back what it wrote.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT="$PWD"
@@ -23,6 +28,8 @@ STORE="${KVHINT_GPU_BUNDLE_STORE:-/tmp/kvhint_gpu_bundle}"
 PARTS="${KVHINT_GPU_BUNDLE_PARTS:-.gpu_bundle}"  # where the carried parts arrive
 OUTDIR="${OUT:-$ROOT/gpu_bundle_out}"
 mode="${1:-}"; shift || true
+LIMIT_S="${KVHINT_GPU_BUNDLE_LIMIT_S:-570}"
+left() { echo $((LIMIT_S - SECONDS)); }
 mkdir -p "$STORE" "$OUTDIR"
 for d in "$PARTS"/part*; do
   [ -d "$d" ] && cp "$d"/bundle.tar.xz.* "$d"/MANIFEST "$STORE"/
@@ -42,11 +49,18 @@ ENV_TXT="$OUTDIR/bundle_env.txt"
   echo "--- MANIFEST"; cat "$STORE/MANIFEST" 2>&1
 } >"$ENV_TXT"
 want=$(awk '/^parts /{print $2}' "$STORE/MANIFEST" 2>/dev/null)
-have=$(ls "$STORE"/bundle.tar.xz.?? 2>/dev/null | wc -l)
+# Only the slices this MANIFEST names (.00 .. want-1): a STORE kept from a build with more parts
+# may hold stale ones.
+slices=()
+if [ -n "$want" ]; then
+  for ((i = 0; i < want; i++)); do slices+=("bundle.tar.xz.$(printf %02d "$i")"); done
+fi
+have=0
+for f in "${slices[@]}"; do [ -f "$STORE/$f" ] && have=$((have + 1)); done
 if [ -z "$want" ] || [ "$have" != "$want" ]; then
   echo "bundle incomplete: $have of ${want:-?} parts on this machine" | tee -a "$ENV_TXT"; exit 2
 fi
-if ! (cd "$STORE" && cat bundle.tar.xz.?? >bundle.tar.xz && grep -E '^[0-9a-f]{64} ' MANIFEST | sha256sum -c --quiet) >>"$ENV_TXT" 2>&1; then
+if ! (cd "$STORE" && cat "${slices[@]}" >bundle.tar.xz && grep -E '^[0-9a-f]{64} ' MANIFEST | sha256sum -c --quiet) >>"$ENV_TXT" 2>&1; then
   echo "bundle damaged: sha256 mismatch" | tee -a "$ENV_TXT"; exit 2
 fi
 SITE="$STORE/site"
@@ -83,8 +97,10 @@ EOF
 } >>"$ENV_TXT"
 
 if [ "${KVHINT_GPU_BUNDLE_SMOKE:-1}" = 1 ]; then
-  python3 scripts/gpu_bundle/smoke.py >"$OUTDIR/smoke.log" 2>&1
+  # At most a third of what is left: the check itself needs the rest.
+  timeout --kill-after=10 "$(( $(left) / 3 ))" python3 scripts/gpu_bundle/smoke.py >"$OUTDIR/smoke.log" 2>&1
   src=$?
+  [ "$src" = 124 ] && echo "smoke: timed out" >>"$OUTDIR/smoke.log"
   grep '^smoke: ' "$OUTDIR/smoke.log" >>"$ENV_TXT"
   echo "smoke.py exit $src" | tee -a "$ENV_TXT"
   if [ "$src" != 0 ]; then
@@ -92,10 +108,13 @@ if [ "${KVHINT_GPU_BUNDLE_SMOKE:-1}" = 1 ]; then
     exit 3
   fi
 fi
-GC="$STORE/gc"; rm -rf "$GC"
-scripts/gpu_check.sh --out "$GC" "$@" 2>&1 | tail -40
+GC="$OUTDIR/gc"; rm -rf "$GC"
+budget=()
+case " $* " in *" --budget "*|*" --budget="*) ;; *) budget=(--budget "$(( $(left) - 15 ))") ;; esac
+echo "gpu_check.sh ${budget[*]} $* ($(left) s left of $LIMIT_S)" >>"$ENV_TXT"
+scripts/gpu_check.sh --out "$GC" "${budget[@]}" "$@" 2>&1 | tail -40
 rc=${PIPESTATUS[0]}
 echo "gpu_check.sh exit $rc" | tee -a "$ENV_TXT"
 cp "$GC"/gpu_check_results.md "$GC"/gpu_check_results.json "$OUTDIR"/ 2>/dev/null
-tar czf "$OUTDIR/gpu_check_logs.tgz" -C "$STORE" gc 2>/dev/null
+tar czf "$OUTDIR/gpu_check_logs.tgz" -C "$OUTDIR" gc 2>/dev/null && rm -rf "$GC"
 exit "$rc"

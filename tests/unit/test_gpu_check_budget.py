@@ -188,3 +188,48 @@ def test_without_kvhints_dependencies_the_script_still_writes_its_results(tmp_pa
     assert "No module named 'google.rpc'" in data["error"] and "pip install -e" in data["error"]
     text = (tmp_path / "gpu_check_results.md").read_text()
     assert "The check could not start" in text and "google.rpc" in text and "Overall: **FAIL**" in text
+
+
+def test_a_step_past_its_time_stops_what_it_started_in_other_sessions(tmp_path: Path) -> None:
+    """A timed-out step gets SIGINT first, so pytest's fixtures stop the engines they served
+    (ServedEngine starts each in a session of its own: killing the step's process group alone
+    left them holding GPU memory and ports)."""
+    import os
+    import signal
+
+    pidfile = tmp_path / "grandchild.pid"
+    step = (
+        "import signal, subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(g.pid))\n"
+        "def teardown(*_):\n"
+        "    g.terminate(); g.wait(); sys.exit(1)\n"
+        "signal.signal(signal.SIGINT, teardown)\n"
+        "time.sleep(600)\n"
+    )
+    rc, log = gc._run([sys.executable, "-c", step], tmp_path / "step.log", timeout=2.0)
+    assert rc == 124 and "timed out" in log
+    pid = int(pidfile.read_text())
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return  # gone: stopped by the step's own teardown
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"the step's engine stand-in {pid} outlived the step's timeout")
+
+
+def test_a_stale_results_file_is_removed_before_a_run_that_stops_early(tmp_path: Path) -> None:
+    (tmp_path / "gpu_check_results.md").write_text("Overall: **PASS**\n")
+    (tmp_path / "gpu_check_results.json").write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        gc.main(["--out", str(tmp_path), "--models", "dense,hybird"])
+    assert exc.value.code == 2
+    assert not (tmp_path / "gpu_check_results.md").exists() and not (tmp_path / "gpu_check_results.json").exists()
+
+
+def test_a_step_summary_with_a_log_tail_stays_one_table_row(tmp_path: Path) -> None:
+    opts = _opts(tmp_path, gc.Budget(None), cpu=True)
+    step = gc.Step("serve", status="fail", summary="engine died:\nTraceback (most recent call last):\n  File | x")
+    gc.write_results(opts, _info(), {"dense": [step]}, 1.0)
+    rows = [line for line in (tmp_path / "gpu_check_results.md").read_text().splitlines() if line.startswith("| dense |")]
+    assert len(rows) == 1 and "Traceback" in rows[0]
