@@ -62,8 +62,9 @@ from bench.scale_driver import Pair
 from bench.scale_workload import Shape
 kw = json.loads(sys.argv[1])
 aa = kw.pop("aa", False)
+kv_first = kw.pop("kv_first", False)
 shape = Shape(kw.pop("pool"), kw.pop("sessions"), **kw)
-pair = Pair(shape, aa=aa)
+pair = Pair(shape, aa=aa, kv_first=kv_first)
 try:
     pair.fill_and_freeze()
     pair.steps(shape.warmup_steps, "warmup")
@@ -71,7 +72,14 @@ try:
     pair.steps(shape.steps, "steady")
     u = pair.units
     s, k = sum(x.stock_ns for x in u), sum(x.kv_ns for x in u)
-    print(json.dumps({"median": statistics.median(x.kv_ns / x.stock_ns for x in u), "totals": k / s,
+    sw, kw_ = sum(x.stock_wall_ns for x in u), sum(x.kv_wall_ns for x in u)
+    try:
+        from bench.scale_driver import balanced_ratio
+        median = balanced_ratio(u)
+    except ImportError:  # a base revision from before the order-balanced statistic
+        median = statistics.median(x.kv_ns / x.stock_ns for x in u)
+    print(json.dumps({"median": median, "median_pooled": statistics.median(x.kv_ns / x.stock_ns for x in u),
+                      "totals": k / s, "wall_totals": kw_ / sw if sw else None, "kv_first": kv_first,
                       "stock_ms": s / len(u) / 1e6, "extra_us": (k - s) / len(u) / 1e3, "steps": len(u)}))
 finally:
     pair.close()

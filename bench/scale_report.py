@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 UNIT_FIELDS = ("phase", "stock_ns", "kv_ns", "stock_proc_ns", "kv_proc_ns", "admitted", "evicted", "hints", "running",
-               "kv_settle_ns", "stock_wall_ns", "kv_wall_ns")
+               "kv_settle_ns", "stock_wall_ns", "kv_wall_ns", "kv_first")
 STEP_PHASES = ("steady", "quiet", "quiet-admit")
 TARGET_RATIO = 1.03
 # A quiet step's KvHint overhead above this is work that scales with something: even an empty

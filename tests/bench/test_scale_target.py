@@ -30,3 +30,29 @@ def test_the_verdict_takes_each_no_hint_shapes_median_of_runs_and_leaves_grants_
 
 def test_no_judged_shape_is_no_verdict_of_met() -> None:
     assert not scale_target.verdict(_rows({"aa": [1.0], "grants": [1.0]}))["met"]
+
+
+def test_the_step_order_is_balanced_out_of_a_runs_ratio() -> None:
+    """A step's ratio depends on which side ran first; a run whose steps split 83 / 67 between the
+    orders gets the geometric mean of the two orders' medians, not a median leaning to one."""
+    from bench.scale_driver import Unit, balanced_ratio
+
+    def unit(ratio: float, kv_first: int) -> Unit:
+        return Unit("steady", 1000, int(1000 * ratio), 0, 0, 0, 0, kv_first=kv_first)
+
+    units = [unit(1.05, 0)] * 83 + [unit(0.99, 1)] * 67
+    assert abs(balanced_ratio(units) - (1.05 * 0.99) ** 0.5) < 1e-3
+    assert balanced_ratio([unit(1.05, 0)] * 5) == 1.05  # one order only: the plain median
+
+
+def test_rounds_alternate_which_side_is_built_first(monkeypatch) -> None:
+    seen: list[tuple[int, bool]] = []
+
+    def run_one(tree, shape, steps, extra=None):
+        seen.append((len(seen), extra["kv_first"]))
+        return {"median": 1.0, "totals": 1.0, "stock_ms": 1.0, "extra_us": 0.0, "kv_first": extra["kv_first"]}
+
+    monkeypatch.setattr(scale_target, "run_one", run_one)
+    monkeypatch.setattr(scale_target, "write_results", lambda out, raw, text: None)
+    assert scale_target.main(["--rounds", "4", "--shapes", "aa", "--steps", "1"]) == 0
+    assert [kv for _, kv in seen] == [False, True, False, True]
