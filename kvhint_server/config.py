@@ -41,7 +41,7 @@ OTHER_VARIABLES = frozenset({
     "KVHINT_ENFORCE_EAGER",  # engine_integration.served: test engines and gpu_check --cpu skip torch.compile
     "KVHINT_BENCH_ENFORCE_EAGER",  # bench.step_overhead: both engines eager (scripts/gpu_bundle/run.sh)
     "KVHINT_GPU_BUNDLE_CACHE", "KVHINT_GPU_BUNDLE_STORE", "KVHINT_GPU_BUNDLE_PARTS",  # scripts/gpu_bundle/
-    "KVHINT_GPU_BUNDLE_SMOKE",
+    "KVHINT_GPU_BUNDLE_SMOKE", "KVHINT_GPU_BUNDLE_LIMIT_S",
 })
 
 
