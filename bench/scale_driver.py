@@ -22,6 +22,7 @@ import gc
 import itertools
 import os
 import random
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -488,8 +489,6 @@ def balanced_ratio(units: Sequence[Unit]) -> float:
     second (the order moves a step's ratio by points either way; a fixed seed gives every run the
     same split of the two, so the pooled median leans to one). The pooled median when one order
     has no step."""
-    import statistics
-
     first = [u.kv_ns / u.stock_ns for u in units if u.kv_first]
     second = [u.kv_ns / u.stock_ns for u in units if not u.kv_first]
     if not first or not second:

@@ -139,9 +139,10 @@ class VllmAdapter:
     def _copies(self, ext: bytes) -> list[Any]:
         """Every cached copy of a logical block, in every group."""
         digest = self._digest_of(ext)
-        if digest is None:
-            return []
-        cache = vllm_private.cached_block_map(self.pool)
+        return [] if digest is None else self._copies_of_digest(digest, vllm_private.cached_block_map(self.pool))
+
+    def _copies_of_digest(self, digest: bytes, cache: dict[Any, Any]) -> list[Any]:
+        """Every copy `cache` (the pool's map) holds of the block with vLLM digest `digest`."""
         out: list[Any] = []
         for suffix in self._cacheable_suffixes:
             out.extend(vllm_private.copies_in(cache.get(digest + suffix)))
@@ -472,10 +473,11 @@ class VllmAdapter:
 
     def on_pins_broken(self, blocks: list[Any], shortfall: int) -> None:
         # One entry per logical block (a pinned block can have a copy per group).
-        hashes = list(dict.fromkeys(self.external(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None))
+        digests = list(dict.fromkeys(get_block_hash(b.block_hash) for b in blocks if b.block_hash is not None))
+        hashes = [self.external(d) for d in digests]
         log.info("kvhint: breaking %d pinned blocks under memory pressure (shortfall %d)", len(hashes), shortfall)
         sessions = self.core.drop_grants(hashes)  # engine thread: the ledger is its own
-        self._unprotect_copies(list(dict.fromkeys(get_block_hash(b.block_hash) for b in blocks if b.block_hash is not None)))
+        self._unprotect_copies(digests)
         self.core.record(self.core.on_pin_broken, hashes, shortfall, sessions)
 
     def _unprotect_copies(self, digests: list[bytes]) -> None:
@@ -492,12 +494,7 @@ class VllmAdapter:
         if not protected.count:
             return
         cache = vllm_private.cached_block_map(pool)
-        freed = []
-        for digest in digests:
-            for suffix in self._cacheable_suffixes:
-                for block in vllm_private.copies_in(cache.get(digest + suffix)):
-                    if protected.remove(block):
-                        freed.append(block)
+        freed = [block for digest in digests for block in self._copies_of_digest(digest, cache) if protected.remove(block)]
         if freed:
             pool.free_block_queue.prepend_n(freed)
 

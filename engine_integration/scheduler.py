@@ -79,19 +79,18 @@ def _config_for(vllm_config: Any) -> ServerConfig:
     rank, _ = dp_rank_and_size(vllm_config)
     if not rank:
         return config
-    shifted: dict[str, str] = {}
-    for name in ("address", "metrics_address"):
-        value = getattr(config, name)
-        if name == "address" and value.startswith(("unix:", "unix-abstract:")):
-            shifted[name] = f"{value}.{rank}"
-            continue
-        if name == "metrics_address" and value and multiprocess_mode():
-            shifted[name] = ""
-            continue
-        host, _, port = value.rpartition(":")
-        if host and port.isdigit() and int(port):
-            shifted[name] = f"{host}:{int(port) + rank}"
-    return ServerConfig.from_env(**shifted) if shifted else config
+    shifted = {"address": _rank_address(config.address, rank)}
+    if config.metrics_address:
+        shifted["metrics_address"] = "" if multiprocess_mode() else _rank_address(config.metrics_address, rank)
+    return ServerConfig.from_env(**shifted)
+
+
+def _rank_address(address: str, rank: int) -> str:
+    """`address` for data-parallel rank `rank`: HOST:(PORT + rank), port 0 kept; `unix:PATH.rank`."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return f"{address}.{rank}"
+    host, _, port = address.rpartition(":")
+    return f"{host}:{int(port) + rank}" if host and port.isdigit() and int(port) else address
 
 
 class KvHintScheduler(Scheduler):

@@ -66,6 +66,12 @@ class HintExecutor:
 
     # ------------------------------------------------------------ batch
 
+    @property
+    def _scope(self) -> str:
+        """The tenant whose batch this is ("" without tenancy or for an admin): its hints' events
+        and operations are that tenant's alone."""
+        return self._guard.tenant.name if self._guard is not None else ""
+
     def apply_batch(self, parsed: Sequence[ParsedHint], guard: TenantGuard | None = None) -> BatchApplied:
         """Engine thread. Returns the results (request order), the sequence of
         the last event the batch caused, and the results' wire form (made once,
@@ -96,8 +102,7 @@ class HintExecutor:
                 if hint_id:
                     self._remember(self._guard.id_key(hint_id) if self._guard else hint_id, fingerprint, result)
             message = wire_format.hint_result(result)
-            scope = self._guard.tenant.name if self._guard is not None else ""
-            self.core.bus.publish(HintApplied(wire, result, message, scope), sessions=_sessions_of(item))
+            self.core.bus.publish(HintApplied(wire, result, message, self._scope), sessions=_sessions_of(item))
             results.append(result)
             messages.append(message)
         return BatchApplied(results, self.core.bus.last_sequence, messages)
@@ -287,8 +292,7 @@ class HintExecutor:
                 return _result(spec, clips, {})
         if spec.action is Action.PREFETCH and all(tiers[h] & Tier.DEVICE.bit for h in hashes):
             return _result(spec, clips, {Tier.DEVICE: len(hashes)}, message="already resident on the device tier")
-        scope = self._guard.tenant.name if self._guard is not None else ""
-        op = core.operations.create(spec.hint_id, spec.action, _sessions_of(spec), spec.destination, scope)
+        op = core.operations.create(spec.hint_id, spec.action, _sessions_of(spec), spec.destination, self._scope)
         refusal = core.adapter.start_tier_task(TierTask(op.operation_id, spec, tuple(hashes)))
         if refusal is not None:
             core.operations.discard(op.operation_id)

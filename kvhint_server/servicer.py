@@ -32,7 +32,7 @@ from .overload import CAUSE_QUEUE_FULL, CAUSE_RATE_LIMITED, QueueFull, RateLimit
 from .page_tokens import PageTokens
 from . import tenant_guard
 from .tenancy import Tenant, current_principal
-from .validation import check_apply_batch_size, check_request_id, parse_apply_request, parse_query_selector, parse_query_tiers, validate_watch_request
+from .validation import check_apply_batch_size, check_request_id, parse_hints, parse_query_selector, parse_query_tiers, validate_watch_request
 from .watch import WatchHub
 
 if TYPE_CHECKING:
@@ -142,12 +142,7 @@ class KvHintServicer:
         check_apply_batch_size(request, self.config)  # refused as a whole: no rate-limit tokens spent
         cost = len(request.hints)
         principal = self._rate_limit(context, cost)
-        try:
-            parsed = parse_apply_request(request, self.config, self.core.info)
-        except RpcError:
-            if self.rate_limiter is not None:
-                self.rate_limiter.give_back(principal, cost)  # refused as a whole: nothing applied
-            raise
+        parsed = parse_hints(request.hints, self.config, self.core.info)  # per-hint problems are results
         tenant = self._scoped()
         guard = tenant_guard.TenantGuard(self.core, self.tenants, tenant) if tenant is not None else None
         future = self._submit(lambda: self.executor.apply_batch(parsed, guard))
