@@ -280,16 +280,28 @@ def process_metrics() -> KvHintMetrics:
         return _metrics
 
 
-def serve_metrics(address: str) -> None:
+def serve_metrics(address: str) -> tuple[Any, threading.Thread] | None:
     """Serve /metrics on `address` (host:port) from a daemon thread. In
-    multiprocess mode the endpoint aggregates the whole process tree."""
+    multiprocess mode the endpoint aggregates the whole process tree. Returns
+    (the HTTP server, its thread) for `stop_metrics` (None from a
+    prometheus_client too old to return them)."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")  # a bracketed IPv6 host, e.g. [::1]:9100
     registry = None
     if multiprocess_mode():
         registry = CollectorRegistry()
         prom_multiprocess.MultiProcessCollector(registry)
-    start_http_server(int(port), addr=host or "127.0.0.1", **({"registry": registry} if registry else {}))
+    return start_http_server(int(port), addr=host or "127.0.0.1", **({"registry": registry} if registry else {}))
 
 
-__all__ = ["KvHintMetrics", "MetricsExporter", "multiprocess_mode", "process_metrics", "serve_metrics"]
+def stop_metrics(handle: tuple[Any, threading.Thread] | None, timeout: float = 5.0) -> None:
+    """Stop serving what `serve_metrics` started: the thread ends and the port is closed."""
+    if handle is None:
+        return
+    httpd, thread = handle
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout)
+
+
+__all__ = ["KvHintMetrics", "MetricsExporter", "multiprocess_mode", "process_metrics", "serve_metrics", "stop_metrics"]

@@ -2,9 +2,9 @@
 
 Serves kvhint.v1.KvHintService, grpc.health.v1.Health and server reflection.
 `start()` returns once the port is bound (or raises); `stop()` shuts down
-gracefully: health turns NOT_SERVING, watch streams end with a
-SHUTTING_DOWN resync, in-flight RPCs get `shutdown_grace_s` to finish, queued
-engine tasks fail UNAVAILABLE.
+gracefully: health turns NOT_SERVING (before the engine refuses work), watch
+streams end with a SHUTTING_DOWN resync, in-flight RPCs get `shutdown_grace_s`
+to finish, queued engine tasks fail UNAVAILABLE, the /metrics endpoint closes.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from grpc_reflection.v1alpha import reflection
 from kvhint.v1 import kvhint_pb2
 
 from .config import ConfigError, ServerConfig, env_name
-from .core import KvHintCore
-from .metrics import KvHintMetrics, MetricsExporter, serve_metrics
+from .core import KvHintCore, TaskFuture
+from .metrics import KvHintMetrics, MetricsExporter, serve_metrics, stop_metrics
 from .servicer import SERVICE, KvHintServicer, generic_handler
 from .tenancy import TenantAuth
 
@@ -75,6 +75,11 @@ class KvHintServer:
         self.servicer.metrics = metrics
         self._metrics = metrics
         self._exporter: MetricsExporter | None = None
+        # serve_metrics's (HTTP server, thread), shut down by stop().
+        self._metrics_http: tuple[Any, threading.Thread] | None = None
+        # The tenant-usage engine task in flight (metrics): at most one at a time.
+        self._usage_task: TaskFuture[list[tuple[str, str, int, int | None]]] | None = None
+        self._health: health.aio.HealthServicer | None = None
         self.port: int | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -111,7 +116,7 @@ class KvHintServer:
         self._exporter.start()
         if self.config.metrics_address:
             try:
-                serve_metrics(self.config.metrics_address)
+                self._metrics_http = serve_metrics(self.config.metrics_address)
             except OSError as exc:  # in use, or a host that does not resolve here
                 self.stop()
                 raise ConfigError(f"{env_name('metrics_address')}={self.config.metrics_address!r}: cannot serve /metrics there: {exc}") from exc
@@ -122,17 +127,24 @@ class KvHintServer:
         from .tenant_guard import usage_rows
 
         tenants = self.config.tenants
+        task = self._usage_task
+        if task is not None and not task.done():
+            return []  # the last sample's task still waits for the engine: skip this one, queue no other
+        task = self._usage_task = self.core.submit(lambda: usage_rows(self.core, tenants))
         try:
-            return self.core.submit(lambda: usage_rows(self.core, tenants)).result(timeout=2.0)
+            return task.result(timeout=2.0)
         except Exception:  # noqa: BLE001 - stopped or busy engine: skip this sample
             return []
 
     def stop(self, grace: float | None = None) -> None:
         """Graceful shutdown; idempotent; safe from any thread but the server's."""
+        self._not_serving()  # probes see NOT_SERVING before the engine refuses work
         self.core.stop()
         exporter, self._exporter = self._exporter, None
         if exporter is not None:
             exporter.stop()
+        http, self._metrics_http = self._metrics_http, None
+        stop_metrics(http)
         loop, stop, thread = self._loop, self._stop_requested, self._thread
         if loop is None or stop is None or thread is None or not thread.is_alive():
             return
@@ -144,6 +156,22 @@ class KvHintServer:
             return
         thread.join(timeout=(grace if grace is not None else self.config.shutdown_grace_s) + 10.0)
         log.info("kvhint sidecar on %s stopped", self.address)
+
+    def _not_serving(self) -> None:
+        """Health turns NOT_SERVING (every service), on the server's loop; waits for it."""
+        loop, health_servicer, thread = self._loop, self._health, self._thread
+        if loop is None or health_servicer is None or thread is None or not thread.is_alive():
+            return
+        if threading.current_thread() is thread:
+            return
+        try:
+            done = asyncio.run_coroutine_threadsafe(health_servicer.enter_graceful_shutdown(), loop)
+        except RuntimeError:  # the loop is closed: nothing serves health any more
+            return
+        try:
+            done.result(timeout=5.0)
+        except Exception:  # noqa: BLE001 - the loop is ending; _serve sets it too
+            done.cancel()
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
@@ -171,6 +199,7 @@ class KvHintServer:
         self.servicer.bind_loop(asyncio.get_running_loop())
         server.add_generic_rpc_handlers((generic_handler(self.servicer),))
         health_servicer = health.aio.HealthServicer()
+        self._health = health_servicer
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),

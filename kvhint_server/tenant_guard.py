@@ -53,7 +53,7 @@ from . import wire
 from .core import KvHintCore
 from .errors import RpcError, excerpt
 from .events import AllBlocksCleared, BlocksRemoved, BlocksStored, Event, HintApplied, OperationCompleted
-from .model import Action, Clip, HintResult, HintSpec, Reason, Selector, SelectorKind, tiers_of
+from .model import Action, Clip, HintResult, HintSpec, Reason, Selector, SelectorKind, Tier, tiers_of
 from .operations import Operation
 from .queries import Residency
 from .tenancy import Tenant, Tenants
@@ -291,15 +291,20 @@ class WatchScope:
     too when it removes a block this stream delivered as stored (or in its
     snapshot): removals name at most 16 member sessions, so a widely shared
     block's removal may name none of the tenant's, and a follower of the
-    tenant's stream must still see it go."""
+    tenant's stream must still see it go.
+
+    What the stream delivered is remembered per tier (only blocks actually sent)
+    and forgotten when those copies go: every removal and AllBlocksCleared is
+    looked at (`select`), whether or not the stream's own filter passes it, so the
+    memory stays bounded by the tenant's blocks still resident."""
 
     def __init__(self, tenant: Tenant, tenants: Tenants) -> None:
         self.tenant = tenant
         # Retention owner keys that are the tenant's (its snapshot shows only those grants).
         self.owned = grants_of(tenants, tenant)
-        # Block hashes this stream reported stored and not yet reported removed
-        # from their last copy (bounded by the blocks the tenant's sessions hold).
-        self._delivered: set[bytes] = set()
+        # Block hash -> tier bitmask of the copies this stream reported stored (or in its
+        # snapshot) and not yet reported gone.
+        self._delivered: dict[bytes, int] = {}
 
     def check_filter(self, session_ids: Iterable[str]) -> None:
         for i, s in enumerate(session_ids):
@@ -308,26 +313,59 @@ class WatchScope:
                     f"{excerpt(s)} is outside tenant {self.tenant.name!r}'s namespace", f"filter.session_ids[{i}]"
                 )
 
-    def matches(self, ev: Event) -> bool:
+    def select(self, ev: Event, wanted: bool) -> bool:
+        """Whether to send `ev` on this stream; `wanted`: the stream's own filter
+        passes it. Keeps the removal bookkeeping for every event, wanted or not."""
         p = ev.payload
+        if isinstance(p, BlocksRemoved):
+            seen = self._forget(p)
+            return wanted and (seen or any(self.tenant.owns(s) for s in ev.sessions))
+        if isinstance(p, AllBlocksCleared):
+            self._clear(p.tier)
+            return wanted  # names no session; every follower must drop the tier
+        if not wanted:
+            return False
         if isinstance(p, HintApplied) and p.scope:
             return p.scope == self.tenant.name  # a tenant's hint: its sender's alone
         if isinstance(p, OperationCompleted):
             return owns_operation(self.tenant, p.operation)
         mine = any(self.tenant.owns(s) for s in ev.sessions)
-        if isinstance(p, BlocksStored):
-            if mine:
-                self._delivered.update(p.block_hashes)
-            return mine
-        if isinstance(p, BlocksRemoved):
-            delivered = self._delivered
-            seen = [h for h in p.block_hashes if h in delivered]
-            if p.last_copy:
-                delivered.difference_update(seen)
-            return mine or bool(seen)
-        if isinstance(p, AllBlocksCleared):
-            return True  # names no session; every follower must drop the tier
+        if mine and isinstance(p, BlocksStored):
+            bit, delivered = p.tier.bit, self._delivered
+            for h in p.block_hashes:
+                delivered[h] = delivered.get(h, 0) | bit
         return mine
+
+    def matches(self, ev: Event) -> bool:
+        """`select` for a stream with no filter of its own."""
+        return self.select(ev, True)
+
+    def _forget(self, p: BlocksRemoved) -> bool:
+        """The removed copies are gone; whether any removed block was delivered."""
+        delivered = self._delivered
+        seen = False
+        keep = ~p.tier.bit
+        for h in p.block_hashes:
+            mask = delivered.get(h)
+            if mask is None:
+                continue
+            seen = True
+            mask &= keep
+            if p.last_copy or not mask:
+                del delivered[h]
+            else:
+                delivered[h] = mask
+        return seen
+
+    def _clear(self, tier: Tier) -> None:
+        keep = ~tier.bit
+        delivered = self._delivered
+        for h, mask in list(delivered.items()):
+            mask &= keep
+            if mask:
+                delivered[h] = mask
+            else:
+                del delivered[h]
 
     def event_bytes(self, ev: Event, epoch: str) -> bytes:
         """The event as this tenant may see it: foreign session ids cut out."""
@@ -351,9 +389,14 @@ class WatchScope:
         return msg.SerializeToString()
 
     def block_infos(self, blocks: Sequence[pb.BlockInfo]) -> None:
+        delivered = self._delivered
         for b in blocks:
             _cut(b.session_ids, self.tenant.owns)
-            self._delivered.add(b.block_hash)
+            mask = 0
+            for t in b.tiers:
+                mask |= 1 << t
+            if mask:
+                delivered[b.block_hash] = delivered.get(b.block_hash, 0) | mask
 
 
 def _cut(ids, owns) -> None:  # type: ignore[no-untyped-def]

@@ -34,7 +34,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 
 from . import wire
 from .config import ServerConfig
-from .core import KvHintCore
+from .core import EngineStopped, KvHintCore
 from .errors import excerpt
 from .events import Event, EventBus
 from .model import Tier, parse_enum
@@ -163,7 +163,11 @@ class WatchHub:
             else SnapshotCursor(self._queries, self.snapshot_max_items, scope.owned, scope.tenant.owns)
         )
         began = time.perf_counter()
-        start = await asyncio.wrap_future(core.submit(snap.begin, bounded=True))  # QueueFull: nothing sent yet
+        try:
+            start = await asyncio.wrap_future(core.submit(snap.begin, bounded=True))  # QueueFull: nothing sent yet
+        except EngineStopped:  # the server is stopping (core.stop() failed the queued task)
+            yield self._resync(pb.Resync.CAUSE_SHUTTING_DOWN, "server is shutting down")
+            return
         sent = start.sequence
         yield self._control(sent, snapshot_begin=pb.SnapshotBegin(num_sessions=start.num_sessions, num_blocks=start.num_blocks))
         block_size = core.info.block_size
@@ -172,7 +176,11 @@ class WatchHub:
             if self._closing:
                 yield self._resync(pb.Resync.CAUSE_SHUTTING_DOWN, "server is shutting down")
                 return
-            piece = await asyncio.wrap_future(core.submit_slice(snap.step))
+            try:
+                piece = await asyncio.wrap_future(core.submit_slice(snap.step))
+            except EngineStopped:
+                yield self._resync(pb.Resync.CAUSE_SHUTTING_DOWN, "server is shutting down")
+                return
             done = piece.done
             while sent < piece.sequence:
                 events = bus.read_after(sent, min(READ_BATCH, piece.sequence - sent))
@@ -184,7 +192,7 @@ class WatchHub:
                     if scope is None:
                         if flt.matches(ev):
                             yield wire.event_bytes(ev, bus.epoch)
-                    elif flt.matches(ev) and scope.matches(ev):
+                    elif scope.select(ev, flt.matches(ev)):  # the scope's bookkeeping sees every event
                         yield scope.event_bytes(ev, bus.epoch)
             for session_id, views in piece.chunks:  # a tenant's cursor yields only its sessions
                 for message in self._chunks(piece.sequence, session_id, views, block_size):
@@ -266,7 +274,10 @@ class WatchHub:
                 if events:
                     for ev in events:
                         sub.cursor = ev.sequence
-                        if flt.matches(ev) and (scope is None or scope.matches(ev)):
+                        wanted = flt.matches(ev)
+                        if scope is not None:  # every event: the scope forgets removed blocks
+                            wanted = scope.select(ev, wanted)
+                        if wanted:
                             sub.sending_since = loop.time()
                             yield wire.event_bytes(ev, bus.epoch) if scope is None else scope.event_bytes(ev, bus.epoch)
                             sub.sending_since = None
