@@ -27,14 +27,20 @@ reported in `errors`; hints that no engine holds are reported in `unrouted` and 
 `apply(timeout=...)` bounds the whole call, routing and applying together (default: the longest
 of the engines' `default_timeout`s): each call gets the time left, an engine that failed to answer
 while routing is not asked again in the same call, and an engine whose batch the deadline leaves
-no time for reports DEADLINE_EXCEEDED in `errors` without being sent anything. A batch over an
-engine's known GetCapabilities limits raises ValueError before any engine is sent anything.
+no time for reports DEADLINE_EXCEEDED in `errors` without being sent anything. The engines are
+asked in parallel (each about every hint the index does not resolve, in turn), and routing may
+take at most half of the time left (ROUTING_SHARE), so one engine that does not answer (hung,
+partitioned) cannot leave the engines that did answer without time for their batches: it reports
+DEADLINE_EXCEEDED in `errors`, and a hint no engine that answered holds is reported in `unrouted`.
+A batch over an engine's known GetCapabilities limits raises ValueError before any engine is sent
+anything.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as _wait_futures
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TypeVar, Union, overload
 
@@ -51,6 +57,9 @@ from .follower import EnginesLike, EventFollower, ResidencyIndex, _named_engines
 from .results import ApplyResult
 
 _T = TypeVar("_T")
+
+#: The share of the time left that FleetClient.apply's routing may take (the rest is the batches').
+ROUTING_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -149,13 +158,27 @@ class FleetClient:
         return self._clients[engine]
 
     def _fan_out(
-        self, engines: list[str], call: Callable[[str, KvHintClient], _T]
+        self,
+        engines: list[str],
+        call: Callable[[str, KvHintClient], _T],
+        *,
+        until: Optional["_Deadline"] = None,
+        late: Optional[Callable[[str], KvHintError]] = None,
     ) -> tuple[dict[str, _T], dict[str, KvHintError]]:
-        """Run call(name, client) for each engine in parallel; KvHintErrors are collected per engine."""
+        """Run call(name, client) for each engine in parallel; KvHintErrors are collected per engine.
+        With `until` (and `late`), waits no longer than that deadline: an engine whose call has not
+        returned by then gets late(name) in the errors (its call is abandoned, not awaited)."""
         futures = {engine: self._pool.submit(call, engine, self._clients[engine]) for engine in engines}
         results: dict[str, _T] = {}
         errors: dict[str, KvHintError] = {}
+        wait_s = None if until is None or late is None else until.left()
+        if wait_s is not None:
+            _wait_futures(list(futures.values()), timeout=wait_s)
         for engine, future in futures.items():
+            if wait_s is not None and late is not None and not future.done():
+                future.cancel()  # not started yet: never runs; running: its result is ignored
+                errors[engine] = late(engine)
+                continue
             try:
                 results[engine] = future.result()
             except KvHintError as error:
@@ -164,10 +187,25 @@ class FleetClient:
 
     # -- routing ----------------------------------------------------------------------------------
 
-    def _holds_session(self, client: KvHintClient, session_id: str, timeout: Optional[float]) -> bool:
+    @staticmethod
+    def _asks_with(hint: kvhint_pb2.Hint) -> str:
+        """The RPC that asks an engine whether it holds what the hint selects."""
+        selector = hint.selector
+        if selector.WhichOneof("target") == "session" and not selector.session.include_children:
+            return "ListSessions"
+        return "QueryResidency"
+
+    def _holds(self, client: KvHintClient, hint: kvhint_pb2.Hint, timeout: Callable[[], Optional[float]]) -> bool:
+        """Whether the engine holds what the hint selects; timeout() gives each call's timeout."""
+        selector = hint.selector
+        if self._asks_with(hint) == "ListSessions":
+            return self._holds_session(client, selector.session.session_id, timeout)
+        return bool(client.query_residency_page(selector, page_size=1, timeout=timeout()).blocks)
+
+    def _holds_session(self, client: KvHintClient, session_id: str, timeout: Callable[[], Optional[float]]) -> bool:
         tokens = _rpc.PageTokens("ListSessions", client.address)
         while True:
-            page = client.list_sessions_page(prefix=session_id, page_token=tokens.token, timeout=timeout)
+            page = client.list_sessions_page(prefix=session_id, page_token=tokens.token, timeout=timeout())
             for info in page.sessions:
                 if info.session_id == session_id:
                     return True
@@ -180,16 +218,52 @@ class FleetClient:
         self, hint: kvhint_pb2.Hint, timeout: Optional[float], engines: Optional[list[str]] = None
     ) -> tuple[list[str], dict[str, KvHintError]]:
         engines = self.engines if engines is None else engines
-        selector = hint.selector
-        if selector.WhichOneof("target") == "session" and not selector.session.include_children:
-            session_id = selector.session.session_id
-            held, errors = self._fan_out(engines, lambda _, c: self._holds_session(c, session_id, timeout))
-        else:
-            held, errors = self._fan_out(
-                engines,
-                lambda _, c: bool(c.query_residency_page(selector, page_size=1, timeout=timeout).blocks),
-            )
+        held, errors = self._fan_out(engines, lambda _, c: self._holds(c, hint, lambda: timeout))
         return [e for e in engines if held.get(e)], errors
+
+    def _ask_all(
+        self, hints: list[kvhint_pb2.Hint], routing: "_Deadline"
+    ) -> tuple[dict[str, list[str]], dict[str, KvHintError]]:
+        """hint_id -> the engines holding it, asking each engine about every hint in turn (the
+        engines in parallel) and waiting no longer than `routing`: an engine that has not answered
+        by then, or fails, is reported and not asked further (the answers it gave still count)."""
+        answers: dict[str, list[str]] = {engine: [] for engine in self.engines}
+        asking: dict[str, str] = {engine: self._asks_with(hints[0]) for engine in self.engines}
+
+        def ask(name: str, client: KvHintClient) -> None:
+            def timeout() -> Optional[float]:
+                return routing.call_timeout(asking[name], client)
+
+            for hint in hints:
+                asking[name] = self._asks_with(hint)
+                try:
+                    held = self._holds(client, hint, timeout)
+                except KvHintError as error:
+                    if error.code == grpc.StatusCode.DEADLINE_EXCEEDED and routing.left() == 0.0:
+                        raise routing.exceeded(asking[name], client) from error
+                    raise
+                if held:
+                    answers[name].append(hint.hint_id)
+
+        _, errors = self._fan_out(
+            self.engines, ask, until=routing, late=lambda e: routing.exceeded(asking[e], self._clients[e])
+        )
+        held_by = {engine: set(answers[engine][:]) for engine in self.engines}  # a late call's answer is ignored
+        return {h.hint_id: [e for e in self.engines if h.hint_id in held_by[e]] for h in hints}, errors
+
+    def _from_index(self, hint: kvhint_pb2.Hint) -> list[str]:
+        """The engines the index finds the hint's selection on ([]: ask the engines)."""
+        if self._index is None:
+            return []
+        target = Target.from_selector(hint.selector)
+        if target.session_id is not None and not target.include_children:
+            return [r.engine for r in self._index.engines_for_session(target.session_id) if r.engine in self._clients]
+        if target.block_hashes:
+            holders: set[str] = set()
+            for raw in target.block_hashes:
+                holders |= self._index.engines_for_block(raw)
+            return [e for e in self.engines if e in holders]
+        return []
 
     def engines_for(self, hint: kvhint_pb2.Hint, *, timeout: Optional[float] = None) -> tuple[list[str], dict[str, KvHintError]]:
         """The engines a hint is routed to, and errors from engines that could not be asked."""
@@ -197,26 +271,17 @@ class FleetClient:
 
     def _route(self, hint: kvhint_pb2.Hint, timeout: Optional[float], askable: list[str]) -> tuple[list[str], dict[str, KvHintError]]:
         """`engines_for`, asking only the `askable` engines when the index does not resolve it."""
-        target = Target.from_selector(hint.selector)
-        if self._index is not None:
-            found: list[str] = []
-            if target.session_id is not None and not target.include_children:
-                found = [r.engine for r in self._index.engines_for_session(target.session_id) if r.engine in self._clients]
-            elif target.block_hashes:
-                holders: set[str] = set()
-                for raw in target.block_hashes:
-                    holders |= self._index.engines_for_block(raw)
-                found = [e for e in self.engines if e in holders]
-            if found:
-                return found, {}
+        found = self._from_index(hint)
+        if found:
+            return found, {}
         return self._ask_engines(hint, timeout, askable)
 
     # -- apply --------------------------------------------------------------------------------------
 
     def apply(self, *hints: kvhint_pb2.Hint, broadcast: bool = False, timeout: Optional[float] = None) -> FleetApplyResult:
         """Route each hint (see module doc), then apply one batch per engine, in parallel. `timeout`
-        bounds the whole call (module doc); default: the longest of the engines' default_timeout
-        (None, no deadline, when one of them has none)."""
+        bounds the whole call (module doc; routing takes at most ROUTING_SHARE of it); default: the
+        longest of the engines' default_timeout (None, no deadline, when one of them has none)."""
         prepared = _rpc.prepare_hints(hints)
         if timeout is not None and timeout <= 0:
             raise ValueError("timeout must be > 0")
@@ -225,17 +290,13 @@ class FleetClient:
         routes: dict[str, list[str]] = {}
         unrouted: list[kvhint_pb2.Hint] = []
         errors: dict[str, KvHintError] = {}
+        found = {} if broadcast else {hint.hint_id: self._from_index(hint) for hint in prepared}
+        to_ask = [hint for hint in prepared if not broadcast and not found[hint.hint_id]]
+        asked: dict[str, list[str]] = {}
+        if to_ask:
+            asked, errors = self._ask_all(to_ask, deadline.routing())
         for hint in prepared:
-            if broadcast:
-                engines = self.engines
-            else:
-                askable = [e for e in self.engines if e not in errors]  # not asked again once failed
-                left = deadline.left()
-                if left == 0.0:
-                    engines, route_errors = [], {e: deadline.exceeded("ListSessions", self._clients[e]) for e in askable}
-                else:
-                    engines, route_errors = self._route(hint, left, askable)
-                errors.update(route_errors)
+            engines = self.engines if broadcast else found[hint.hint_id] or asked[hint.hint_id]
             routes[hint.hint_id] = engines
             if not engines:
                 unrouted.append(hint)
@@ -280,21 +341,36 @@ class FleetClient:
 class _Deadline:
     """One call's deadline (None: none): the time left for each step of it."""
 
-    def __init__(self, timeout: Optional[float]) -> None:
+    def __init__(self, timeout: Optional[float], *, whole: Optional["_Deadline"] = None) -> None:
         self.timeout = timeout
         self._at = None if timeout is None else time.monotonic() + timeout
+        self._whole = whole  # set on routing's share of a call's deadline: that call's deadline
 
     def left(self) -> Optional[float]:
         """Seconds left (None: no deadline; 0.0 once it has passed)."""
         return None if self._at is None else max(0.0, self._at - time.monotonic())
 
+    def routing(self) -> "_Deadline":
+        """The part of the time left that routing may take: ROUTING_SHARE of it."""
+        left = self.left()
+        return _Deadline(None if left is None else left * ROUTING_SHARE, whole=self)
+
+    def call_timeout(self, method: str, client: KvHintClient) -> Optional[float]:
+        """The time left for a call of `method` (None: no deadline); DEADLINE_EXCEEDED once passed."""
+        left = self.left()
+        if left == 0.0:
+            raise self.exceeded(method, client)
+        return left
+
     def exceeded(self, method: str, client: KvHintClient) -> KvHintError:
-        return KvHintError(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"FleetClient.apply's deadline ({self.timeout:g}s) passed before this engine was sent {method}",
-            method=method,
-            address=client.address,
-        )
+        if self._whole is not None:
+            details = (
+                f"FleetClient.apply's deadline ({self._whole.timeout:g}s) leaves routing {ROUTING_SHARE:.0%} of it "
+                f"({self.timeout:.3g}s), which passed before this engine answered {method}"
+            )
+        else:
+            details = f"FleetClient.apply's deadline ({self.timeout:g}s) passed before this engine was sent {method}"
+        return KvHintError(grpc.StatusCode.DEADLINE_EXCEEDED, details, method=method, address=client.address)
 
 
 __all__ = ["FleetApplyResult", "FleetClient", "data_parallel_endpoints"]
