@@ -27,10 +27,11 @@ inside `KvHintCore.exclusive()` sections (hints, queries, snapshots), which
 settle the journal first, or while nothing is deferred (tiers attached). One
 exception: retention expiry re-files an expired grant's blocks through
 `_digest`. Such a block stayed resident from its grant (an exclusive section,
-so its entry was settled) to its expiry (a removal ends the grant), so its
-entry is there. The retention ledger is the engine thread's alone: the hooks
-end a removed block's grants themselves (`KvHintCore.drop_grants`), and no
-`_book_*` step touches the ledger.
+so its entry was settled) to its expiry (a removal ends the grant, or, with a
+host tier that honours retention, leaves it on a block with no device copy to
+re-file), so its entry is there when it matters. The retention ledger is the
+engine thread's alone: the hooks end a removed block's grants themselves
+(`KvHintCore.end_device_grants`), and no `_book_*` step touches the ledger.
 """
 
 from __future__ import annotations
@@ -420,8 +421,9 @@ class VllmAdapter:
         last copy (and, with several residency groups, whether another one still
         holds the logical block), then book the removal through the core's journal.
         Grants on the logical blocks that stopped being resident end here, on the
-        engine thread that owns the retention ledger (KvHintCore.drop_grants),
-        whichever thread books the rest."""
+        engine thread that owns the retention ledger (KvHintCore.end_device_grants:
+        retained grants of evicted blocks the host tier holds last when it honours
+        retention), whichever thread books the rest."""
         cache = vllm_private.cached_block_map(self.pool)
         # Keep the keys no other copy in the same group still holds (the common case: all).
         popped = keys if cache.keys().isdisjoint(keys) else [key for key in keys if key not in cache]
@@ -438,7 +440,9 @@ class VllmAdapter:
             others = self._other_residency
             anywhere = [any(key[:-4] + suffix in cache for suffix in others[key[-4:]]) for key in popped]
         if self.core.ledger.grants:
-            self.core.drop_grants([key[self._key_to_external] for key in popped])
+            tiers = self.tiers  # a host tier that honours retention keeps evicted blocks' retained grants
+            lower = tiers.held_for_retention if tiers is not None else None
+            self.core.end_device_grants([key[self._key_to_external] for key in popped], cause, lower)
             self._unprotect_copies([key[:-4] for key in popped])
         # The keys go into the journal entry itself (see on_blocks_cached).
         self.core.record(VllmAdapter._book_removed, self, anywhere, cause, *popped)

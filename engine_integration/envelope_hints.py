@@ -32,4 +32,7 @@ def apply_request_envelope(executor: HintExecutor, request: Any) -> None:
     if not hints:
         return
     core = executor.core
-    executor.apply_batch(parse_hints(hints, core.config, core.info))
+    try:
+        executor.apply_batch(parse_hints(hints, core.config, core.info))
+    except Exception:  # noqa: BLE001 - from Scheduler.add_request: an error here must not end EngineCore
+        log.exception("request %s: applying its kv_hints envelope failed", request.request_id)

@@ -91,6 +91,14 @@ class ServerConfig:
     # active sessions are forgotten (as if released) until 90% remain; this
     # bounds memory when a lower tier never evicts (a persistent file tier).
     max_index_blocks: int = 1_000_000
+    # Sessions the index tracks at most: past it the least recently active go (as
+    # above) until 90% remain. Sessions that read a hot shared prefix stay members of
+    # its blocks, which are rarely evicted, so the block bound alone does not bound them.
+    max_index_sessions: int = 100_000
+    # Continuation ids the index tracks at most: past it the oldest are forgotten
+    # until 90% remain (a continuation whose blocks were evicted moves to its
+    # nearest resident ancestor, often a shared prefix, and would stay there).
+    max_index_continuations: int = 1_000_000
     # Operations (deferred work) remembered after completion.
     operation_history: int = 10_000
     # Graceful-shutdown grace period.

@@ -61,6 +61,9 @@ T = TypeVar("T")
 # Engine time per step for `submit_slice` work (all slices together, at least
 # one slice per step).
 SLICE_BUDGET_S = 0.004
+# Device removals after which a lower tier that honours retention keeps a block's retained grants
+# (KvHintCore.end_device_grants): evictions, and Demote's reclaim of the device copies.
+_HELD_BELOW = frozenset((RemovalCause.EVICTED, RemovalCause.DEMOTED))
 
 
 class EngineStopped(RuntimeError):
@@ -106,6 +109,7 @@ class KvHintCore:
         self.ledger = RetentionLedger(0)
         self._adapter: EngineAdapter | None = None
         self._info: EngineInfo | None = None
+        self.retention_tiers = Tier.DEVICE.bit  # (attach: and the lower tiers that honour retention)
         # (fn, future, budget cutoffs so far, perf_counter at submit)
         self._tasks: deque[tuple[Callable[[], object], TaskFuture[object], int, float]] = deque()
         self._slices: deque[tuple[Callable[[float], object], Future[object]]] = deque()
@@ -136,6 +140,11 @@ class KvHintCore:
     def attach(self, adapter: EngineAdapter) -> None:
         self._adapter = adapter
         self._info = adapter.info()
+        # The tiers a grant protects copies on: the device, and lower tiers that honour retention.
+        self.retention_tiers = Tier.DEVICE.bit
+        for t in self._info.tiers:
+            if t.honours_retention:
+                self.retention_tiers |= t.tier.bit
         usable = max(0, self._info.num_device_blocks - 1)
         self.ledger.pin_budget_blocks = int(usable * self.config.pin_budget_fraction)
 
@@ -243,7 +252,10 @@ class KvHintCore:
         is left."""
         # The ledger and the pool's filing are the engine thread's alone (journal entries
         # touch neither), so expiry needs no exclusive section (which would settle the journal).
-        self.expire_retention()
+        try:
+            self.expire_retention()
+        except Exception:  # noqa: BLE001 - an adapter error must not end vLLM's step (EngineCore)
+            log.exception("kvhint: retention expiry failed")
         if not (self._tasks or self._slices):
             return
         with self.exclusive():
@@ -315,10 +327,46 @@ class KvHintCore:
                     sessions.append(s)
         return sessions
 
+    def end_device_grants(
+        self, hashes: Sequence[bytes], cause: RemovalCause, lower_tiers: Callable[[bytes], int] | None
+    ) -> list[str]:
+        """Engine thread, where the blocks' last device copies left: `drop_grants`, except that
+        a block evicted (to make room, or reclaimed after a Demote) while a lower tier that
+        honours retention (TierInfo.honours_retention) holds a copy keeps its retained grants,
+        which order that tier's eviction until they end or its copy goes too
+        (`on_removed`). Its pins end: pins and the pin budget are about device copies.
+        `lower_tiers(h)`: the tier bitmask of `h`'s lower-tier copies. Returns the sessions
+        whose grants ended, as `drop_grants`."""
+        lower = self.retention_tiers & ~Tier.DEVICE.bit
+        if not lower or lower_tiers is None or cause not in _HELD_BELOW or not self.ledger.grants:
+            return self.drop_grants(hashes)
+        grants = self.ledger.grants
+        held, gone = [], []
+        for h in hashes:
+            if h in grants:
+                (held if lower_tiers(h) & lower else gone).append(h)
+        sessions = self.drop_grants(gone)
+        for h in held:
+            for owner in self.ledger.drop_pins(h):
+                s = session_of_owner(owner)
+                if s is not None and s not in sessions:
+                    sessions.append(s)
+        return sessions
+
     def clear_grants(self) -> None:
         """Engine thread: the device cache was cleared; every grant ends now (see
-        `drop_grants`; book it with `on_cleared(Tier.DEVICE, grants_dropped=True)`)."""
-        self.ledger = RetentionLedger(self.ledger.pin_budget_blocks)
+        `drop_grants`; book it with `on_cleared(Tier.DEVICE, grants_dropped=True)`), but the
+        retained grants of blocks a lower tier that honours retention holds (`end_device_grants`)."""
+        ledger = self.ledger
+        lower = [t for t in self.resident if t.bit & self.retention_tiers & ~Tier.DEVICE.bit]
+        if not lower or not ledger.grants:
+            self.ledger = RetentionLedger(ledger.pin_budget_blocks)
+            return
+        for h in list(ledger.grants):
+            if any(h in self.resident[t] for t in lower):
+                ledger.drop_pins(h)
+            else:
+                ledger.drop_block(h)
 
     def on_stored(
         self,
@@ -365,7 +413,12 @@ class KvHintCore:
             sessions=sessions,
             tier=tier,
         )
-        if len(self.index.nodes) > self.config.max_index_blocks:
+        index, config = self.index, self.config
+        if (
+            len(index.nodes) > config.max_index_blocks
+            or len(index.sessions) > config.max_index_sessions
+            or len(index.continuations) > config.max_index_continuations
+        ):
             self._trim_index()  # after the BlocksStored: its MembershipChanged events come later
 
     def tiers_of(self, h: bytes) -> int:
@@ -393,7 +446,14 @@ class KvHintCore:
         if not hashes:
             return
         if tier is Tier.DEVICE and not grants_dropped:
-            self.drop_grants(hashes)
+            self.end_device_grants(hashes, cause, remaining_tiers)
+        elif tier.bit & self.retention_tiers and tier is not Tier.DEVICE and self.ledger.grants:
+            # A lower tier that honours retention lost its copy: a grant that outlived the
+            # device copy (end_device_grants) ends unless another copy it protects remains.
+            mask, grants = self.retention_tiers, self.ledger.grants
+            self.drop_grants([
+                h for h in hashes if h in grants and not (remaining_tiers(h) & mask if remaining_tiers else 0)
+            ])
         block_size = self.info.block_size
         nodes = self.index.nodes
         mark_removed = self.index.mark_removed
@@ -438,6 +498,9 @@ class KvHintCore:
         sessions = self.index.clear_tier(tier)
         if tier is Tier.DEVICE and not grants_dropped:
             self.clear_grants()
+        elif tier is not Tier.DEVICE and tier.bit & self.retention_tiers and self.ledger.grants:
+            device = self.resident[Tier.DEVICE]  # grants that outlived their device copy end with the tier's
+            self.drop_grants([h for h in self.ledger.grants if h not in device])
         self.bus.publish(AllBlocksCleared(tier), sessions=sorted(sessions), tier=tier)
 
     def on_pin_broken(self, hashes: Sequence[bytes], shortfall_blocks: int, sessions: Sequence[str] | None = None) -> None:
@@ -459,18 +522,32 @@ class KvHintCore:
         )
 
     def _trim_index(self) -> None:
-        """Forget the least recently active sessions until the index is at 90%
-        of max_index_blocks (their blocks stay cached, anonymously)."""
-        index = self.index
-        target = int(self.config.max_index_blocks * 0.9)
-        by_age = sorted(index.sessions, key=lambda s: index.sessions[s].last_active)
+        """Forget the least recently active sessions until the index is at 90% of
+        max_index_blocks and of max_index_sessions, and the oldest continuations until 90% of
+        max_index_continuations remain (their blocks stay cached, anonymously). Sessions and
+        continuations, not only blocks: every session that reads a hot shared prefix is a
+        member of its blocks, which are rarely evicted, so without their own bound they would
+        accumulate while the block count stays small."""
+        index, config = self.index, self.config
+        block_target = int(config.max_index_blocks * 0.9)
+        session_target = int(config.max_index_sessions * 0.9)
         forgotten = 0
-        for session in by_age:
-            if len(index.nodes) <= target:
-                break
-            index.forget_session(session, LeaveCause.INDEX_LIMIT)
-            forgotten += 1
-        log.warning("kvhint: index over %d blocks; forgot %d least recently active sessions", self.config.max_index_blocks, forgotten)
+        if len(index.nodes) > config.max_index_blocks or len(index.sessions) > config.max_index_sessions:
+            by_age = sorted(index.sessions, key=lambda s: index.sessions[s].last_active)
+            for session in by_age:
+                if len(index.nodes) <= block_target and len(index.sessions) <= session_target:
+                    break
+                index.forget_session(session, LeaveCause.INDEX_LIMIT)
+                forgotten += 1
+        dropped = 0
+        if len(index.continuations) > config.max_index_continuations:
+            excess = len(index.continuations) - int(config.max_index_continuations * 0.9)
+            dropped = index.forget_oldest_continuations(excess)
+        log.warning(
+            "kvhint: index over its bounds (%d blocks, %d sessions, %d continuations); forgot %d least recently "
+            "active sessions and %d oldest continuations", config.max_index_blocks, config.max_index_sessions,
+            config.max_index_continuations, forgotten, dropped,
+        )
 
     def _members(self, h: bytes) -> tuple[str, ...]:
         return self.index.members(h)

@@ -16,8 +16,9 @@ RetentionLedger; physical effects go through the EngineAdapter.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvhint.v1 import kvhint_pb2 as pb
@@ -41,6 +42,8 @@ from .model import (
     tiers_of,
 )
 from .validation import ParsedHint, hint_fingerprint, hint_id_bindable
+
+log = logging.getLogger("kvhint.executor")
 
 if TYPE_CHECKING:
     from .core import KvHintCore
@@ -98,11 +101,24 @@ class HintExecutor:
                 messages.append(wire_format.hint_result(result))
                 continue
             if result is None:
-                result = self._apply(spec) if spec is not None else item  # type: ignore[assignment]
-                if hint_id:
+                failed = False
+                if spec is None:
+                    result = item  # type: ignore[assignment]
+                else:
+                    try:
+                        result = self._apply(spec)
+                    except Exception as exc:  # noqa: BLE001 - one hint's engine error must not end the batch or the step
+                        log.exception("kvhint: applying hint %r (%s) failed", spec.hint_id, spec.action.name)
+                        result = HintResult.rejected(
+                            spec.hint_id, Reason.OPERATION_FAILED,
+                            f"the engine failed applying this hint ({type(exc).__name__}; see the engine log); "
+                            "part of it may have taken effect: re-send it, or Release the selector",
+                        )
+                        failed = True
+                if hint_id and not failed:  # a failed hint is not remembered: re-sending it applies it again
                     self._remember(self._guard.id_key(hint_id) if self._guard else hint_id, fingerprint, result)
             message = wire_format.hint_result(result)
-            self.core.bus.publish(HintApplied(wire, result, message, self._scope), sessions=_sessions_of(item))
+            self.core.bus.publish(HintApplied(wire, result, message, self._scope), sessions=_sessions_of(item, wire))
             results.append(result)
             messages.append(message)
         return BatchApplied(results, self.core.bus.last_sequence, messages)
@@ -168,10 +184,19 @@ class HintExecutor:
         """The selector's device-resident blocks, capped by max_blocks."""
         return self._cap(spec, self._resident(spec), clips)
 
+    def _selected_for_grant(self, spec: HintSpec, clips: list[Clip]) -> tuple[list[bytes], dict[bytes, int]]:
+        """The blocks a Retain or Pin grants on, capped by max_blocks, with the tiers of the
+        copies it protects: a Pin's have a device copy; a Retain's also those only a lower
+        tier that honours retention holds (TierInfo.honours_retention)."""
+        mask = Tier.DEVICE.bit if spec.action is Action.PIN else self.core.retention_tiers
+        hashes = self.resolve(spec.selector)
+        tiers = {h: t & mask for h, t in self.tiers_of(hashes).items()}
+        return self._cap(spec, [h for h in hashes if tiers.get(h)], clips), tiers
+
     def _retain_or_pin(self, spec: HintSpec) -> HintResult:
         core = self.core
         clips: list[Clip] = []
-        hashes = self._selected_on_device(spec, clips)
+        hashes, tiers = self._selected_for_grant(spec, clips)
         if not hashes:
             return HintResult.missing(spec.hint_id)
         if self._guard is not None:
@@ -201,6 +226,11 @@ class HintExecutor:
                     len(hashes), len(granted),
                 ))
                 hashes = granted
+        if not hashes:  # a budget left nothing to grant: not applied (CLIPPED means applied to fewer)
+            return HintResult(
+                hint_id=spec.hint_id, outcome=Outcome.REJECTED, reason=clips[-1].reason,
+                message="; ".join(c.detail for c in clips), clips=clips,
+            )
         ledger.grant(
             spec.selector.owner,
             hashes,
@@ -211,7 +241,7 @@ class HintExecutor:
             reuse_at=None if spec.expected_reuse_s is None else now + spec.expected_reuse_s,
         )
         core.adapter.refile(list(reversed(hashes)))
-        return _result(spec, clips, {Tier.DEVICE: len(hashes)}, effective_ttl_s=spec.ttl_s)
+        return _result(spec, clips, _first_tiers(hashes, tiers), effective_ttl_s=spec.ttl_s)
 
     def _release(self, spec: HintSpec) -> HintResult:
         core = self.core
@@ -247,8 +277,12 @@ class HintExecutor:
         if sel.kind is SelectorKind.SESSION and not narrowed:
             for s in sessions:
                 index.forget_session(s)
-        # Applied to: the blocks whose grants it dropped and the blocks it made first candidates.
-        return _result(spec, clips, {Tier.DEVICE: len(released.union(moved))})
+        # Applied to: the blocks whose grants it dropped and the blocks it made first candidates,
+        # each once (a grant that outlived its device copy on a lower tier, counted there).
+        applied = released.union(moved)
+        mask = core.retention_tiers
+        tiers = {h: t & mask for h, t in self.tiers_of(list(applied)).items()} if mask != Tier.DEVICE.bit else {}
+        return _result(spec, clips, _first_tiers(applied, tiers) if tiers else {Tier.DEVICE: len(applied)})
 
     def _evict(self, spec: HintSpec) -> HintResult:
         core = self.core
@@ -293,7 +327,11 @@ class HintExecutor:
         if spec.action is Action.PREFETCH and all(tiers[h] & Tier.DEVICE.bit for h in hashes):
             return _result(spec, clips, {Tier.DEVICE: len(hashes)}, message="already resident on the device tier")
         op = core.operations.create(spec.hint_id, spec.action, _sessions_of(spec), spec.destination, self._scope)
-        refusal = core.adapter.start_tier_task(TierTask(op.operation_id, spec, tuple(hashes)))
+        try:
+            refusal = core.adapter.start_tier_task(TierTask(op.operation_id, spec, tuple(hashes)))
+        except BaseException:
+            core.operations.discard(op.operation_id)  # never left PENDING with nothing behind it
+            raise
         if refusal is not None:
             core.operations.discard(op.operation_id)
             return HintResult.rejected(spec.hint_id, refusal.reason, refusal.message)
@@ -336,7 +374,21 @@ def _result(
     )
 
 
-def _sessions_of(item: HintSpec | HintResult) -> tuple[str, ...]:
-    if isinstance(item, HintSpec) and item.selector.kind is SelectorKind.SESSION:
-        return (item.selector.session_id,)
+def _first_tiers(hashes: Iterable[bytes], tiers: Mapping[bytes, int]) -> dict[Tier, int]:
+    """Blocks per tier, each counted once, on the first tier its mask in `tiers` names."""
+    out: dict[Tier, int] = {}
+    for h in hashes:
+        mask = tiers.get(h, 0)
+        tier = Tier.DEVICE if mask & Tier.DEVICE.bit else next((t for t in Tier if mask & t.bit), Tier.DEVICE)
+        out[tier] = out.get(tier, 0) + 1
+    return out
+
+
+def _sessions_of(item: HintSpec | HintResult, wire: pb.Hint | None = None) -> tuple[str, ...]:
+    """The session a hint names (its SessionSelector's), for event filters: also when the
+    hint was rejected before it parsed, so a session's own watchers see its hints fail."""
+    if isinstance(item, HintSpec):
+        return (item.selector.session_id,) if item.selector.kind is SelectorKind.SESSION else ()
+    if wire is not None and wire.selector.WhichOneof("target") == "session" and wire.selector.session.session_id:
+        return (wire.selector.session.session_id,)
     return ()

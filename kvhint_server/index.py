@@ -36,6 +36,8 @@ Not thread-safe: the engine thread owns it.
 
 from __future__ import annotations
 
+import itertools
+
 import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -56,7 +58,7 @@ class LeaveCause(enum.IntEnum):
     """Why a session left blocks that stay resident (wire: MembershipChanged.Cause)."""
 
     RELEASED = 1  # a Release hint on the whole session
-    INDEX_LIMIT = 2  # the index was over max_index_blocks; least recently active sessions go first
+    INDEX_LIMIT = 2  # the index was over max_index_blocks / max_index_sessions; least recently active sessions go first
 
 
 # listener(session, blocks it left in chain order, cause)
@@ -468,6 +470,14 @@ class SessionPrefixIndex:
                 if not holders:
                     del self._continuations_at[old]
                     self._delete_upwards(old)
+
+    def forget_oldest_continuations(self, n: int) -> int:
+        """Forget the `n` continuations recorded first (the index's bound; their blocks stay
+        cached and their sessions' memberships stay). Returns how many were forgotten."""
+        oldest = list(itertools.islice(self.continuations, max(0, n)))
+        for c in oldest:
+            self._unpoint_continuation(c)
+        return len(oldest)
 
     def _unpoint_continuation(self, c: str) -> None:
         """Forget a continuation; the block it held may go with it."""

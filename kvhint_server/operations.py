@@ -123,8 +123,16 @@ class OperationRegistry:
             return [op for op in self._ops.values() if not op.state.done]
 
     def _trim(self) -> None:
-        while len(self._ops) > self._history:
-            oldest_id, oldest = next(iter(self._ops.items()))
-            if not oldest.state.done:
-                break
-            del self._ops[oldest_id]
+        """Forget the oldest finished operations past the history; unfinished ones stay
+        (one that never finishes must not stop the others from going)."""
+        excess = len(self._ops) - self._history
+        if excess <= 0:
+            return
+        done: list[str] = []
+        for op_id, op in self._ops.items():  # oldest first; stops at the excess
+            if op.state.done:
+                done.append(op_id)
+                if len(done) == excess:
+                    break
+        for op_id in done:
+            del self._ops[op_id]

@@ -8,6 +8,8 @@ reflects exactly the events with sequence <= the returned sequence.
 
 from __future__ import annotations
 
+import dataclasses
+
 import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -107,8 +109,8 @@ class Queries:
         for t in tier_filter:
             wanted |= t.bit
         views = self.block_views(resolution.resolve(self.core, selector))
-        if wanted:
-            views = [v for v in views if v.tiers & wanted]
+        if wanted:  # each block reports the wanted tiers only, as the totals count them
+            views = [dataclasses.replace(v, tiers=v.tiers & wanted) for v in views if v.tiers & wanted]
         totals: dict[Tier, int] = {}
         for v in views:
             for t in tiers_of(v.tiers):

@@ -204,7 +204,7 @@ class RetentionLedger:
             reuse_at = min(reuse_at, deadline)
         call = next(self._call_ids)
         new = Grant(pinned, priority, deadline, expires_at, reuse_at, call)
-        owned = self._by_owner.setdefault(owner, set())
+        owned = self._by_owner.get(owner)  # created with the first block granted (none: no entry)
         heaps_of = self._heaps
         blocks: dict[bytes, None] = {}
         for h in hashes:
@@ -225,6 +225,8 @@ class RetentionLedger:
                 heaps_of[h] = _Heaps(per_block)
             if pinned and old is not new:
                 self._pin_holders[h] = self._pin_holders.get(h, 0) + 1
+            if owned is None:
+                owned = self._by_owner[owner] = set()
             owned.add(h)
             blocks[h] = None
             granted.append(h)
@@ -260,6 +262,17 @@ class RetentionLedger:
         if not per_block:
             return ()
         owners = tuple(per_block)
+        for owner in owners:
+            self._drop(h, owner)
+        return owners
+
+    def drop_pins(self, h: bytes) -> tuple[str, ...]:
+        """Forget the pin grants on `h` (its device copy is gone; its retained grants stay).
+        Returns the owners whose pins ended."""
+        per_block = self.grants.get(h)
+        if not per_block or h not in self._pin_holders:
+            return ()
+        owners = tuple(o for o, g in per_block.items() if g.pinned)
         for owner in owners:
             self._drop(h, owner)
         return owners

@@ -252,6 +252,10 @@ _UNARY: dict[str, tuple[type[pb_message.Message], type[pb_message.Message]]] = {
 }
 
 
+def _internal() -> RpcError:
+    return RpcError(grpc.StatusCode.INTERNAL, Reason.OPERATION_FAILED, "internal error in the KvHint server (see its log)")
+
+
 async def _abort(context: grpc.aio.ServicerContext, err: RpcError) -> None:
     status = err.to_status()
     await context.abort(status.code, status.details, trailing_metadata=status.trailing_metadata)
@@ -263,6 +267,11 @@ def _unary(method: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], re
             return await method(_parse(req_cls, raw), context)
         except RpcError as err:
             await _abort(context, err)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # noqa: BLE001 - INTERNAL with ErrorInfo, not UNKNOWN with the exception's text
+            log.exception("kvhint: %s failed", getattr(method, "__name__", "RPC"))
+            await _abort(context, _internal())
 
     return handler
 
@@ -274,6 +283,11 @@ def _stream(method: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]
                 yield item
         except RpcError as err:
             await _abort(context, err)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # noqa: BLE001 - as _unary
+            log.exception("kvhint: %s failed", getattr(method, "__name__", "RPC"))
+            await _abort(context, _internal())
 
     return handler
 

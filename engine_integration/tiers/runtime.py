@@ -242,6 +242,15 @@ class TierRuntime:
     def residual_tiers(self, h: bytes) -> int:
         return self.feed.residual_tiers(h)
 
+    def held_for_retention(self, h: bytes) -> int:
+        """Tier bitmask of the lower-tier copies of wire hash `h` whose eviction Retain orders
+        (the host tier's, when its policy is KvHintHostPolicy; KvHintCore.end_device_grants):
+        a dict lookup, no file-system probe."""
+        if self.host_retention is None:
+            return 0
+        d = self.book.known_digest(h)
+        return Tier.HOST.bit if d is not None and self.feed.host_ready(d) else 0
+
     def reconcile(self, exts: Sequence[bytes]) -> None:
         self.feed.reconcile(exts)
 

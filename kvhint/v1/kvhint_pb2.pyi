@@ -553,8 +553,9 @@ class Hint(_message.Message):
     beyond the engine's own limits. Retain, Pin, Prefetch and Share take
     blocks from the start of the chain (the most shareable first); Release,
     Evict and Demote take them from the end (the least shareable first).
-    Applying to fewer blocks than the selector resolves is reported as
-    CLIPPED/MAX_BLOCKS.
+    Applying to fewer blocks than the selector resolves is reported as a
+    MAX_BLOCKS clip: CLIPPED/MAX_BLOCKS for actions applied at once, and in
+    HintResult.clips of a DEFERRED result.
     """
     @_builtins.property
     def selector(self) -> Global___Selector:
@@ -612,9 +613,15 @@ class RetainAction(_message.Message):
     that advertise TierInfo.honours_retention order their eviction of the
     selected blocks' copies by the same classes; on other tiers retention
     protects device copies only. A grant lasts while its block has a device
-    copy: it ends with the block's last device copy (an eviction, an Evict, a
-    broken pin, a cache reset), and Retain and Pin select the blocks that have
-    one (a selection with none is MISSING/NOT_RESIDENT).
+    copy, or a copy on a tier that honours retention: the block's last device
+    copy going ends its grants (an Evict, a broken pin, a cache reset), except
+    that a block evicted to make room (or reclaimed after a Demote) keeps its
+    retained grants while such a tier holds a copy; they end with that copy.
+    Pins end with the device copy in every case (pins and the pin budget are
+    about device copies). Pin selects the blocks that have a device copy;
+    Retain also those only a tier that honours retention holds, counted in
+    affected_blocks on that tier (each block once, on the first tier holding a
+    copy it protects). A selection with none is MISSING/NOT_RESIDENT.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -725,7 +732,8 @@ class ReleaseAction(_message.Message):
     """ReleaseAction drops the retention and pins that the selected session holds.
     Its blocks become the first candidates for eviction (still reusable until
     evicted). Blocks retained or pinned by other sessions keep that protection.
-    Outcome: ACCEPTED, or MISSING when nothing was selected.
+    Outcome: ACCEPTED, CLIPPED (MAX_BLOCKS), or MISSING when nothing was
+    selected.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -954,7 +962,9 @@ class HintResult(_message.Message):
     outcome: Global___Outcome.ValueType
     """Always set."""
     reason: Global___Reason.ValueType
-    """Set for REJECTED and MISSING; for CLIPPED, the first clip's reason."""
+    """Set for REJECTED and MISSING; for CLIPPED, the first clip's reason;
+    REASON_UNSPECIFIED for ACCEPTED and DEFERRED.
+    """
     message: _builtins.str
     """Human-readable detail. Not for parsing."""
     operation_id: _builtins.str
@@ -965,7 +975,11 @@ class HintResult(_message.Message):
     """
     @_builtins.property
     def clips(self) -> _containers.RepeatedCompositeFieldContainer[Global___Clip]:
-        """For CLIPPED: every reduction applied."""
+        """Every reduction applied: for CLIPPED; for DEFERRED (MAX_BLOCKS, the
+        outcome stays DEFERRED); and for REJECTED when the reductions left
+        nothing to apply (a Pin or Retain whose pin or tenant budget granted 0
+        blocks: REJECTED with that clip's reason, granted_blocks 0).
+        """
 
     @_builtins.property
     def affected_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierBlockCount]:
@@ -1186,10 +1200,10 @@ class TierInfo(_message.Message):
         (no or a passed expectation in the tier's order, then the furthest
         expected reuse first);
      4. copies of pinned blocks, in the same order.
-    Grants end with the block's last device copy (RetainAction), so the
-    protected copies a tier holds are those of blocks the device still holds
-    (2): steps 3 and 4 order copies whose grants outlive their device copy,
-    which an engine whose grants do may offer (vLLM's integration's do not).
+    A retained block evicted from the device keeps its grants while this
+    tier holds a copy (RetainAction), so step 3 orders the copies that are
+    the only ones left; pins end with the device copy, so step 4 is reached
+    only by engines whose pins outlive it (vLLM's integration's do not).
     As on the device tier, protection never makes the tier refuse a store it
     would otherwise accept: it only chooses which copies go. Dropping a lower
     copy of a pinned block breaks no pin (no PinBroken event): pins and the
@@ -1236,15 +1250,22 @@ class Limits(_message.Message):
     pinned block's window copies are protected with it and not counted here.
     """
     pin_budget_fraction: _builtins.float
-    """The pin budget as a fraction of the device pool: pin_budget_blocks over
-    num_device_blocks. With window groups the device blocks that pins hold
+    """The configured pin budget fraction, of the usable device pool:
+    pin_budget_blocks = floor(pin_budget_fraction x usable blocks), where an
+    engine may hold blocks back from use (vLLM: one null block, so
+    num_device_blocks - 1). With window groups the device blocks that pins hold
     can exceed it by the window copies (at most one per window group and
     pinned block; in practice the cached window tails of pinned chains).
     """
     max_hints_per_batch: _builtins.int
     """ApplyHintsRequest.hints at most; more is INVALID_ARGUMENT."""
     max_id_length: _builtins.int
-    """Longest accepted session_id / continuation_id / destination, in bytes."""
+    """Longest accepted session_id / continuation_id / destination, in bytes;
+    also the request-level ids: GetOperationRequest.operation_id,
+    WatchEventsRequest.resume_epoch, EventFilter.session_ids and
+    ListSessionsRequest.session_id_prefix (longer: INVALID_ARGUMENT naming
+    the field).
+    """
     max_hint_id_length: _builtins.int
     """Longest accepted hint_id, in bytes."""
     max_block_hashes_per_selector: _builtins.int
@@ -1578,7 +1599,10 @@ class QueryResidencyRequest(_message.Message):
 
     @_builtins.property
     def tiers(self) -> _containers.RepeatedScalarFieldContainer[Global___Tier.ValueType]:
-        """Only report these tiers; empty means all."""
+        """Only report these tiers; empty means all. Blocks with no copy on them are
+        left out, and each block's BlockInfo.tiers lists only these tiers, as the
+        totals count them.
+        """
 
     def __init__(
         self,
@@ -1882,7 +1906,9 @@ Global___GetOperationRequest: _TypeAlias = GetOperationRequest  # noqa: Y015
 
 @_typing.final
 class GetOperationResponse(_message.Message):
-    """GetOperationResponse carries the operation. An unknown id is NOT_FOUND."""
+    """GetOperationResponse carries the operation. An unknown id is NOT_FOUND; an
+    empty one, or one longer than Limits.max_id_length, is INVALID_ARGUMENT.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1917,7 +1943,11 @@ class EventFilter(_message.Message):
     @_builtins.property
     def session_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Events that concern any of these sessions (a BlocksStored/BlocksRemoved
-        for a block that belongs to a listed session, a hint on it, ...).
+        for a block that belongs to a listed session, a HintApplied for a hint
+        whose SessionSelector names it, applied or rejected, ...). A hint that
+        reaches a session's blocks through a continuation or block-hash selector
+        is not matched by the session. At most 4096 ids, each non-empty and at
+        most Limits.max_id_length bytes (more: INVALID_ARGUMENT).
         """
 
     @_builtins.property
@@ -1968,7 +1998,8 @@ class WatchEventsRequest(_message.Message):
         START_RESUME: WatchEventsRequest._Start.ValueType  # 3
         """With the first event after (resume_epoch, resume_after_sequence). If
         that history is no longer kept, or the epoch differs, the stream sends
-        one Resync message and ends.
+        one Resync message and ends. resume_epoch is required (empty, or
+        longer than Limits.max_id_length: INVALID_ARGUMENT).
         """
 
     class Start(_Start, metaclass=_StartEnumTypeWrapper):
@@ -1987,7 +2018,8 @@ class WatchEventsRequest(_message.Message):
     START_RESUME: WatchEventsRequest.Start.ValueType  # 3
     """With the first event after (resume_epoch, resume_after_sequence). If
     that history is no longer kept, or the epoch differs, the stream sends
-    one Resync message and ends.
+    one Resync message and ends. resume_epoch is required (empty, or
+    longer than Limits.max_id_length: INVALID_ARGUMENT).
     """
 
     START_FIELD_NUMBER: _builtins.int
@@ -2003,8 +2035,8 @@ class WatchEventsRequest(_message.Message):
     def filter(self) -> Global___EventFilter: ...
     @_builtins.property
     def heartbeat_interval(self) -> _duration_pb2.Duration:
-        """Heartbeat period. 0 means the server default (1 s); clamped to
-        [100 ms, 60 s].
+        """Heartbeat period. 0 or negative means the server default (1 s); other
+        values are clamped to [100 ms, 60 s].
         """
 
     def __init__(
@@ -2448,8 +2480,9 @@ class MembershipChanged(_message.Message):
         include_children).
         """
         CAUSE_INDEX_LIMIT: MembershipChanged._Cause.ValueType  # 2
-        """The session index grew past its block limit; the least recently
-        active sessions are forgotten first (their blocks stay cached).
+        """The session index grew past its bounds (blocks or sessions); the
+        least recently active sessions are forgotten first (their blocks stay
+        cached).
         """
 
     class Cause(_Cause, metaclass=_CauseEnumTypeWrapper):
@@ -2461,8 +2494,9 @@ class MembershipChanged(_message.Message):
     include_children).
     """
     CAUSE_INDEX_LIMIT: MembershipChanged.Cause.ValueType  # 2
-    """The session index grew past its block limit; the least recently
-    active sessions are forgotten first (their blocks stay cached).
+    """The session index grew past its bounds (blocks or sessions); the
+    least recently active sessions are forgotten first (their blocks stay
+    cached).
     """
 
     SESSION_ID_FIELD_NUMBER: _builtins.int

@@ -103,8 +103,12 @@ class KvHintServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListSessions(self, request, context):
-        """Lists the sessions the engine currently knows (sessions with at least one
-        resident block, or with live retention). Paginated.
+        """Lists the sessions the engine's session index tracks (sessions with at
+        least one resident block, or with live retention). Paginated. The index
+        has bounds (blocks, sessions, continuations; the engine's configuration):
+        past them it forgets the least recently active sessions, which then are
+        not listed, with a MembershipChanged (CAUSE_INDEX_LIMIT) event;
+        grants such a session holds last until they end or a Release names it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

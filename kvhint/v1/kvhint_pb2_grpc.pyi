@@ -79,8 +79,12 @@ class KvHintServiceStub:
     resident. Paginated; every page carries the event position it was read at.
     """
     ListSessions: _grpc.UnaryUnaryMultiCallable[_kvhint_pb2.ListSessionsRequest, _kvhint_pb2.ListSessionsResponse]
-    """Lists the sessions the engine currently knows (sessions with at least one
-    resident block, or with live retention). Paginated.
+    """Lists the sessions the engine's session index tracks (sessions with at
+    least one resident block, or with live retention). Paginated. The index
+    has bounds (blocks, sessions, continuations; the engine's configuration):
+    past them it forgets the least recently active sessions, which then are
+    not listed, with a MembershipChanged (CAUSE_INDEX_LIMIT) event;
+    grants such a session holds last until they end or a Release names it.
     """
     WatchEvents: _grpc.UnaryStreamMultiCallable[_kvhint_pb2.WatchEventsRequest, _kvhint_pb2.WatchEventsResponse]
     """Streams residency and hint events. Semantics follow etcd's watch API: a
@@ -122,8 +126,12 @@ class KvHintServiceAsyncStub(KvHintServiceStub):
     resident. Paginated; every page carries the event position it was read at.
     """
     ListSessions: _aio.UnaryUnaryMultiCallable[_kvhint_pb2.ListSessionsRequest, _kvhint_pb2.ListSessionsResponse]  # type: ignore[assignment]
-    """Lists the sessions the engine currently knows (sessions with at least one
-    resident block, or with live retention). Paginated.
+    """Lists the sessions the engine's session index tracks (sessions with at
+    least one resident block, or with live retention). Paginated. The index
+    has bounds (blocks, sessions, continuations; the engine's configuration):
+    past them it forgets the least recently active sessions, which then are
+    not listed, with a MembershipChanged (CAUSE_INDEX_LIMIT) event;
+    grants such a session holds last until they end or a Release names it.
     """
     WatchEvents: _aio.UnaryStreamMultiCallable[_kvhint_pb2.WatchEventsRequest, _kvhint_pb2.WatchEventsResponse]  # type: ignore[assignment]
     """Streams residency and hint events. Semantics follow etcd's watch API: a
@@ -186,8 +194,12 @@ class KvHintServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _kvhint_pb2.ListSessionsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvhint_pb2.ListSessionsResponse, _abc.Awaitable[_kvhint_pb2.ListSessionsResponse]]:
-        """Lists the sessions the engine currently knows (sessions with at least one
-        resident block, or with live retention). Paginated.
+        """Lists the sessions the engine's session index tracks (sessions with at
+        least one resident block, or with live retention). Paginated. The index
+        has bounds (blocks, sessions, continuations; the engine's configuration):
+        past them it forgets the least recently active sessions, which then are
+        not listed, with a MembershipChanged (CAUSE_INDEX_LIMIT) event;
+        grants such a session holds last until they end or a Release names it.
         """
 
     @_abc_1.abstractmethod

@@ -346,6 +346,44 @@ def test_a_retained_session_keeps_its_host_copies_through_host_pressure(pair: Pa
     assert done.outcome == pb.OUTCOME_ACCEPTED, done
 
 
+def test_a_retained_session_demoted_off_the_device_keeps_its_host_copies_and_its_grant(pair: Pair) -> None:
+    """RetainAction: a retained block evicted from the device (here: reclaimed after a Demote)
+    keeps its retained grant while the host tier, which honours retention, holds a copy, so
+    the grant still orders the host's eviction when the host copy is the only one left. With
+    grants ending at the device copy, the host's LRU dropped these copies first under the same
+    pressure (the older session's)."""
+    a = pair.a
+    a.reset()
+    keep, control = tokens("tier-held"), tokens("tier-held-control")
+    first = a.complete(keep, "tier-held", max_tokens=8)
+    a.complete(control, "tier-held-control", max_tokens=8)
+    for session in ("tier-held", "tier-held-control"):
+        _wait_tier(a, session, 22, pb.TIER_HOST)
+        _wait_disk(a, session, 22)
+    (kept,) = a.apply(retain("tier-held", priority=1, ttl=120))
+    assert kept.outcome == pb.OUTCOME_ACCEPTED, kept
+    (demoted,) = a.apply(demote("tier-held"))
+    assert demoted.outcome == pb.OUTCOME_DEFERRED, demoted
+    assert a.wait_op(demoted.operation_id)[0].state == pb.Operation.STATE_SUCCEEDED
+    for i in range(4):  # 88 newer blocks through G1 (80) and the 64-block host tier
+        a.complete(tokens(f"tier-held-pressure-{i}"), f"tier-held-p{i}")
+        _wait_disk(a, f"tier-held-p{i}", 22)
+    blocks = a.residency(session_sel("tier-held"))
+    assert len(blocks) == 22 and not any(pb.TIER_DEVICE in b.tiers for b in blocks)  # off the device
+    lost = [b.position for b in blocks if pb.TIER_HOST not in b.tiers]
+    assert not lost, f"blocks {lost} of the retained session lost their host copy"
+    assert {b.retention.retention_class for b in blocks} == {pb.RetentionState.CLASS_RETAINED}
+    assert not any(pb.TIER_HOST in t for t in a.session_tiers("tier-held-control"))
+    (refreshed,) = a.apply(retain("tier-held", priority=1, ttl=120))  # reaches the host-only blocks
+    assert {c.tier: c.blocks for c in refreshed.affected_blocks} == {pb.TIER_HOST: 22}, refreshed
+    before = a.metrics()
+    again = a.complete(keep, "tier-held", max_tokens=8)
+    assert again.cached_tokens == FULL and again.token_ids == first.token_ids
+    assert a.cached_by_source(before, FULL, "host")["host"] == FULL
+    (done,) = a.apply(release("tier-held"))
+    assert done.outcome == pb.OUTCOME_ACCEPTED, done
+
+
 def test_prefetch_of_a_resident_session_is_an_accepted_noop(pair: Pair) -> None:
     pair.a.complete(tokens("tier-resident"), "tier-resident")
     (result,) = pair.a.apply(prefetch("tier-resident"))

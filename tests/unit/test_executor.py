@@ -448,6 +448,37 @@ def test_expired_pins_are_refiled_even_when_a_pin_hint_expires_them(make_harness
     assert h(1) in engine.refiled, "the engine was never asked to re-file the block whose pin ended"
 
 
+def test_sessions_that_read_a_shared_prefix_are_bounded_by_max_index_sessions(make_harness):
+    """Every session that reads a hot shared prefix becomes a member of its blocks, which are
+    rarely evicted: the block count stays at the prefix's, so only a bound on sessions keeps
+    the index (and ListSessions, and every follower's mirror) from growing with each session
+    ever served. Past it the least recently active sessions go, with MembershipChanged."""
+    harness = make_harness(max_index_sessions=10)
+    prefix = [h(900 + k) for k in range(3)]
+    harness.engine.store(prefix, session="s0")
+    start = harness.bus.last_sequence
+    for i in range(1, 40):
+        harness.engine.store(prefix, session=f"s{i}", prefix_hit=True)
+    listed = sessions(harness)
+    assert 1 <= len(listed) <= 10 and "s39" in listed and "s0" not in listed
+    assert len(harness.engine.run(lambda: harness.core.index.members(prefix[-1], limit=1000))) <= 10
+    left = [e.payload for e in harness.bus.read_after(start, 10_000) if type(e.payload).__name__ == "MembershipChanged"]
+    assert {p.session_id for p in left} >= {"s0", "s1"}
+    assert harness.engine.run(lambda: len(harness.core.index.nodes)) == 3  # the blocks stay cached
+
+
+def test_continuations_are_bounded_by_max_index_continuations(make_harness):
+    harness = make_harness(max_index_continuations=10)
+    prefix = [h(800 + k) for k in range(2)]
+    for i in range(40):
+        harness.engine.store(prefix, continuation=f"c{i}", prefix_hit=i > 0)
+    known = harness.engine.run(lambda: list(harness.core.index.continuations))
+    assert 1 <= len(known) <= 10 and "c39" in known and "c0" not in known
+    cont = pb.Selector(continuation=pb.ContinuationSelector(continuation_id="c39"))
+    resp = harness.stub.QueryResidency(pb.QueryResidencyRequest(selector=cont), timeout=5)
+    assert [b.block_hash for b in resp.blocks] == prefix
+
+
 def test_the_index_forgets_the_least_recently_active_sessions_past_its_cap(make_harness):
     harness = make_harness(max_index_blocks=10)
     for i, s in enumerate(("old", "mid", "new")):

@@ -722,7 +722,8 @@ const (
 	WatchEventsRequest_START_SNAPSHOT WatchEventsRequest_Start = 2
 	// With the first event after (resume_epoch, resume_after_sequence). If
 	// that history is no longer kept, or the epoch differs, the stream sends
-	// one Resync message and ends.
+	// one Resync message and ends. resume_epoch is required (empty, or
+	// longer than Limits.max_id_length: INVALID_ARGUMENT).
 	WatchEventsRequest_START_RESUME WatchEventsRequest_Start = 3
 )
 
@@ -777,8 +778,9 @@ const (
 	// A Release hint on the whole session (or its parent, with
 	// include_children).
 	MembershipChanged_CAUSE_RELEASED MembershipChanged_Cause = 1
-	// The session index grew past its block limit; the least recently
-	// active sessions are forgotten first (their blocks stay cached).
+	// The session index grew past its bounds (blocks or sessions); the
+	// least recently active sessions are forgotten first (their blocks stay
+	// cached).
 	MembershipChanged_CAUSE_INDEX_LIMIT MembershipChanged_Cause = 2
 )
 
@@ -1257,8 +1259,9 @@ type Hint struct {
 	// beyond the engine's own limits. Retain, Pin, Prefetch and Share take
 	// blocks from the start of the chain (the most shareable first); Release,
 	// Evict and Demote take them from the end (the least shareable first).
-	// Applying to fewer blocks than the selector resolves is reported as
-	// CLIPPED/MAX_BLOCKS.
+	// Applying to fewer blocks than the selector resolves is reported as a
+	// MAX_BLOCKS clip: CLIPPED/MAX_BLOCKS for actions applied at once, and in
+	// HintResult.clips of a DEFERRED result.
 	MaxBlocks uint32 `protobuf:"varint,3,opt,name=max_blocks,json=maxBlocks,proto3" json:"max_blocks,omitempty"`
 	// Required. What to do.
 	//
@@ -1441,9 +1444,15 @@ func (*Hint_Share) isHint_Action() {}
 // that advertise TierInfo.honours_retention order their eviction of the
 // selected blocks' copies by the same classes; on other tiers retention
 // protects device copies only. A grant lasts while its block has a device
-// copy: it ends with the block's last device copy (an eviction, an Evict, a
-// broken pin, a cache reset), and Retain and Pin select the blocks that have
-// one (a selection with none is MISSING/NOT_RESIDENT).
+// copy, or a copy on a tier that honours retention: the block's last device
+// copy going ends its grants (an Evict, a broken pin, a cache reset), except
+// that a block evicted to make room (or reclaimed after a Demote) keeps its
+// retained grants while such a tier holds a copy; they end with that copy.
+// Pins end with the device copy in every case (pins and the pin budget are
+// about device copies). Pin selects the blocks that have a device copy;
+// Retain also those only a tier that honours retention holds, counted in
+// affected_blocks on that tier (each block once, on the first tier holding a
+// copy it protects). A selection with none is MISSING/NOT_RESIDENT.
 type RetainAction struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
@@ -1609,7 +1618,8 @@ func (x *PinAction) GetExpectedReuseIn() *durationpb.Duration {
 // ReleaseAction drops the retention and pins that the selected session holds.
 // Its blocks become the first candidates for eviction (still reusable until
 // evicted). Blocks retained or pinned by other sessions keep that protection.
-// Outcome: ACCEPTED, or MISSING when nothing was selected.
+// Outcome: ACCEPTED, CLIPPED (MAX_BLOCKS), or MISSING when nothing was
+// selected.
 type ReleaseAction struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
@@ -2022,11 +2032,15 @@ type HintResult struct {
 	HintId string `protobuf:"bytes,1,opt,name=hint_id,json=hintId,proto3" json:"hint_id,omitempty"`
 	// Always set.
 	Outcome Outcome `protobuf:"varint,2,opt,name=outcome,proto3,enum=kvhint.v1.Outcome" json:"outcome,omitempty"`
-	// Set for REJECTED and MISSING; for CLIPPED, the first clip's reason.
+	// Set for REJECTED and MISSING; for CLIPPED, the first clip's reason;
+	// REASON_UNSPECIFIED for ACCEPTED and DEFERRED.
 	Reason Reason `protobuf:"varint,3,opt,name=reason,proto3,enum=kvhint.v1.Reason" json:"reason,omitempty"`
 	// Human-readable detail. Not for parsing.
 	Message string `protobuf:"bytes,4,opt,name=message,proto3" json:"message,omitempty"`
-	// For CLIPPED: every reduction applied.
+	// Every reduction applied: for CLIPPED; for DEFERRED (MAX_BLOCKS, the
+	// outcome stays DEFERRED); and for REJECTED when the reductions left
+	// nothing to apply (a Pin or Retain whose pin or tenant budget granted 0
+	// blocks: REJECTED with that clip's reason, granted_blocks 0).
 	Clips []*Clip `protobuf:"bytes,5,rep,name=clips,proto3" json:"clips,omitempty"`
 	// Blocks the action applied to, per tier.
 	AffectedBlocks []*TierBlockCount `protobuf:"bytes,6,rep,name=affected_blocks,json=affectedBlocks,proto3" json:"affected_blocks,omitempty"`
@@ -2409,10 +2423,10 @@ type TierInfo struct {
 	//     expected reuse first);
 	//  4. copies of pinned blocks, in the same order.
 	//
-	// Grants end with the block's last device copy (RetainAction), so the
-	// protected copies a tier holds are those of blocks the device still holds
-	// (2): steps 3 and 4 order copies whose grants outlive their device copy,
-	// which an engine whose grants do may offer (vLLM's integration's do not).
+	// A retained block evicted from the device keeps its grants while this
+	// tier holds a copy (RetainAction), so step 3 orders the copies that are
+	// the only ones left; pins end with the device copy, so step 4 is reached
+	// only by engines whose pins outlive it (vLLM's integration's do not).
 	// As on the device tier, protection never makes the tier refuse a store it
 	// would otherwise accept: it only chooses which copies go. Dropping a lower
 	// copy of a pinned block breaks no pin (no PinBroken event): pins and the
@@ -2501,14 +2515,20 @@ type Limits struct {
 	// block count (see KvCacheGroup): on a model with sliding-window groups a
 	// pinned block's window copies are protected with it and not counted here.
 	PinBudgetBlocks uint32 `protobuf:"varint,2,opt,name=pin_budget_blocks,json=pinBudgetBlocks,proto3" json:"pin_budget_blocks,omitempty"`
-	// The pin budget as a fraction of the device pool: pin_budget_blocks over
-	// num_device_blocks. With window groups the device blocks that pins hold
+	// The configured pin budget fraction, of the usable device pool:
+	// pin_budget_blocks = floor(pin_budget_fraction x usable blocks), where an
+	// engine may hold blocks back from use (vLLM: one null block, so
+	// num_device_blocks - 1). With window groups the device blocks that pins hold
 	// can exceed it by the window copies (at most one per window group and
 	// pinned block; in practice the cached window tails of pinned chains).
 	PinBudgetFraction float64 `protobuf:"fixed64,3,opt,name=pin_budget_fraction,json=pinBudgetFraction,proto3" json:"pin_budget_fraction,omitempty"`
 	// ApplyHintsRequest.hints at most; more is INVALID_ARGUMENT.
 	MaxHintsPerBatch uint32 `protobuf:"varint,4,opt,name=max_hints_per_batch,json=maxHintsPerBatch,proto3" json:"max_hints_per_batch,omitempty"`
-	// Longest accepted session_id / continuation_id / destination, in bytes.
+	// Longest accepted session_id / continuation_id / destination, in bytes;
+	// also the request-level ids: GetOperationRequest.operation_id,
+	// WatchEventsRequest.resume_epoch, EventFilter.session_ids and
+	// ListSessionsRequest.session_id_prefix (longer: INVALID_ARGUMENT naming
+	// the field).
 	MaxIdLength uint32 `protobuf:"varint,5,opt,name=max_id_length,json=maxIdLength,proto3" json:"max_id_length,omitempty"`
 	// Longest accepted hint_id, in bytes.
 	MaxHintIdLength uint32 `protobuf:"varint,6,opt,name=max_hint_id_length,json=maxHintIdLength,proto3" json:"max_hint_id_length,omitempty"`
@@ -3114,7 +3134,9 @@ type QueryResidencyRequest struct {
 
 	// Required.
 	Selector *Selector `protobuf:"bytes,1,opt,name=selector,proto3" json:"selector,omitempty"`
-	// Only report these tiers; empty means all.
+	// Only report these tiers; empty means all. Blocks with no copy on them are
+	// left out, and each block's BlockInfo.tiers lists only these tiers, as the
+	// totals count them.
 	Tiers []Tier `protobuf:"varint,2,rep,packed,name=tiers,proto3,enum=kvhint.v1.Tier" json:"tiers,omitempty"`
 	// 0 means the server default (256); capped at Limits.max_page_size.
 	PageSize uint32 `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
@@ -3704,7 +3726,8 @@ func (x *GetOperationRequest) GetOperationId() string {
 	return ""
 }
 
-// GetOperationResponse carries the operation. An unknown id is NOT_FOUND.
+// GetOperationResponse carries the operation. An unknown id is NOT_FOUND; an
+// empty one, or one longer than Limits.max_id_length, is INVALID_ARGUMENT.
 type GetOperationResponse struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
@@ -3761,7 +3784,11 @@ type EventFilter struct {
 	unknownFields protoimpl.UnknownFields
 
 	// Events that concern any of these sessions (a BlocksStored/BlocksRemoved
-	// for a block that belongs to a listed session, a hint on it, ...).
+	// for a block that belongs to a listed session, a HintApplied for a hint
+	// whose SessionSelector names it, applied or rejected, ...). A hint that
+	// reaches a session's blocks through a continuation or block-hash selector
+	// is not matched by the session. At most 4096 ids, each non-empty and at
+	// most Limits.max_id_length bytes (more: INVALID_ARGUMENT).
 	SessionIds []string `protobuf:"bytes,1,rep,name=session_ids,json=sessionIds,proto3" json:"session_ids,omitempty"`
 	// Block events on any of these tiers.
 	Tiers []Tier `protobuf:"varint,2,rep,packed,name=tiers,proto3,enum=kvhint.v1.Tier" json:"tiers,omitempty"`
@@ -3833,8 +3860,8 @@ type WatchEventsRequest struct {
 	ResumeEpoch         string       `protobuf:"bytes,2,opt,name=resume_epoch,json=resumeEpoch,proto3" json:"resume_epoch,omitempty"`
 	ResumeAfterSequence uint64       `protobuf:"varint,3,opt,name=resume_after_sequence,json=resumeAfterSequence,proto3" json:"resume_after_sequence,omitempty"`
 	Filter              *EventFilter `protobuf:"bytes,4,opt,name=filter,proto3" json:"filter,omitempty"`
-	// Heartbeat period. 0 means the server default (1 s); clamped to
-	// [100 ms, 60 s].
+	// Heartbeat period. 0 or negative means the server default (1 s); other
+	// values are clamped to [100 ms, 60 s].
 	HeartbeatInterval *durationpb.Duration `protobuf:"bytes,5,opt,name=heartbeat_interval,json=heartbeatInterval,proto3" json:"heartbeat_interval,omitempty"`
 }
 

@@ -31,8 +31,12 @@ type KvHintServiceClient interface {
 	// Reports which blocks a selector resolves to and on which tiers they are
 	// resident. Paginated; every page carries the event position it was read at.
 	QueryResidency(ctx context.Context, in *QueryResidencyRequest, opts ...grpc.CallOption) (*QueryResidencyResponse, error)
-	// Lists the sessions the engine currently knows (sessions with at least one
-	// resident block, or with live retention). Paginated.
+	// Lists the sessions the engine's session index tracks (sessions with at
+	// least one resident block, or with live retention). Paginated. The index
+	// has bounds (blocks, sessions, continuations; the engine's configuration):
+	// past them it forgets the least recently active sessions, which then are
+	// not listed, with a MembershipChanged (CAUSE_INDEX_LIMIT) event;
+	// grants such a session holds last until they end or a Release names it.
 	ListSessions(ctx context.Context, in *ListSessionsRequest, opts ...grpc.CallOption) (*ListSessionsResponse, error)
 	// Streams residency and hint events. Semantics follow etcd's watch API: a
 	// start position, progress notifications (heartbeats), and an explicit
@@ -151,8 +155,12 @@ type KvHintServiceServer interface {
 	// Reports which blocks a selector resolves to and on which tiers they are
 	// resident. Paginated; every page carries the event position it was read at.
 	QueryResidency(context.Context, *QueryResidencyRequest) (*QueryResidencyResponse, error)
-	// Lists the sessions the engine currently knows (sessions with at least one
-	// resident block, or with live retention). Paginated.
+	// Lists the sessions the engine's session index tracks (sessions with at
+	// least one resident block, or with live retention). Paginated. The index
+	// has bounds (blocks, sessions, continuations; the engine's configuration):
+	// past them it forgets the least recently active sessions, which then are
+	// not listed, with a MembershipChanged (CAUSE_INDEX_LIMIT) event;
+	// grants such a session holds last until they end or a Release names it.
 	ListSessions(context.Context, *ListSessionsRequest) (*ListSessionsResponse, error)
 	// Streams residency and hint events. Semantics follow etcd's watch API: a
 	// start position, progress notifications (heartbeats), and an explicit
