@@ -226,11 +226,8 @@ class HintExecutor:
                     len(hashes), len(granted),
                 ))
                 hashes = granted
-        if not hashes:  # a budget left nothing to grant: not applied (CLIPPED means applied to fewer)
-            return HintResult(
-                hint_id=spec.hint_id, outcome=Outcome.REJECTED, reason=clips[-1].reason,
-                message="; ".join(c.detail for c in clips), clips=clips,
-            )
+        if not hashes:  # a budget left nothing to grant: CLIPPED to 0 blocks (as an Evict of blocks all in use)
+            return _result(spec, clips, {})
         ledger.grant(
             spec.selector.owner,
             hashes,

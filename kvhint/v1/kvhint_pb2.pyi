@@ -97,7 +97,10 @@ class _OutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Outcome.Value
     """Applied in full."""
     OUTCOME_CLIPPED: _Outcome.ValueType  # 2
     """Applied with reduced bounds or to fewer blocks. HintResult.clips says
-    what was reduced.
+    what was reduced. The reductions can leave no block at all (a Pin when
+    the pin budget is spent, an Evict of blocks all in use): then the last
+    Clip's granted_blocks is 0, affected_blocks is empty, and nothing
+    changed.
     """
     OUTCOME_DEFERRED: _Outcome.ValueType  # 3
     """Queued asynchronous work. HintResult.operation_id names it; completion
@@ -121,7 +124,10 @@ OUTCOME_ACCEPTED: Outcome.ValueType  # 1
 """Applied in full."""
 OUTCOME_CLIPPED: Outcome.ValueType  # 2
 """Applied with reduced bounds or to fewer blocks. HintResult.clips says
-what was reduced.
+what was reduced. The reductions can leave no block at all (a Pin when
+the pin budget is spent, an Evict of blocks all in use): then the last
+Clip's granted_blocks is 0, affected_blocks is empty, and nothing
+changed.
 """
 OUTCOME_DEFERRED: Outcome.ValueType  # 3
 """Queued asynchronous work. HintResult.operation_id names it; completion
@@ -975,10 +981,8 @@ class HintResult(_message.Message):
     """
     @_builtins.property
     def clips(self) -> _containers.RepeatedCompositeFieldContainer[Global___Clip]:
-        """Every reduction applied: for CLIPPED; for DEFERRED (MAX_BLOCKS, the
-        outcome stays DEFERRED); and for REJECTED when the reductions left
-        nothing to apply (a Pin or Retain whose pin or tenant budget granted 0
-        blocks: REJECTED with that clip's reason, granted_blocks 0).
+        """Every reduction applied: for CLIPPED, and for DEFERRED (MAX_BLOCKS; the
+        outcome stays DEFERRED).
         """
 
     @_builtins.property

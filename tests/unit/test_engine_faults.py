@@ -3,7 +3,7 @@ an adapter that raises while a hint applies (the hint is REJECTED, the rest of t
 engine go on, and the id stays free for a retry); a tier task that raises (no operation left
 PENDING, the history still trimmed); an adapter error during retention expiry (the engine step
 survives); unexpected server errors (INTERNAL with ErrorInfo, not UNKNOWN with exception text);
-a Pin that a budget left with nothing to pin (REJECTED, not CLIPPED, and no ledger entry)."""
+a Pin that a budget left with nothing to pin (CLIPPED to 0 blocks, and no ledger entry)."""
 
 from __future__ import annotations
 
@@ -101,17 +101,19 @@ def test_an_unexpected_server_error_is_internal_with_error_info(harness):
     assert info is not None and info.reason == "REASON_OPERATION_FAILED"
 
 
-def test_a_pin_the_budget_leaves_nothing_to_pin_is_rejected_and_leaves_no_owner_entry(make_harness):
+def test_a_pin_the_budget_leaves_nothing_to_pin_changes_nothing_and_leaves_no_owner_entry(make_harness):
     harness = make_harness(pin_budget_fraction=0.2)  # 2 of 10 usable blocks
     harness.engine.store([h(1), h(2)], session="a")
     harness.engine.store([h(3), h(4)], session="b")
     assert harness.apply(pin("a", 60)).results[0].outcome == pb.OUTCOME_ACCEPTED
     (r,) = harness.apply(pin("b", 60)).results
-    assert r.outcome == pb.OUTCOME_REJECTED and r.reason == pb.REASON_PIN_BUDGET
+    assert r.outcome == pb.OUTCOME_CLIPPED and r.reason == pb.REASON_PIN_BUDGET
     assert [(c.reason, c.requested_blocks, c.granted_blocks) for c in r.clips] == [(pb.REASON_PIN_BUDGET, 2, 0)]
     assert not r.affected_blocks
     owners = harness.engine.run(lambda: set(harness.core.ledger._by_owner))
-    assert owners == {"s:a"}
+    assert owners == {"s:a"}  # one empty entry per such Pin before: memory that grew with every call
+    assert {b.retention.retention_class for b in harness.stub.QueryResidency(
+        pb.QueryResidencyRequest(selector=session_sel("b")), timeout=5).blocks} == {pb.RetentionState.CLASS_ORDINARY}
 
 
 def test_a_rejected_hint_reaches_the_watchers_of_the_session_it_names(harness):

@@ -118,7 +118,10 @@ const (
 	// Applied in full.
 	Outcome_OUTCOME_ACCEPTED Outcome = 1
 	// Applied with reduced bounds or to fewer blocks. HintResult.clips says
-	// what was reduced.
+	// what was reduced. The reductions can leave no block at all (a Pin when
+	// the pin budget is spent, an Evict of blocks all in use): then the last
+	// Clip's granted_blocks is 0, affected_blocks is empty, and nothing
+	// changed.
 	Outcome_OUTCOME_CLIPPED Outcome = 2
 	// Queued asynchronous work. HintResult.operation_id names it; completion
 	// or failure arrives as an OperationCompleted event and via GetOperation.
@@ -2037,10 +2040,8 @@ type HintResult struct {
 	Reason Reason `protobuf:"varint,3,opt,name=reason,proto3,enum=kvhint.v1.Reason" json:"reason,omitempty"`
 	// Human-readable detail. Not for parsing.
 	Message string `protobuf:"bytes,4,opt,name=message,proto3" json:"message,omitempty"`
-	// Every reduction applied: for CLIPPED; for DEFERRED (MAX_BLOCKS, the
-	// outcome stays DEFERRED); and for REJECTED when the reductions left
-	// nothing to apply (a Pin or Retain whose pin or tenant budget granted 0
-	// blocks: REJECTED with that clip's reason, granted_blocks 0).
+	// Every reduction applied: for CLIPPED, and for DEFERRED (MAX_BLOCKS; the
+	// outcome stays DEFERRED).
 	Clips []*Clip `protobuf:"bytes,5,rep,name=clips,proto3" json:"clips,omitempty"`
 	// Blocks the action applied to, per tier.
 	AffectedBlocks []*TierBlockCount `protobuf:"bytes,6,rep,name=affected_blocks,json=affectedBlocks,proto3" json:"affected_blocks,omitempty"`
