@@ -730,12 +730,16 @@ class SessionPolicy:
 
     def requeue(self, hints: Sequence[pb.Hint]) -> None:
         """Hints taken with `due` (or `drain`) that got no result (the RPC failed): queued again,
-        under the same id, unless a newer hint for the same target was queued meanwhile or the
-        session ended (its Release still goes). Their sends still count against the rate limit."""
+        under the same id, unless a newer hint for the same target was queued meanwhile, or the
+        target was let go meanwhile (the session ended, a Release of it is queued: a template
+        retired, a session predicted not to come back), which only its Release still needs.
+        Their sends still count against the rate limit."""
         for hint in hints:
             intent = self._sent.pop(hint.hint_id, None)
-            if intent is None or (intent.kind != "release" and intent.owner in self._ended):
-                continue  # (a keep for a session that ended meanwhile is moot)
+            if intent is None:
+                continue
+            if intent.kind != "release" and (intent.owner in self._ended or ("release", intent.owner) in self._outbox):
+                continue  # (a keep, Demote or Prefetch of a target let go meanwhile is moot)
             self._outbox.setdefault((intent.kind, intent.owner), intent)
             self._count("requeued")
 

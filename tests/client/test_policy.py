@@ -468,6 +468,19 @@ def test_template_is_kept_above_sessions_refreshed_and_retired() -> None:
     assert sink.hints[-1].HasField("release") and sink.hints[-1].selector.continuation.continuation_id == "sys-v1"
 
 
+def test_a_failed_send_does_not_bring_back_a_keep_that_a_release_replaced() -> None:
+    """A keep in flight when its target was let go (a template retired, a session predicted
+    never to come back) is not requeued if the send fails: the Release queued meanwhile is the
+    target's newest intent, and a Retain after it would protect what the router gave up."""
+    policy, _sink = make(PolicyConfig(template_ttl_s=100))
+    policy.observe(TemplateDeclared("sys", continuation("sys-v1"), t=0.0))
+    in_flight = policy.due(0.0)
+    assert [h.WhichOneof("action") for h in in_flight] == ["retain"]
+    policy.observe(TemplateRetired("sys", t=0.1))  # while the RPC is out
+    policy.requeue(in_flight)  # ... and it failed
+    assert [h.WhichOneof("action") for h in policy.due(1.0)] == ["release"]
+
+
 def test_signals_out_of_order_are_refused() -> None:
     policy, _ = make()
     policy.observe(RequestSent("a", t=5.0))
