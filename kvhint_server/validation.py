@@ -235,8 +235,12 @@ def _bounds(hint: pb.Hint, action: Action, selector: Selector, config: ServerCon
     elif action is Action.DEMOTE and hint.demote.target_tier:
         target_tier = parse_enum(Tier, hint.demote.target_tier)
         lower = {t.tier for t in info.tiers if t.tier is not Tier.DEVICE}
-        if target_tier is None or target_tier not in lower:
-            raise HintInvalid(Reason.UNSUPPORTED, f"no configured lower tier {hint.demote.target_tier}")
+        if target_tier is None or target_tier is Tier.DEVICE:  # not a lower tier in any engine: the hint is wrong
+            raise HintInvalid(
+                Reason.INVALID_HINT, f"target_tier {hint.demote.target_tier} is not a lower tier", "demote.target_tier"
+            )
+        if target_tier not in lower:  # a lower tier this engine does not have
+            raise HintInvalid(Reason.UNSUPPORTED, f"no configured lower tier {target_tier.name}", "demote.target_tier")
     return HintSpec(
         hint_id=hint.hint_id,
         selector=selector,

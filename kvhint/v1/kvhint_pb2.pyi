@@ -790,7 +790,9 @@ class DemoteAction(_message.Message):
     TARGET_TIER_FIELD_NUMBER: _builtins.int
     target_tier: Global___Tier.ValueType
     """The tier that must hold a valid copy. Unspecified means the nearest lower
-    tier the engine has (usually TIER_HOST).
+    tier the engine has (usually TIER_HOST). TIER_DEVICE or a value this
+    protocol version does not define: REJECTED/INVALID_HINT; a lower tier the
+    engine does not have (GetCapabilities tiers): REJECTED/UNSUPPORTED.
     """
     def __init__(
         self,

@@ -48,6 +48,12 @@ signals and on a timer (a few times a second is plenty), and it sends:
   this, one abandoned session in four made the policy recompute more than
   LRU on a held-out trace: docs/design-notes.md.)
 
+A session no signal has mentioned for `forget_after_s` (two hours) after every
+hint sent for it expired, with no children and nothing queued or in flight,
+is forgotten, as if it had ended but with no Release (nothing it was granted
+is left): a router whose agents just stop, and that never sends SessionEnded,
+would otherwise keep every session it ever saw (about a kilobyte each).
+
 It never sends more than `max_hints_per_s` hints in any one-second interval,
 nor more than `burst` at once (`HintRateLimit`). Hints waiting for the limit
 are coalesced: a newer hint for the same target replaces the older one, and a
@@ -167,6 +173,12 @@ class PolicyConfig:
     #: Rate limit: at most max_hints_per_s hints in any one-second interval, burst at once.
     max_hints_per_s: float = 100.0
     burst: int = 50
+    #: A session with no signal for this long, after every hint sent for it has expired, with no
+    #: children and nothing queued or in flight for it, is forgotten (as if it ended, but with
+    #: no Release: nothing it was granted is left). Routers that never send SessionEnded (or
+    #: whose agents just stop) would otherwise keep every session ever seen. A later signal
+    #: about it starts a new session. inf: never.
+    forget_after_s: float = 7200.0
     #: A template whose Retain found nothing resident (MISSING) is retried after this long,
     #: doubling up to template_ttl_s / 2 (its regular refresh).
     template_retry_s: float = 1.0
@@ -196,6 +208,8 @@ class _Session:
     due_since: float = -math.inf  # when its next request became imminent (resuming, children spawned, or sent)
     awaiting: bool = False  # running a request sent after a pause: kept due until it completes
     let_go: bool = False  # predicted never to come back: released, nothing more until its next request
+    last_signal: float = -math.inf  # the latest signal about it
+    granted_until: float = -math.inf  # the latest expiry of a keep sent for it (Retain TTL, Pin TTL)
 
 
 def _idle_keys(s: _Session) -> tuple[Key, ...]:
@@ -241,6 +255,8 @@ class SessionPolicy:
         self.clock = clock
         if c.ranking not in ("index", "quantile"):
             raise ValueError(f"PolicyConfig.ranking must be 'index' or 'quantile', got {c.ranking!r}")
+        if not c.forget_after_s > 0:
+            raise ValueError(f"PolicyConfig.forget_after_s must be > 0 (inf: never forget), got {c.forget_after_s!r}")
         if model is not None and pause_state is not None:
             raise ValueError("pass a model or a pause_state to start it from, not both (use model.load(state))")
         self.model = model or PauseModel(c.prior, window=c.window, prior_weight=c.prior_weight, min_samples=c.min_samples)
@@ -379,6 +395,7 @@ class SessionPolicy:
         s = self.sessions.get(sid)
         if s is None:
             s = self.sessions[sid] = _Session(sid)
+        s.last_signal = self._last_t  # (called for the signal being observed)
         return s
 
     def _on_request(self, signal: RequestSent, now: float) -> None:
@@ -531,8 +548,10 @@ class SessionPolicy:
         if self._may_pin(s, now, residual):
             pin_ttl = max(residual * 2, 1.0)
             s.pinned_blocks, s.pin_until = s.blocks, now + pin_ttl
+            s.granted_until = max(s.granted_until, now + pin_ttl)
             hint = target.pin(ttl=pin_ttl, expected_reuse_in=reuse)
         else:
+            s.granted_until = max(s.granted_until, now + ttl)
             hint = target.retain(ttl=ttl, priority=self._priority(residual), expected_reuse_in=reuse)
         self._queue("keep", s.sid, hint, residual)
 
@@ -596,10 +615,40 @@ class SessionPolicy:
             overdue = s.review_at is not None and now >= s.review_at
             if overdue or (not s.demoted and now >= s.ttl_until - lead):
                 self._predict_and_keep(s, now)  # still paused: re-predict from the time waited
+        self._forget_quiet(now)
         for tid, template in self.templates.items():
             if now >= template.refresh_at:
                 template.refresh_at = now + self._template_ttl() / 2
                 self._queue_template(tid, template.target)
+
+    def _forget_quiet(self, now: float) -> None:
+        """Forget sessions quiet for forget_after_s since their last signal and the expiry of
+        every keep sent for them, with no children and nothing queued or in flight (see
+        PolicyConfig.forget_after_s). Their pause counts as one that did not come back, as
+        at SessionEnded; they are not remembered as ended (a later request starts afresh)."""
+        after = self.config.forget_after_s
+        if not math.isfinite(after):
+            return
+        quiet = [
+            s for s in self.sessions.values()
+            if now - max(s.last_signal, s.granted_until) >= after and not s.children and not s.unstarted
+        ]
+        if not quiet:
+            return
+        busy = {i.owner for i in self._outbox.values()} | {i.owner for i in self._sent.values()}
+        for s in quiet:
+            if s.sid in busy:
+                continue
+            if s.state in ("paused", "waiting") and s.keys:  # as _end: a pause that never came back
+                self.model.observe_end(s.keys)
+            elif s.state == "running":
+                self.model.observe_end(_idle_keys(s))
+            parent = self.sessions.get(s.parent) if s.parent is not None else None
+            if parent is not None:
+                parent.children.discard(s.sid)
+                parent.unstarted.discard(s.sid)
+            del self.sessions[s.sid]
+            self._count("forgotten")
 
     def drain(self, now: Optional[float] = None) -> list[pb.Hint]:
         """Take the queued hints the rate limit allows now: Releases first, then keeps

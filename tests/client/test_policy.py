@@ -481,6 +481,49 @@ def test_a_failed_send_does_not_bring_back_a_keep_that_a_release_replaced() -> N
     assert [h.WhichOneof("action") for h in policy.due(1.0)] == ["release"]
 
 
+def test_sessions_that_go_quiet_are_forgotten_once_nothing_sent_for_them_can_be_in_effect() -> None:
+    """A router that never sends SessionEnded must not keep every session it ever saw: one quiet
+    for forget_after_s after its last keep expired goes (its pause counted as one that did not
+    come back), and a later request starts it afresh. A parent stays while it has children."""
+    policy, sink = make(PolicyConfig(forget_after_s=100.0))
+    for i in range(50):
+        policy.observe(RequestSent(f"s{i}", t=0.0))
+    for i in range(50):
+        policy.observe(ToolCallStarted(f"s{i}", tools=("search",), t=1.0))
+    policy.observe(ChildSpawned("parent", "child", t=1.0))
+    model_before = policy.model.export()
+    t, gone_at = 1.0, {}
+    while policy.sessions and t < 50_000:
+        before = {sid: (max(s.last_signal, s.granted_until), bool(s.children)) for sid, s in policy.sessions.items()}
+        policy.flush(sink, t)
+        for sid, (quiet_since, had_children) in before.items():
+            if sid not in policy.sessions:
+                assert t - quiet_since >= 100.0 and not had_children, (sid, t, quiet_since)
+                gone_at[sid] = t
+        t += 25.0
+    assert not policy.sessions and policy.stats.get("forgotten") == 52  # every one, within bounds
+    assert gone_at["parent"] > gone_at["child"]
+    assert policy.model.export() != model_before  # the pauses counted as ones that did not come back
+    policy.observe(RequestSent("s0", t=t))  # back after all: a new session
+    assert policy.sessions["s0"].state == "running"
+
+
+def test_a_session_with_a_hint_waiting_to_be_sent_is_not_forgotten() -> None:
+    policy, sink = make(PolicyConfig(forget_after_s=10.0, max_hints_per_s=1.0, burst=1))
+    policy.observe(ToolCallStarted("a", t=0.0))
+    policy.observe(ToolCallStarted("b", t=0.0))
+    policy.flush(sink, 0.0)  # one of the two keeps goes; the other waits for a token
+    assert policy.pending == 1
+    waiting = next(i.owner for i in policy._outbox.values())
+    policy.tick(1000.0)
+    assert waiting in policy.sessions
+
+
+def test_forget_after_s_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="forget_after_s"):
+        SessionPolicy(PolicyConfig(forget_after_s=0.0))
+
+
 def test_signals_out_of_order_are_refused() -> None:
     policy, _ = make()
     policy.observe(RequestSent("a", t=5.0))

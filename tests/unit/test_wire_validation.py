@@ -227,8 +227,10 @@ def oracle(hint: pb.Hint, info: EngineInfo) -> set[Reason]:
             problems.add(Reason.UNKNOWN_DESTINATION)
     elif which == "demote" and hint.demote.target_tier:
         lower = {int(t.tier) for t in info.tiers if t.tier is not Tier.DEVICE}
-        if hint.demote.target_tier not in lower:
-            problems.add(Reason.UNSUPPORTED)
+        if hint.demote.target_tier not in {int(t) for t in Tier} - {int(Tier.DEVICE)}:
+            problems.add(Reason.INVALID_HINT)  # the device, or no tier at all: a wrong hint
+        elif hint.demote.target_tier not in lower:
+            problems.add(Reason.UNSUPPORTED)  # a tier this engine does not have
     return problems
 
 
@@ -355,6 +357,23 @@ def test_unadvertised_actions_are_rejected_unsupported(action):
     [result] = items_of(pb.ApplyHintsRequest(hints=[hint]), CONFIG, LOCAL)
     assert isinstance(result, HintResult)
     assert (result.outcome, result.reason) == (Outcome.REJECTED, Reason.UNSUPPORTED)
+
+
+@pytest.mark.parametrize(
+    ("target_tier", "reason"),
+    [(pb.TIER_DEVICE, Reason.INVALID_HINT), (99, Reason.INVALID_HINT), (pb.TIER_REMOTE, Reason.UNSUPPORTED)],
+)
+def test_a_demote_target_that_is_no_lower_tier_is_invalid_and_a_missing_one_unsupported(target_tier, reason):
+    """TIER_DEVICE or an undefined value can never be a Demote's target (a wrong hint); a lower
+    tier this engine lacks is a capability it does not have. Either names the field."""
+    from kvhint_unit_support import tiered_engine_info  # device, host and disk; no remote tier
+
+    hint = pb.Hint(hint_id="x", selector=pb.Selector(session=pb.SessionSelector(session_id="s")),
+                   demote=pb.DemoteAction(target_tier=target_tier))
+    [result] = items_of(pb.ApplyHintsRequest(hints=[hint]), CONFIG, tiered_engine_info())
+    assert isinstance(result, HintResult)
+    assert (result.outcome, result.reason) == (Outcome.REJECTED, reason)
+    assert "target_tier" in result.message or "lower tier" in result.message
 
 
 def test_one_bad_hint_does_not_fail_the_batch():

@@ -1714,7 +1714,9 @@ type DemoteAction struct {
 	unknownFields protoimpl.UnknownFields
 
 	// The tier that must hold a valid copy. Unspecified means the nearest lower
-	// tier the engine has (usually TIER_HOST).
+	// tier the engine has (usually TIER_HOST). TIER_DEVICE or a value this
+	// protocol version does not define: REJECTED/INVALID_HINT; a lower tier the
+	// engine does not have (GetCapabilities tiers): REJECTED/UNSUPPORTED.
 	TargetTier Tier `protobuf:"varint,1,opt,name=target_tier,json=targetTier,proto3,enum=kvhint.v1.Tier" json:"target_tier,omitempty"`
 }
 
