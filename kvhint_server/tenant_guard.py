@@ -214,6 +214,17 @@ class TenantGuard:
         protected.update(hashes)
         if spec.action is Action.PIN:
             pinned.update(hashes)
+        elif pinned:
+            # A Retain replaces its owner's own Pin of a block (one grant per owner and block):
+            # the block stops counting as pinned unless another of the tenant's owners pins it.
+            owner, grants, now = spec.selector.owner, self.core.ledger.grants, self.core.monotonic()
+            of_tenant = self.tenants.tenant_of_owner
+            for h in hashes:
+                if h in pinned and not any(
+                    g.pinned and g.deadline > now and o != owner and of_tenant(o) is tenant
+                    for o, g in grants.get(h, {}).items()
+                ):
+                    pinned.discard(h)
         return hashes
 
     @staticmethod

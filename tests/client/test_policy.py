@@ -701,8 +701,9 @@ def test_flush_async_sends_through_an_async_sink() -> None:
 def test_a_pause_past_everything_the_model_can_place_is_let_go_not_kept_due_now() -> None:
     """A user who got an answer and left with no end signal: once the pause outlives what the
     prior can place, its residual used to come out 0 ("due now"), and every flush re-sent a
-    Retain with expected_reuse_in=0 and never released it (14,400 hints in an hour)."""
-    policy, sink = SessionPolicy(clock=lambda: 0.0), RecordingSink()
+    Retain with expected_reuse_in=0 and never released it (14,400 hints in an hour). (Kept
+    from being forgotten when quiet, so the let-go state itself can be read at the end.)"""
+    policy, sink = SessionPolicy(PolicyConfig(forget_after_s=math.inf), clock=lambda: 0.0), RecordingSink()
     policy.observe(RequestSent("u", t=0))
     policy.observe(RequestCompleted("u", t=1))
     residuals = [policy.residual(policy.sessions["u"], 1 + e) for e in (60, 600, 3000, 6000, 7000, 20000)]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
@@ -297,6 +297,7 @@ _BUDGET_ACTIONS = st.sampled_from(["retain", "pin", "release", "evict"])
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(st.tuples(_BUDGET_ACTIONS, st.sampled_from(["b/1", "b/2", "b/3"])), min_size=2, max_size=6))
+@example(hints=[("pin", "b/1"), ("retain", "b/1"), ("pin", "b/2")])  # a Retain replacing its own Pin frees pin budget
 def test_a_tenants_batch_spends_its_budgets_as_the_same_hints_one_batch_each(tmp_path_factory, hints) -> None:
     """"Applied in order": within one batch, a Release or Evict that ends some of B's grants
     gives the budget back to the Retain or Pin after it, exactly as when each hint is its own
