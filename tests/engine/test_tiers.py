@@ -315,6 +315,30 @@ def test_demote_then_resume_reloads_the_prefix_from_the_host_tier(pair: Pair) ->
           f"(same resume from G1 {reference.ttft_s * 1000:.1f} ms, turn 1 computed {first.ttft_s * 1000:.1f} ms)")
 
 
+def _retained_beside_a_control(a: TierEngine, name: str) -> tuple[list[int], Completion]:
+    """From an empty cache: session `name` and an unhinted `name`-control stored, each waited onto
+    the host and file tiers, then `name` retained (priority 1, 120 s). Returns `name`'s prompt and
+    first completion. (Host copies still being written to the file tier cannot be dropped yet, so
+    each session's copies are on the file tier before the next store.)"""
+    a.reset()
+    prompt = tokens(name)
+    first = a.complete(prompt, name, max_tokens=8)
+    a.complete(tokens(f"{name}-control"), f"{name}-control", max_tokens=8)
+    for session in (name, f"{name}-control"):
+        _wait_tier(a, session, 22, pb.TIER_HOST)
+        _wait_disk(a, session, 22)
+    (result,) = a.apply(retain(name, priority=1, ttl=120))
+    assert result.outcome == pb.OUTCOME_ACCEPTED, result
+    return prompt, first
+
+
+def _host_pressure(a: TierEngine, name: str) -> None:
+    """88 newer blocks (four 22-block sessions) through G1 (80 blocks) and the 64-block host tier."""
+    for i in range(4):
+        a.complete(tokens(f"{name}-pressure-{i}"), f"{name}-p{i}")
+        _wait_disk(a, f"{name}-p{i}", 22)
+
+
 def test_a_retained_session_keeps_its_host_copies_through_host_pressure(pair: Pair) -> None:
     """TierInfo.honours_retention: the host tier drops unprotected copies first. Two sessions are
     stored, one is retained, then 88 newer blocks go through the 64-block host tier: an LRU host
@@ -324,22 +348,12 @@ def test_a_retained_session_keeps_its_host_copies_through_host_pressure(pair: Pa
     protected copies can, protected ones go (a store is never refused for a hint). So each
     session's copies are waited onto the file tier before the next store."""
     a = pair.a
-    a.reset()
-    keep, control = tokens("tier-keep"), tokens("tier-control")
-    first = a.complete(keep, "tier-keep", max_tokens=8)
-    a.complete(control, "tier-control", max_tokens=8)
-    for session in ("tier-keep", "tier-control"):
-        _wait_tier(a, session, 22, pb.TIER_HOST)
-        _wait_disk(a, session, 22)
-    (result,) = a.apply(retain("tier-keep", priority=1, ttl=120))
-    assert result.outcome == pb.OUTCOME_ACCEPTED, result
-    for i in range(4):
-        a.complete(tokens(f"tier-keep-pressure-{i}"), f"tier-keep-p{i}")
-        _wait_disk(a, f"tier-keep-p{i}", 22)
+    keep, first = _retained_beside_a_control(a, "tier-keep")
+    _host_pressure(a, "tier-keep")
     kept = a.session_tiers("tier-keep")
     lost = [i for i, t in enumerate(kept) if pb.TIER_HOST not in t]
     assert len(kept) == 22 and not lost, f"blocks {lost} of the retained session lost their host copy"
-    assert not any(pb.TIER_HOST in t for t in a.session_tiers("tier-control"))  # the unhinted one went
+    assert not any(pb.TIER_HOST in t for t in a.session_tiers("tier-keep-control"))  # the unhinted one went
     again = a.complete(keep, "tier-keep", max_tokens=8)
     assert again.cached_tokens == FULL and again.token_ids == first.token_ids
     (done,) = a.apply(release("tier-keep"))
@@ -353,21 +367,11 @@ def test_a_retained_session_demoted_off_the_device_keeps_its_host_copies_and_its
     grants ending at the device copy, the host's LRU dropped these copies first under the same
     pressure (the older session's)."""
     a = pair.a
-    a.reset()
-    keep, control = tokens("tier-held"), tokens("tier-held-control")
-    first = a.complete(keep, "tier-held", max_tokens=8)
-    a.complete(control, "tier-held-control", max_tokens=8)
-    for session in ("tier-held", "tier-held-control"):
-        _wait_tier(a, session, 22, pb.TIER_HOST)
-        _wait_disk(a, session, 22)
-    (kept,) = a.apply(retain("tier-held", priority=1, ttl=120))
-    assert kept.outcome == pb.OUTCOME_ACCEPTED, kept
+    keep, first = _retained_beside_a_control(a, "tier-held")
     (demoted,) = a.apply(demote("tier-held"))
     assert demoted.outcome == pb.OUTCOME_DEFERRED, demoted
     assert a.wait_op(demoted.operation_id)[0].state == pb.Operation.STATE_SUCCEEDED
-    for i in range(4):  # 88 newer blocks through G1 (80) and the 64-block host tier
-        a.complete(tokens(f"tier-held-pressure-{i}"), f"tier-held-p{i}")
-        _wait_disk(a, f"tier-held-p{i}", 22)
+    _host_pressure(a, "tier-held")
     blocks = a.residency(session_sel("tier-held"))
     assert len(blocks) == 22 and not any(pb.TIER_DEVICE in b.tiers for b in blocks)  # off the device
     lost = [b.position for b in blocks if pb.TIER_HOST not in b.tiers]

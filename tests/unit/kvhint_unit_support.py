@@ -268,6 +268,21 @@ class Harness:
         raise AssertionError(f"expected {n} WatchEvents subscribers, have {hub.subscribers if hub else 0}")
 
 
+def gate_engine_steps(harness: "Harness") -> threading.Event:
+    """The fake engine's step boundaries wait on the returned event (set: steps run). Clear it to
+    hold the engine in a long "forward pass" with tasks queued; set it to let them run."""
+    running = threading.Event()
+    running.set()
+    real = harness.core.run_pending
+
+    def run_pending() -> None:
+        running.wait()
+        real()
+
+    harness.core.run_pending = run_pending  # type: ignore[method-assign]
+    return running
+
+
 class FakeClock:
     """A monotonic clock that only moves when told to."""
 

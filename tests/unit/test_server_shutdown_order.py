@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from kvhint_server import KvHintCore, KvHintServer, ServerConfig
 from kvhint_server.metrics import KvHintMetrics
 
-from kvhint_unit_support import FakeEngine, Harness, local_engine_info
+from kvhint_unit_support import FakeEngine, Harness, gate_engine_steps, local_engine_info
 
 
 def test_health_says_not_serving_before_the_engine_refuses_work() -> None:
@@ -93,15 +93,7 @@ def test_a_stalled_engine_does_not_pile_up_tenant_usage_tasks(tenants_file: str)
     tenants' budget use must not queue one more engine task (the queue depth is what
     bounded RPC work is refused on)."""
     hs = Harness(tenants_file=tenants_file)
-    running = threading.Event()
-    running.set()
-    real = hs.core.run_pending
-
-    def run_pending() -> None:
-        running.wait()
-        real()
-
-    hs.core.run_pending = run_pending  # type: ignore[method-assign]
+    running = gate_engine_steps(hs)
     try:
         running.clear()
         time.sleep(0.05)

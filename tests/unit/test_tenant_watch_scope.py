@@ -17,7 +17,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server import tenant_guard
 from kvhint_server.model import Tier
 
-from kvhint_unit_support import Harness, h, local_engine_info
+from kvhint_unit_support import Harness, gate_engine_steps, h, local_engine_info
 
 TENANTS = {
     "tenants": [
@@ -59,6 +59,19 @@ class Stream:
     def close(self) -> None:
         self.call.cancel()
         self.thread.join(5)
+
+
+def recorded_scopes(monkeypatch) -> list[tenant_guard.WatchScope]:  # type: ignore[no-untyped-def]
+    """Every WatchScope built from now on (one per tenant stream), to read its memory."""
+    scopes: list[tenant_guard.WatchScope] = []
+    init = tenant_guard.WatchScope.__init__
+
+    def record(self, *a, **k) -> None:  # type: ignore[no-untyped-def]
+        init(self, *a, **k)
+        scopes.append(self)
+
+    monkeypatch.setattr(tenant_guard.WatchScope, "__init__", record)
+    return scopes
 
 
 def settle(hx: Harness) -> None:
@@ -113,14 +126,7 @@ def test_a_tenant_stream_forgets_blocks_that_are_gone_whatever_its_filter(hx: Ha
     """Memory per tenant stream stays bounded by the blocks still resident: after every
     block is gone (evicted after a Release, or a prefix-cache reset), a stream of
     every filter kind holds nothing for them."""
-    scopes: list[tenant_guard.WatchScope] = []
-    init = tenant_guard.WatchScope.__init__
-
-    def record(self, *a, **k) -> None:  # type: ignore[no-untyped-def]
-        init(self, *a, **k)
-        scopes.append(self)
-
-    monkeypatch.setattr(tenant_guard.WatchScope, "__init__", record)
+    scopes = recorded_scopes(monkeypatch)
     streams = []
     for i, flt in enumerate([pb.EventFilter(),
                              pb.EventFilter(kinds=[pb.EVENT_KIND_BLOCKS_STORED]),
@@ -157,14 +163,7 @@ def test_a_tenant_stream_forgets_blocks_that_are_gone_whatever_its_filter(hx: Ha
 
 
 def test_a_snapshot_then_a_reset_leaves_nothing_remembered(hx: Harness, monkeypatch) -> None:
-    scopes: list[tenant_guard.WatchScope] = []
-    init = tenant_guard.WatchScope.__init__
-
-    def record(self, *a, **k) -> None:  # type: ignore[no-untyped-def]
-        init(self, *a, **k)
-        scopes.append(self)
-
-    monkeypatch.setattr(tenant_guard.WatchScope, "__init__", record)
+    scopes = recorded_scopes(monkeypatch)
     hx.engine.store([h(i) for i in range(1, 30)], session="b/snap")
     b = Stream(hx, B, start=pb.WatchEventsRequest.START_SNAPSHOT)
     try:
@@ -182,15 +181,7 @@ def test_shutdown_during_a_snapshot_ends_the_stream_with_a_shutting_down_resync(
     long forward pass): the client gets Resync(SHUTTING_DOWN), not an UNKNOWN error."""
     for stall_before_begin in (True, False):
         hs = Harness()
-        running = threading.Event()
-        running.set()
-        real = hs.core.run_pending
-
-        def run_pending() -> None:
-            running.wait()
-            real()
-
-        hs.core.run_pending = run_pending  # type: ignore[method-assign]
+        running = gate_engine_steps(hs)
         try:
             for i in range(20):
                 hs.engine.store([h(100 + i)], session=f"s{i}")
