@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ def recomputed(data: dict[str, Any], run: str) -> list[int]:
 BEFORE = "host-eviction=kvhint, code before grants outlived the device copy"
 
 
-def report(retention: list[str], lru: list[str], before: list[str] = ()) -> list[str]:  # type: ignore[assignment]
+def report(retention: Sequence[str], lru: Sequence[str], before: Sequence[str] = ()) -> list[str]:
     groups = {"host-eviction=kvhint": [(d, load(d)) for d in retention], "LRU (vLLM's)": [(d, load(d)) for d in lru]}
     if before:
         groups[BEFORE] = [(d, load(d)) for d in before]

@@ -214,13 +214,6 @@ class FleetClient:
             if not tokens.advance(page.next_page_token):
                 return False
 
-    def _ask_engines(
-        self, hint: kvhint_pb2.Hint, timeout: Optional[float], engines: Optional[list[str]] = None
-    ) -> tuple[list[str], dict[str, KvHintError]]:
-        engines = self.engines if engines is None else engines
-        held, errors = self._fan_out(engines, lambda _, c: self._holds(c, hint, lambda: timeout))
-        return [e for e in engines if held.get(e)], errors
-
     def _ask_all(
         self, hints: list[kvhint_pb2.Hint], routing: "_Deadline"
     ) -> tuple[dict[str, list[str]], dict[str, KvHintError]]:
@@ -248,7 +241,7 @@ class FleetClient:
         _, errors = self._fan_out(
             self.engines, ask, until=routing, late=lambda e: routing.exceeded(asking[e], self._clients[e])
         )
-        held_by = {engine: set(answers[engine][:]) for engine in self.engines}  # a late call's answer is ignored
+        held_by = {engine: set(answers[engine]) for engine in self.engines}  # what a late engine answers after this is not read
         return {h.hint_id: [e for e in self.engines if h.hint_id in held_by[e]] for h in hints}, errors
 
     def _from_index(self, hint: kvhint_pb2.Hint) -> list[str]:
@@ -267,14 +260,11 @@ class FleetClient:
 
     def engines_for(self, hint: kvhint_pb2.Hint, *, timeout: Optional[float] = None) -> tuple[list[str], dict[str, KvHintError]]:
         """The engines a hint is routed to, and errors from engines that could not be asked."""
-        return self._route(hint, timeout, self.engines)
-
-    def _route(self, hint: kvhint_pb2.Hint, timeout: Optional[float], askable: list[str]) -> tuple[list[str], dict[str, KvHintError]]:
-        """`engines_for`, asking only the `askable` engines when the index does not resolve it."""
         found = self._from_index(hint)
         if found:
             return found, {}
-        return self._ask_engines(hint, timeout, askable)
+        held, errors = self._fan_out(self.engines, lambda _, c: self._holds(c, hint, lambda: timeout))
+        return [e for e in self.engines if held.get(e)], errors
 
     # -- apply --------------------------------------------------------------------------------------
 

@@ -109,7 +109,10 @@ class KvHintCore:
         self.ledger = RetentionLedger(0)
         self._adapter: EngineAdapter | None = None
         self._info: EngineInfo | None = None
-        self.retention_tiers = Tier.DEVICE.bit  # (attach: and the lower tiers that honour retention)
+        # Tier bitmasks of the lower tiers that honour retention (attach: TierInfo.honours_retention),
+        # and of every tier a grant protects copies on (the device, and those).
+        self.lower_retention_tiers = 0
+        self.retention_tiers = Tier.DEVICE.bit
         # (fn, future, budget cutoffs so far, perf_counter at submit)
         self._tasks: deque[tuple[Callable[[], object], TaskFuture[object], int, float]] = deque()
         self._slices: deque[tuple[Callable[[float], object], Future[object]]] = deque()
@@ -140,11 +143,11 @@ class KvHintCore:
     def attach(self, adapter: EngineAdapter) -> None:
         self._adapter = adapter
         self._info = adapter.info()
-        # The tiers a grant protects copies on: the device, and lower tiers that honour retention.
-        self.retention_tiers = Tier.DEVICE.bit
+        self.lower_retention_tiers = 0
         for t in self._info.tiers:
-            if t.honours_retention:
-                self.retention_tiers |= t.tier.bit
+            if t.honours_retention and t.tier is not Tier.DEVICE:
+                self.lower_retention_tiers |= t.tier.bit
+        self.retention_tiers = Tier.DEVICE.bit | self.lower_retention_tiers
         usable = max(0, self._info.num_device_blocks - 1)
         self.ledger.pin_budget_blocks = int(usable * self.config.pin_budget_fraction)
 
@@ -321,10 +324,7 @@ class KvHintCore:
         if not grants:
             return sessions
         for h in filter(grants.__contains__, hashes):  # most removed blocks hold no grant
-            for owner in ledger.drop_block(h):
-                s = session_of_owner(owner)
-                if s is not None and s not in sessions:
-                    sessions.append(s)
+            _add_sessions(sessions, ledger.drop_block(h))
         return sessions
 
     def end_device_grants(
@@ -337,7 +337,7 @@ class KvHintCore:
         (`on_removed`). Its pins end: pins and the pin budget are about device copies.
         `lower_tiers(h)`: the tier bitmask of `h`'s lower-tier copies. Returns the sessions
         whose grants ended, as `drop_grants`."""
-        lower = self.retention_tiers & ~Tier.DEVICE.bit
+        lower = self.lower_retention_tiers
         if not lower or lower_tiers is None or cause not in _HELD_BELOW or not self.ledger.grants:
             return self.drop_grants(hashes)
         grants = self.ledger.grants
@@ -347,10 +347,7 @@ class KvHintCore:
                 (held if lower_tiers(h) & lower else gone).append(h)
         sessions = self.drop_grants(gone)
         for h in held:
-            for owner in self.ledger.drop_pins(h):
-                s = session_of_owner(owner)
-                if s is not None and s not in sessions:
-                    sessions.append(s)
+            _add_sessions(sessions, self.ledger.drop_pins(h))
         return sessions
 
     def clear_grants(self) -> None:
@@ -358,7 +355,7 @@ class KvHintCore:
         `drop_grants`; book it with `on_cleared(Tier.DEVICE, grants_dropped=True)`), but the
         retained grants of blocks a lower tier that honours retention holds (`end_device_grants`)."""
         ledger = self.ledger
-        lower = [t for t in self.resident if t.bit & self.retention_tiers & ~Tier.DEVICE.bit]
+        lower = [t for t in self.resident if t.bit & self.lower_retention_tiers]
         if not lower or not ledger.grants:
             self.ledger = RetentionLedger(ledger.pin_budget_blocks)
             return
@@ -447,7 +444,7 @@ class KvHintCore:
             return
         if tier is Tier.DEVICE and not grants_dropped:
             self.end_device_grants(hashes, cause, remaining_tiers)
-        elif tier.bit & self.retention_tiers and tier is not Tier.DEVICE and self.ledger.grants:
+        elif tier.bit & self.lower_retention_tiers and self.ledger.grants:
             # A lower tier that honours retention lost its copy: a grant that outlived the
             # device copy (end_device_grants) ends unless another copy it protects remains.
             mask, grants = self.retention_tiers, self.ledger.grants
@@ -498,7 +495,7 @@ class KvHintCore:
         sessions = self.index.clear_tier(tier)
         if tier is Tier.DEVICE and not grants_dropped:
             self.clear_grants()
-        elif tier is not Tier.DEVICE and tier.bit & self.retention_tiers and self.ledger.grants:
+        elif tier.bit & self.lower_retention_tiers and self.ledger.grants:
             device = self.resident[Tier.DEVICE]  # grants that outlived their device copy end with the tier's
             self.drop_grants([h for h in self.ledger.grants if h not in device])
         self.bus.publish(AllBlocksCleared(tier), sessions=sorted(sessions), tier=tier)
@@ -555,3 +552,11 @@ class KvHintCore:
     def _on_leave(self, session: str, blocks: tuple[bytes, ...], cause: LeaveCause) -> None:
         """Index listener: a forgotten session left blocks that stay resident."""
         self.bus.publish(MembershipChanged(session, blocks, cause), sessions=(session,))
+
+
+def _add_sessions(sessions: list[str], owners: Iterable[str]) -> None:
+    """Append the sessions of retention `owners` not in `sessions` yet (first seen first)."""
+    for owner in owners:
+        s = session_of_owner(owner)
+        if s is not None and s not in sessions:
+            sessions.append(s)

@@ -278,8 +278,8 @@ class HintExecutor:
         # each once (a grant that outlived its device copy on a lower tier, counted there).
         applied = released.union(moved)
         mask = core.retention_tiers
-        tiers = {h: t & mask for h, t in self.tiers_of(list(applied)).items()} if mask != Tier.DEVICE.bit else {}
-        return _result(spec, clips, _first_tiers(applied, tiers) if tiers else {Tier.DEVICE: len(applied)})
+        tiers = {h: t & mask for h, t in self.tiers_of(list(applied)).items()} if core.lower_retention_tiers else {}
+        return _result(spec, clips, _first_tiers(applied, tiers))
 
     def _evict(self, spec: HintSpec) -> HintResult:
         core = self.core
@@ -376,7 +376,7 @@ def _first_tiers(hashes: Iterable[bytes], tiers: Mapping[bytes, int]) -> dict[Ti
     out: dict[Tier, int] = {}
     for h in hashes:
         mask = tiers.get(h, 0)
-        tier = Tier.DEVICE if mask & Tier.DEVICE.bit else next((t for t in Tier if mask & t.bit), Tier.DEVICE)
+        tier = next((t for t in Tier if mask & t.bit), Tier.DEVICE)  # Tier order: the device first
         out[tier] = out.get(tier, 0) + 1
     return out
 

@@ -8,11 +8,9 @@ reflects exactly the events with sequence <= the returned sequence.
 
 from __future__ import annotations
 
-import dataclasses
-
 import heapq
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from . import resolution
@@ -110,7 +108,7 @@ class Queries:
             wanted |= t.bit
         views = self.block_views(resolution.resolve(self.core, selector))
         if wanted:  # each block reports the wanted tiers only, as the totals count them
-            views = [dataclasses.replace(v, tiers=v.tiers & wanted) for v in views if v.tiers & wanted]
+            views = [replace(v, tiers=v.tiers & wanted) for v in views if v.tiers & wanted]
         totals: dict[Tier, int] = {}
         for v in views:
             for t in tiers_of(v.tiers):

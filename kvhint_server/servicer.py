@@ -252,8 +252,12 @@ _UNARY: dict[str, tuple[type[pb_message.Message], type[pb_message.Message]]] = {
 }
 
 
-def _internal() -> RpcError:
-    return RpcError(grpc.StatusCode.INTERNAL, Reason.OPERATION_FAILED, "internal error in the KvHint server (see its log)")
+async def _abort_internal(context: grpc.aio.ServicerContext, method: Callable[..., Any]) -> None:
+    """An unexpected error in `method`: logged here, INTERNAL with ErrorInfo on the wire."""
+    log.exception("kvhint: %s failed", getattr(method, "__name__", "RPC"))
+    await _abort(context, RpcError(
+        grpc.StatusCode.INTERNAL, Reason.OPERATION_FAILED, "internal error in the KvHint server (see its log)"
+    ))
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: RpcError) -> None:
@@ -270,8 +274,7 @@ def _unary(method: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], re
         except grpc.aio.AbortError:
             raise
         except Exception:  # noqa: BLE001 - INTERNAL with ErrorInfo, not UNKNOWN with the exception's text
-            log.exception("kvhint: %s failed", getattr(method, "__name__", "RPC"))
-            await _abort(context, _internal())
+            await _abort_internal(context, method)
 
     return handler
 
@@ -286,8 +289,7 @@ def _stream(method: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]
         except grpc.aio.AbortError:
             raise
         except Exception:  # noqa: BLE001 - as _unary
-            log.exception("kvhint: %s failed", getattr(method, "__name__", "RPC"))
-            await _abort(context, _internal())
+            await _abort_internal(context, method)
 
     return handler
 

@@ -347,10 +347,6 @@ class WatchScope:
                 delivered[h] = delivered.get(h, 0) | bit
         return mine
 
-    def matches(self, ev: Event) -> bool:
-        """`select` for a stream with no filter of its own."""
-        return self.select(ev, True)
-
     def _forget(self, p: BlocksRemoved) -> bool:
         """The removed copies are gone; whether any removed block was delivered."""
         delivered = self._delivered

@@ -454,20 +454,30 @@ class SessionPolicy:
             if self.config.release_on_end:  # unknown to this policy (started late): release anyway
                 self._queue("release", sid, session(sid).release(), 0.0)
             return
-        if s.state in ("paused", "waiting") and s.keys:
-            self.model.observe_end(s.keys)  # this pause never came back
-        elif s.state == "running":  # ended with its last answer (done or in flight): an idle pause that never came back
-            self.model.observe_end(_idle_keys(s))
+        self._observe_gone(s)
         s.state = "ended"
         self._unqueue(sid, "keep", "demote", "prefetch")
         if self.config.release_on_end:
             self._queue("release", sid, session(sid).release(), 0.0)
         for child in list(s.children):  # unjoined children are dead branches
             self._end(child)
-        if s.parent is not None and s.parent in self.sessions:
-            self.sessions[s.parent].children.discard(sid)
-            self.sessions[s.parent].unstarted.discard(sid)
-        del self.sessions[sid]
+        self._forget(s)
+
+    def _observe_gone(self, s: _Session) -> None:
+        """`s` will not send again: its pause never came back (a running session ended with its
+        last answer, done or in flight: an idle pause that never came back)."""
+        if s.state in ("paused", "waiting") and s.keys:
+            self.model.observe_end(s.keys)
+        elif s.state == "running":
+            self.model.observe_end(_idle_keys(s))
+
+    def _forget(self, s: _Session) -> None:
+        """Drop `s`, and its place among its parent's children."""
+        parent = self.sessions.get(s.parent) if s.parent is not None else None
+        if parent is not None:
+            parent.children.discard(s.sid)
+            parent.unstarted.discard(s.sid)
+        del self.sessions[s.sid]
 
     # ------------------------------------------------------------ predictions and hints
 
@@ -637,18 +647,10 @@ class SessionPolicy:
             return
         busy = {i.owner for i in self._outbox.values()} | {i.owner for i in self._sent.values()}
         for s in quiet:
-            if s.sid in busy:
-                continue
-            if s.state in ("paused", "waiting") and s.keys:  # as _end: a pause that never came back
-                self.model.observe_end(s.keys)
-            elif s.state == "running":
-                self.model.observe_end(_idle_keys(s))
-            parent = self.sessions.get(s.parent) if s.parent is not None else None
-            if parent is not None:
-                parent.children.discard(s.sid)
-                parent.unstarted.discard(s.sid)
-            del self.sessions[s.sid]
-            self._count("forgotten")
+            if s.sid not in busy:
+                self._observe_gone(s)  # as at SessionEnded
+                self._forget(s)
+                self._count("forgotten")
 
     def drain(self, now: Optional[float] = None) -> list[pb.Hint]:
         """Take the queued hints the rate limit allows now: Releases first, then keeps
