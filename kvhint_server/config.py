@@ -71,6 +71,9 @@ class ServerConfig:
     max_hint_id_length: int = 128
     # Block hashes per BlockHashSelector.
     max_block_hashes_per_selector: int = 4096
+    # Block hashes over all of one ApplyHints batch's selectors: a batch's engine
+    # work grows with them, and it runs as one engine-thread task.
+    max_block_hashes_per_batch: int = 4096
     # Largest page for paginated RPCs, and the default page.
     max_page_size: int = 1024
     default_page_size: int = 256
@@ -125,6 +128,11 @@ class ServerConfig:
     # may be queued at once; past it an RPC fails RESOURCE_EXHAUSTED with
     # RetryInfo, having changed nothing.
     max_pending_tasks: int = 1024
+    # WatchEvents streams open at once (snapshots included), in all and, with
+    # tenancy, per tenant (admins included); past either a new stream fails
+    # RESOURCE_EXHAUSTED at once (kvhint_server/watch.py).
+    max_watch_streams: int = 1024
+    max_watch_streams_per_tenant: int = 64
     # Engine time per step for queued RPC tasks, in ms (at least one task per
     # step runs; the rest waits for the next step). 0: no budget.
     step_apply_budget_ms: float = 10.0

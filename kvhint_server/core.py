@@ -20,6 +20,13 @@ it happened, as BlocksStored / BlocksRemoved / AllBlocksCleared /
 MembershipChanged (the index's leave listener). `resident[tier]` mirrors the
 published residency of every block, tracked or not, so snapshots can list it
 without a walk over the engine's cache.
+
+Tenancy: every event is tagged, as it is published, with the tenants whose
+subscriptions get it (tenant_guard.TenantRouter). The core adds what an event's
+sessions cannot tell: a removal reaches every tenant with a member of the block
+(an event names at most 16) or shown the block resident without holding it now
+(`_shown_tenants`), and a PinBroken each tenant whose grant broke, with its own
+blocks (`drop_grants` returns the owners: EndedGrants).
 """
 
 from __future__ import annotations
@@ -48,13 +55,14 @@ from .events import (
     TierTransferCompleted,
 )
 from .executor import HintExecutor
-from .index import LeaveCause, Removal, SessionPrefixIndex
+from .index import MAX_MEMBERS_REPORTED, LeaveCause, Node, Removal, SessionPrefixIndex
 from .journal import ResidencyJournal
 from .model import EngineInfo, RemovalCause, RequestCoords, RetentionView, Tier, session_of_owner
 from .operations import OperationRegistry
 from .overload import OverloadStats, QueueFull, queue_retry_after
 from .queries import Queries
 from .retention import RetentionLedger
+from .tenant_guard import TenantRouter
 
 log = logging.getLogger("kvhint.core")
 T = TypeVar("T")
@@ -105,6 +113,18 @@ class KvHintCore:
         # (≈ allocation order) is several times faster than a set's hash order.
         self.resident: dict[Tier, dict[bytes, None]] = {t: {} for t in Tier}
         self.bus = EventBus(config.event_replay_window, clock=wall)
+        # With tenancy: tags every event with the tenants whose subscriptions may receive it,
+        # once, where it is published (tenant_guard.TenantRouter).
+        self.router = TenantRouter(config.tenants) if config.tenants is not None else None
+        self.bus.route = self.router
+        # With tenancy: block -> tenants whose subscriptions were shown it resident although
+        # none of their sessions may be a member of it (now or any more): a BlocksStored that
+        # named their session lists blocks their session is not a member of, or their session
+        # left it (MembershipChanged) while it stayed resident. Their followers hold it until
+        # its removal, which must reach them too (`_removal_tenants`). Kept with the index (its
+        # bookkeeping paths); an entry goes with the block's last copy (bounded by the resident
+        # blocks), and exists only where such a tenant is not a member.
+        self._shown_tenants: dict[bytes, frozenset[str]] = {}
         self.operations = OperationRegistry(self.bus, config.operation_history)
         self.ledger = RetentionLedger(0)
         self._adapter: EngineAdapter | None = None
@@ -207,9 +227,13 @@ class KvHintCore:
         pending = self.pending_tasks()
         if bounded and pending >= self.config.max_pending_tasks:
             self.overload.queue_full += 1
-            future.set_exception(QueueFull(pending, self.config.max_pending_tasks, queue_retry_after(self._recent_wait)))
+            future.set_exception(QueueFull(pending, self.config.max_pending_tasks, self.queue_retry_after()))
             return True
         return False
+
+    def queue_retry_after(self) -> float:
+        """The RetryInfo delay for a refused task: how long tasks recently waited, bounded."""
+        return queue_retry_after(self._recent_wait)
 
     def pending_tasks(self) -> int:
         """Tasks and slices queued now (the queue-depth metric)."""
@@ -312,24 +336,24 @@ class KvHintCore:
     def retention(self, h: bytes) -> RetentionView:
         return self.ledger.view(h, self.monotonic())
 
-    def drop_grants(self, hashes: Iterable[bytes]) -> list[str]:
+    def drop_grants(self, hashes: Iterable[bytes]) -> EndedGrants:
         """Engine thread, where the blocks' last device copies left (before the removal is
         recorded): their retention grants end now, whether the removal's bookkeeping runs
-        inline or deferred. Returns the sessions of the grants' owners, first seen first.
-        Pass `grants_dropped=True` to the `on_removed` / `on_pin_broken` / `on_cleared`
-        that books the same change."""
+        inline or deferred. Returns the sessions of the grants' owners, first seen first, with
+        each block's owners (EndedGrants). Pass `grants_dropped=True` to the `on_removed` /
+        `on_cleared` that books the same change; pass the result itself to `on_pin_broken`."""
         ledger = self.ledger
-        sessions: list[str] = []
+        ended = EndedGrants()
         grants = ledger.grants
         if not grants:
-            return sessions
+            return ended
         for h in filter(grants.__contains__, hashes):  # most removed blocks hold no grant
-            _add_sessions(sessions, ledger.drop_block(h))
-        return sessions
+            ended.add(h, ledger.drop_block(h))
+        return ended
 
     def end_device_grants(
         self, hashes: Sequence[bytes], cause: RemovalCause, lower_tiers: Callable[[bytes], int] | None
-    ) -> list[str]:
+    ) -> EndedGrants:
         """Engine thread, where the blocks' last device copies left: `drop_grants`, except that
         a block evicted (to make room, or reclaimed after a Demote) while a lower tier that
         honours retention (TierInfo.honours_retention) holds a copy keeps its retained grants,
@@ -345,10 +369,10 @@ class KvHintCore:
         for h in hashes:
             if h in grants:
                 (held if lower_tiers(h) & lower else gone).append(h)
-        sessions = self.drop_grants(gone)
+        ended = self.drop_grants(gone)
         for h in held:
-            _add_sessions(sessions, self.ledger.drop_pins(h))
-        return sessions
+            ended.add(h, self.ledger.drop_pins(h))
+        return ended
 
     def clear_grants(self) -> None:
         """Engine thread: the device cache was cleared; every grant ends now (see
@@ -396,6 +420,11 @@ class KvHintCore:
             members = self._members(tracked[-1]) if tracked else ()
             coordinates = Coordinates("", "", members) if members else NO_COORDINATES
         sessions = members if not coordinates.session_id else (coordinates.session_id, *members)
+        tenants = None
+        if self.router is not None:
+            tenants = self.router.tenants_of(sessions)
+            if tenants:
+                self._note_shown(hashes, tenants, coordinates.session_id)
         self.bus.publish(
             BlocksStored(
                 tier=tier,
@@ -409,6 +438,7 @@ class KvHintCore:
             ),
             sessions=sessions,
             tier=tier,
+            tenants=tenants,
         )
         index, config = self.index, self.config
         if (
@@ -454,32 +484,42 @@ class KvHintCore:
         block_size = self.info.block_size
         nodes = self.index.nodes
         mark_removed = self.index.mark_removed
+        router = self.router
         resident = self.resident[tier]
         for h in hashes:
             resident.pop(h, None)
-        # (run key, removal of the run's first block, hashes, prefix tokens)
-        runs: list[tuple[object, Removal | None, list[bytes], list[int]]] = []
+        # (run key without the tenants, removal of the run's first block, hashes, prefix tokens,
+        # with tenancy the tenants beyond the named sessions' that the run's removal reaches)
+        runs: list[tuple[object, Removal | None, list[bytes], list[int], frozenset[str] | None]] = []
         last_key: object = None
         run_hashes: list[bytes] = []
         run_tokens: list[int] = []
         for h in hashes:
-            removal = mark_removed(h, tier) if h in nodes else None
+            node = nodes.get(h)
+            extra = None if router is None else self._removal_tenants(h, node)
+            removal = None if node is None else mark_removed(h, tier)
             if removal is None:
-                key: object = remaining_tiers(h) == 0 if remaining_tiers else True
+                base: object = remaining_tiers(h) == 0 if remaining_tiers else True
                 tokens = 0
             else:
-                key = removal[2:]  # (last_copy, admit_session, admit_continuation, sessions)
+                base = removal[2:]  # (last_copy, admit_session, admit_continuation, sessions)
                 tokens = (removal.position + 1) * block_size
+            key = base if extra is None else (base, extra)
             if runs and key == last_key:
                 run_hashes.append(h)
                 run_tokens.append(tokens)
             else:
                 run_hashes, run_tokens = [h], [tokens]
-                runs.append((key, removal, run_hashes, run_tokens))
+                runs.append((base, removal, run_hashes, run_tokens, extra))
                 last_key = key
-        for key, removal, run, prefix_tokens in runs:
+        shown = self._shown_tenants
+        if shown:
+            for h in hashes:
+                if h in shown and not self.tiers_of(h):
+                    del shown[h]  # gone everywhere
+        for base, removal, run, prefix_tokens, extra in runs:
             if removal is None:
-                coords, last_copy = NO_COORDINATES, bool(key)
+                coords, last_copy = NO_COORDINATES, bool(base)
             else:
                 coords = Coordinates(removal.admit_session or "", removal.admit_continuation or "", removal.sessions)
                 last_copy = removal.last_copy
@@ -488,7 +528,22 @@ class KvHintCore:
                 BlocksRemoved(tier, medium, tuple(run), tuple(prefix_tokens), coords, cause, last_copy),
                 sessions=sessions,
                 tier=tier,
+                tenants=None if extra is None or router is None else extra | router.tenants_of(sessions),
             )
+
+    def _removal_tenants(self, h: bytes, node: Node | None) -> frozenset[str] | None:
+        """With tenancy, before a copy of `h` is marked removed: the tenants its removal must
+        reach besides those of the sessions the event names (at most MAX_MEMBERS_REPORTED
+        members): every member's when it has more, and those whose sessions left it while it
+        stayed resident or were shown it stored (`_note_shown`). None: the named sessions'
+        alone. O(members) for a block with more."""
+        assert self.router is not None
+        extra = self._shown_tenants.get(h)
+        members = node.members if node is not None else None
+        if members.__class__ is set and len(members) > MAX_MEMBERS_REPORTED:  # type: ignore[arg-type]
+            wide = self.router.tenants_of(members)  # type: ignore[arg-type]
+            extra = wide if extra is None else extra | wide
+        return extra
 
     def on_cleared(self, tier: Tier, grants_dropped: bool = False) -> None:
         self.resident[tier].clear()
@@ -498,15 +553,29 @@ class KvHintCore:
         elif tier.bit & self.lower_retention_tiers and self.ledger.grants:
             device = self.resident[Tier.DEVICE]  # grants that outlived their device copy end with the tier's
             self.drop_grants([h for h in self.ledger.grants if h not in device])
+        shown = self._shown_tenants
+        if shown:
+            for h in [h for h in shown if not self.tiers_of(h)]:
+                del shown[h]
         self.bus.publish(AllBlocksCleared(tier), sessions=sorted(sessions), tier=tier)
 
     def on_pin_broken(self, hashes: Sequence[bytes], shortfall_blocks: int, sessions: Sequence[str] | None = None) -> None:
         """Pinned blocks are about to be evicted to serve an allocation. Their grants end here,
-        unless the engine thread ended them already and passes the owners' `sessions`
-        (`drop_grants`)."""
+        unless the engine thread ended them already and passes what `drop_grants` returned for
+        them as `sessions`. With tenancy, each tenant whose grant broke (whatever its owner
+        key: session, continuation or block hashes) is shown the event with its own blocks
+        alone (PinBroken.tenant_blocks); a plain list of sessions, which says nothing of the
+        owners, reaches only subscriptions without a tenant's scope."""
         if sessions is None:
             sessions = self.drop_grants(hashes)
-        self.bus.publish(PinBroken(tuple(hashes), tuple(sessions), shortfall_blocks), sessions=sessions)
+        router, tenant_blocks = self.router, ()
+        if router is not None and isinstance(sessions, EndedGrants):
+            tenant_blocks = router.pin_broken(hashes, sessions.owners)
+        self.bus.publish(
+            PinBroken(tuple(hashes), tuple(sessions), shortfall_blocks, tenant_blocks),
+            sessions=sessions,
+            tenants=None if router is None else frozenset(name for name, _ in tenant_blocks),
+        )
 
     def on_transfer(
         self, hashes: Sequence[bytes], from_tier: Tier, to_tier: Tier, bytes_moved: int, operation_id: str = ""
@@ -551,12 +620,57 @@ class KvHintCore:
 
     def _on_leave(self, session: str, blocks: tuple[bytes, ...], cause: LeaveCause) -> None:
         """Index listener: a forgotten session left blocks that stay resident."""
+        tenant = self.router.tenant_of(session) if self.router is not None else None
+        if tenant is not None:  # its follower keeps the blocks: their removal must reach it
+            only = frozenset((tenant,))
+            for h in blocks:
+                self._add_shown(h, only)
         self.bus.publish(MembershipChanged(session, blocks, cause), sessions=(session,))
 
+    def _note_shown(self, hashes: Sequence[bytes], tenants: frozenset[str], session: str) -> None:
+        """With tenancy, as a BlocksStored tagged `tenants` is published: their followers hold
+        every one of `hashes` resident on its tier now. Remember the tenants that have no member
+        of a block, so that its removal reaches them. `session`: the storing session ("": none),
+        a member of every one of them. Per block, its members are walked until the other
+        tenants named are found among them (O(members) for a block one of them is not on)."""
+        router = self.router
+        assert router is not None
+        own = router.tenant_of(session) if session else None
+        rest = tenants - {own} if own in tenants else tenants
+        if not rest:
+            return  # the usual store: one tenant's session, now a member of every block
+        nodes = self.index.nodes
+        for h in hashes:
+            node = nodes.get(h)
+            members = None if node is None else node.members
+            missing = rest if members is None else router.absent(rest, (members,) if members.__class__ is str else members)  # type: ignore[arg-type]
+            if missing:
+                self._add_shown(h, missing)
 
-def _add_sessions(sessions: list[str], owners: Iterable[str]) -> None:
-    """Append the sessions of retention `owners` not in `sessions` yet (first seen first)."""
-    for owner in owners:
-        s = session_of_owner(owner)
-        if s is not None and s not in sessions:
-            sessions.append(s)
+    def _add_shown(self, h: bytes, tenants: frozenset[str]) -> None:
+        shown = self._shown_tenants
+        before = shown.get(h)
+        shown[h] = tenants if before is None or before == tenants else before | tenants
+
+
+class EndedGrants(list[str]):
+    """The grants `drop_grants` / `end_device_grants` ended: the sessions of their owners (the
+    list itself, first seen first, as the event filters know them) and `owners`, block ->
+    the owner keys whose grant on it ended (which tenants' grants a PinBroken broke)."""
+
+    __slots__ = ("owners",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owners: dict[bytes, tuple[str, ...]] = {}
+
+    def add(self, h: bytes, owners: tuple[str, ...]) -> None:
+        """`owners`' grants on `h` ended."""
+        if not owners:
+            return
+        before = self.owners.get(h)
+        self.owners[h] = owners if before is None else before + owners
+        for owner in owners:
+            s = session_of_owner(owner)
+            if s is not None and s not in self:
+                self.append(s)

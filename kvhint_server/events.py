@@ -12,6 +12,11 @@ Contract (docs/design.md §6):
     (the caller must resync).
   * `publish` never blocks on subscribers: it takes one short lock and pokes
     registered wake hooks, which must be cheap and non-blocking.
+  * With tenancy, every event is tagged once, when published, with the tenants
+    whose subscriptions may receive it (`Event.tenants`): the publisher's
+    explicit tag, or else what `route` (tenant_guard.TenantRouter) derives from
+    the payload and its sessions. Subscriptions select by that tag; none of them
+    re-derives it.
 
 Publishers run on the engine thread; readers run on the gRPC thread.
 """
@@ -84,6 +89,10 @@ class PinBroken(NamedTuple):
     block_hashes: tuple[bytes, ...]
     session_ids: tuple[str, ...]
     shortfall_blocks: int
+    # With tenancy: (tenant name, the blocks whose broken grants were that tenant's), one entry
+    # per tenant that held any (session, continuation or block-hash grants alike). A tenant's
+    # subscription is shown its own blocks alone (tenant_guard.WatchScope.event_bytes).
+    tenant_blocks: tuple[tuple[str, tuple[bytes, ...]], ...] = ()
 
 
 class HintApplied(NamedTuple):
@@ -146,8 +155,14 @@ class Event:
     # For filtering: sessions the event concerns, and its tier (None: no tier).
     sessions: tuple[str, ...]
     tier: Tier | None
+    # With tenancy: the tenants whose subscriptions may receive it, tagged once when published
+    # (None: not tagged, no tenancy; such an event reaches no tenant's subscription).
+    tenants: frozenset[str] | None = None
     # Serialized wire form, built once on first delivery (gRPC thread only).
     wire: bytes | None = field(default=None, compare=False)
+    # A tenant's view of the wire form when it differs (foreign ids cut), built once per tenant
+    # on first delivery (gRPC thread only; tenant_guard.WatchScope.event_bytes).
+    views: dict[str, bytes] | None = field(default=None, compare=False)
 
 
 class EventBus:
@@ -161,6 +176,9 @@ class EventBus:
         self._last = 0
         self._lock = threading.Lock()
         self._wake_hooks: list[Callable[[], None]] = []
+        # With tenancy: route(payload, sessions) -> the tenants an untagged event reaches
+        # (tenant_guard.TenantRouter, set by the core); None: events are not tagged.
+        self.route: Callable[[Payload, tuple[str, ...]], frozenset[str]] | None = None
 
     @property
     def last_sequence(self) -> int:
@@ -178,12 +196,19 @@ class EventBus:
         if hook in self._wake_hooks:
             self._wake_hooks.remove(hook)
 
-    def publish(self, payload: Payload, sessions: Sequence[str] = (), tier: Tier | None = None) -> int:
+    def publish(
+        self, payload: Payload, sessions: Sequence[str] = (), tier: Tier | None = None, tenants: frozenset[str] | None = None
+    ) -> int:
+        """Append an event. `tenants`: its tenant tag when the publisher knows more than its
+        sessions tell (see the module docstring); otherwise `route` derives it."""
         now = self._clock()
+        sessions = tuple(sessions)
+        if tenants is None and self.route is not None:
+            tenants = self.route(payload, sessions)
         with self._lock:
             self._last += 1
             seq = self._last
-            self._ring[seq % self.replay_window] = Event(seq, now, _KIND_OF[type(payload)], payload, tuple(sessions), tier)
+            self._ring[seq % self.replay_window] = Event(seq, now, _KIND_OF[type(payload)], payload, sessions, tier, tenants)
         for hook in self._wake_hooks:
             hook()
         return seq

@@ -63,7 +63,10 @@ class BatchApplied(NamedTuple):
 class HintExecutor:
     def __init__(self, core: KvHintCore) -> None:
         self.core = core
-        self._seen: OrderedDict[str, tuple[bytes, HintResult]] = OrderedDict()
+        # Hint ids remembered for idempotency, per scope (a tenant's name, "" without tenancy or
+        # for an admin): each scope keeps its own idempotency_window most recent ids, so one
+        # tenant's traffic cannot push another's ids out of the window.
+        self._seen: dict[str, OrderedDict[str, tuple[bytes, HintResult]]] = {}
         # The calling tenant's guard during a batch (tenant_guard.py); None: no tenancy or an admin.
         self._guard: TenantGuard | None = None
 
@@ -95,7 +98,7 @@ class HintExecutor:
             spec, item, wire = p.spec, p.item, p.wire
             hint_id = item.hint_id if hint_id_bindable(item.hint_id, self.core.config) else ""
             fingerprint = spec.fingerprint if spec is not None else (hint_fingerprint(wire) if hint_id else b"")
-            result = self._replay(hint_id, fingerprint, self._guard.id_key(hint_id) if self._guard and hint_id else hint_id)
+            result = self._replay(hint_id, fingerprint)
             if result is not None and result.replayed:
                 results.append(result)  # seen before: not again, no new event
                 messages.append(wire_format.hint_result(result))
@@ -116,31 +119,33 @@ class HintExecutor:
                         )
                         failed = True
                 if hint_id and not failed:  # a failed hint is not remembered: re-sending it applies it again
-                    self._remember(self._guard.id_key(hint_id) if self._guard else hint_id, fingerprint, result)
+                    self._remember(hint_id, fingerprint, result)
             message = wire_format.hint_result(result)
             self.core.bus.publish(HintApplied(wire, result, message, self._scope), sessions=_sessions_of(item, wire))
             results.append(result)
             messages.append(message)
         return BatchApplied(results, self.core.bus.last_sequence, messages)
 
-    def _replay(self, hint_id: str, fingerprint: bytes, key: str) -> HintResult | None:
+    def _replay(self, hint_id: str, fingerprint: bytes) -> HintResult | None:
         if not hint_id:
             return None
-        seen = self._seen.get(key)
-        if seen is None:
+        seen = self._seen.get(self._scope)
+        first_seen = seen.get(hint_id) if seen is not None else None
+        if seen is None or first_seen is None:
             return None
-        first_fingerprint, first = seen
+        first_fingerprint, first = first_seen
         if first_fingerprint != fingerprint:
             return HintResult.rejected(
                 hint_id, Reason.HINT_ID_CONFLICT, f"hint_id {excerpt(hint_id)} was already used for a different hint"
             )
-        self._seen.move_to_end(key)
+        seen.move_to_end(hint_id)
         return dataclasses.replace(first, replayed=True)
 
     def _remember(self, hint_id: str, fingerprint: bytes, result: HintResult) -> None:
-        self._seen[hint_id] = (fingerprint, result)
-        while len(self._seen) > self.core.config.idempotency_window:
-            self._seen.popitem(last=False)
+        seen = self._seen.setdefault(self._scope, OrderedDict())
+        seen[hint_id] = (fingerprint, result)
+        while len(seen) > self.core.config.idempotency_window:
+            seen.popitem(last=False)
 
     # ------------------------------------------------------------ resolution
 

@@ -6,7 +6,8 @@ Contract:
     unlimited) are token buckets, one per principal (`principal_of`). A bucket
     holds at most `burst` tokens and refills at `rate` tokens per second, so in
     any interval of t seconds a principal is admitted at most rate*t + burst
-    tokens. ApplyHints costs one token per hint; QueryResidency, ListSessions
+    tokens. ApplyHints costs one token per hint (validation.apply_cost: a
+    block_hashes selector one per 64 of its hashes); QueryResidency, ListSessions
     and WatchEvents cost one per call; GetCapabilities and GetOperation are
     free (they never touch the engine thread). A call over its limit fails
     RESOURCE_EXHAUSTED (ErrorInfo reason REASON_RESOURCE_EXHAUSTED, metadata
@@ -40,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .credentials import RepeatedAuthorization, authorization
+
 #: Causes in ErrorInfo.metadata["cause"] and the rejections metric's label.
 CAUSE_QUEUE_FULL = "queue_full"
 CAUSE_RATE_LIMITED = "rate_limited"
@@ -51,11 +54,15 @@ MIN_QUEUE_RETRY_S, MAX_QUEUE_RETRY_S = 0.005, 1.0
 MAX_PRINCIPALS = 65_536
 
 
-class QueueFull(RuntimeError):
-    """The engine-thread queue is at its bound; nothing was queued."""
+#: The part of KVHINT_MAX_PENDING_TASKS one tenant's tasks may hold (TenantQueueShares).
+TENANT_QUEUE_SHARE = 0.5
 
-    def __init__(self, pending: int, bound: int, retry_after: float) -> None:
-        super().__init__(f"the engine queue is full ({pending} tasks pending, bound {bound})")
+
+class QueueFull(RuntimeError):
+    """The engine-thread queue (or the calling tenant's share of it) is at its bound; nothing was queued."""
+
+    def __init__(self, pending: int, bound: int, retry_after: float, queue: str = "the engine queue") -> None:
+        super().__init__(f"{queue} is full ({pending} tasks pending, bound {bound})")
         self.pending = pending
         self.bound = bound
         self.retry_after = retry_after
@@ -78,10 +85,14 @@ def principal_of(context: Any) -> str:
     peer's host (port dropped: a client's reconnects stay one principal).
     With tenancy, the servicer keys buckets by the tenant name instead.
     """
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            raw = value.encode() if isinstance(value, str) else bytes(value)
-            return "token:" + hashlib.sha256(raw).hexdigest()[:16]
+    try:
+        value = authorization(context.invocation_metadata())
+    except RepeatedAuthorization:  # refused by the interceptors; without auth, one key for every value
+        value = b"\n".join(v.encode() if isinstance(v, str) else bytes(v)
+                           for k, v in context.invocation_metadata() if k == "authorization")
+    if value is not None:
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        return "token:" + hashlib.sha256(raw).hexdigest()[:16]
     peer = context.peer() or ""
     kind, _, rest = peer.partition(":")
     if kind in ("ipv4", "ipv6"):
@@ -188,6 +199,40 @@ class RateLimiter:
                 bucket.give_back(cost)
 
 
+class TenantQueueShares:
+    """Each tenant's share of the engine-thread queue: at most TENANT_QUEUE_SHARE of its bound
+    (rounded up) of one tenant's tasks queued or running at once, so one tenant's bursts cannot
+    fill the queue that every other tenant's calls wait in. Entered on the RPC loop before a task
+    is submitted, left when its future is done (the engine thread, or at once when refused);
+    thread-safe."""
+
+    def __init__(self, queue_bound: int, share: float = TENANT_QUEUE_SHARE) -> None:
+        self.bound = max(1, math.ceil(queue_bound * share))
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    def enter(self, tenant: str) -> int | None:
+        """Take a place for one of `tenant`'s tasks: None, or the tasks it holds when its share is full."""
+        with self._lock:
+            held = self._held.get(tenant, 0)
+            if held >= self.bound:
+                return held
+            self._held[tenant] = held + 1
+            return None
+
+    def leave(self, tenant: str) -> None:
+        with self._lock:
+            held = self._held.get(tenant, 0) - 1
+            if held > 0:
+                self._held[tenant] = held
+            else:
+                self._held.pop(tenant, None)
+
+    def held(self, tenant: str) -> int:
+        with self._lock:
+            return self._held.get(tenant, 0)
+
+
 def queue_retry_after(recent_wait_s: float) -> float:
     """RetryInfo for a full queue: how long tasks recently waited, bounded."""
     return min(MAX_QUEUE_RETRY_S, max(MIN_QUEUE_RETRY_S, recent_wait_s))
@@ -196,6 +241,8 @@ def queue_retry_after(recent_wait_s: float) -> float:
 __all__ = [
     "CAUSE_QUEUE_FULL",
     "CAUSE_RATE_LIMITED",
+    "TENANT_QUEUE_SHARE",
+    "TenantQueueShares",
     "OverloadStats",
     "QueueFull",
     "RateLimiter",

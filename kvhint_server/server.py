@@ -25,6 +25,7 @@ from kvhint.v1 import kvhint_pb2
 
 from .config import ConfigError, ServerConfig, env_name
 from .core import KvHintCore, TaskFuture
+from .credentials import RepeatedAuthorization, authorization
 from .metrics import KvHintMetrics, MetricsExporter, serve_metrics, stop_metrics
 from .servicer import SERVICE, KvHintServicer, generic_handler
 from .tenancy import TenantAuth
@@ -35,9 +36,10 @@ _REFLECTION_PREFIX = "/grpc.reflection."
 
 
 class _BearerAuth(grpc.aio.ServerInterceptor):
-    """Rejects RPCs without `authorization: Bearer <token>` (health and
-    reflection stay open, so probes and `buf curl` discovery work). The
-    header is compared in constant time (hmac.compare_digest)."""
+    """Rejects RPCs without `authorization: Bearer <token>`, or with more than
+    one `authorization` header (health and reflection stay open, so probes and
+    `buf curl` discovery work). The header is compared in constant time
+    (hmac.compare_digest)."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
@@ -55,8 +57,10 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
         method = details.method or ""
         if method.startswith(_HEALTH_PREFIX) or method.startswith(_REFLECTION_PREFIX):
             return await continuation(details)
-        metadata = dict(details.invocation_metadata or ())
-        presented = metadata.get("authorization", "")
+        try:
+            presented = authorization(details.invocation_metadata)
+        except RepeatedAuthorization:
+            return self._deny
         if isinstance(presented, str) and hmac.compare_digest(presented.encode(), self._expected):
             return await continuation(details)
         return self._deny

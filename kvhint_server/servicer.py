@@ -28,11 +28,11 @@ from .config import ServerConfig
 from .core import EngineStopped, KvHintCore, TaskFuture
 from .errors import RpcError, excerpt, invalid_argument, not_found, resource_exhausted, unavailable
 from .model import Reason
-from .overload import CAUSE_QUEUE_FULL, CAUSE_RATE_LIMITED, QueueFull, RateLimiter, principal_of
+from .overload import CAUSE_QUEUE_FULL, CAUSE_RATE_LIMITED, QueueFull, RateLimiter, TenantQueueShares, principal_of
 from .page_tokens import PageTokens
 from . import tenant_guard
 from .tenancy import Tenant, current_principal
-from .validation import check_apply_batch_size, check_request_id, parse_hints, parse_query_selector, parse_query_tiers, validate_watch_request
+from .validation import apply_cost, check_apply_batch_size, check_request_id, parse_hints, parse_query_selector, parse_query_tiers, validate_watch_request
 from .watch import WatchHub
 
 if TYPE_CHECKING:
@@ -64,6 +64,8 @@ class KvHintServicer:
         self.metrics: KvHintMetrics | None = None
         # Tenancy (tenancy.py, tenant_guard.py): None without KVHINT_TENANTS_FILE.
         self.tenants = config.tenants
+        # Each tenant's share of the engine-thread queue (overload.py); None without tenancy.
+        self.queue_shares = TenantQueueShares(config.max_pending_tasks) if self.tenants is not None else None
 
     def _scoped(self) -> Tenant | None:
         """The calling tenant when its view is limited (None: no tenancy, or an admin)."""
@@ -105,7 +107,21 @@ class KvHintServicer:
         return await self._await_engine(self._submit(fn), context)
 
     def _submit(self, fn: Callable[[], T]) -> TaskFuture[T]:
-        return self.core.submit(fn, bounded=True)
+        """`fn` on the engine thread, bounded by the queue and, for a tenant, by its share of it
+        (QueueFull either way: nothing queued)."""
+        tenant = self._scoped()
+        if tenant is None or self.queue_shares is None:
+            return self.core.submit(fn, bounded=True)
+        held = self.queue_shares.enter(tenant.name)
+        if held is not None:
+            self.core.overload.queue_full += 1
+            refused: TaskFuture[T] = TaskFuture()
+            refused.set_exception(QueueFull(held, self.queue_shares.bound, self.core.queue_retry_after(),
+                                            queue=f"tenant {tenant.name!r}'s share of the engine queue"))
+            return refused
+        future = self.core.submit(fn, bounded=True)
+        future.add_done_callback(lambda _: self.queue_shares.leave(tenant.name))  # type: ignore[union-attr]
+        return future
 
     async def _await_engine(self, future: TaskFuture[T], context: grpc.aio.ServicerContext) -> T:
         """The engine task's result, bounded by the RPC deadline and engine_task_timeout_s. A task
@@ -140,7 +156,7 @@ class KvHintServicer:
 
     async def _apply_hints(self, request: pb.ApplyHintsRequest, context: grpc.aio.ServicerContext) -> pb.ApplyHintsResponse:
         check_apply_batch_size(request, self.config)  # refused as a whole: no rate-limit tokens spent
-        cost = len(request.hints)
+        cost = apply_cost(request)
         principal = self._rate_limit(context, cost)
         parsed = parse_hints(request.hints, self.config, self.core.info)  # per-hint problems are results
         tenant = self._scoped()
@@ -234,9 +250,11 @@ class KvHintServicer:
         scope = tenant_guard.WatchScope(tenant, self.tenants) if tenant is not None and self.tenants is not None else None
         if scope is not None:
             scope.check_filter(request.filter.session_ids)
+        principal = current_principal() if self.tenants is not None else None
         try:
-            async for message in self.hub.stream(request, scope):
-                yield message
+            with self.hub.admit(principal.name if principal is not None else None):  # open-stream bounds
+                async for message in self.hub.stream(request, scope):
+                    yield message
         except QueueFull as exc:  # the snapshot's first task, before any message
             raise resource_exhausted(f"{exc}; retry in {exc.retry_after:.3f}s", CAUSE_QUEUE_FULL, exc.retry_after) from None
 

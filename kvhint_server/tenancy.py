@@ -55,6 +55,7 @@ from typing import Any
 
 import grpc
 
+from .credentials import RepeatedAuthorization, authorization
 from .overload import Limit
 
 ENV = "KVHINT_TENANTS_FILE"
@@ -235,6 +236,8 @@ def parse_tenants(data: object, path: str = "<inline>", extra_admin_token: str =
             raise _fail(path, f"{at}.name", "expected a non-empty printable string of at most 64 characters")
         if any(t.name == name for t in tenants):
             raise _fail(path, f"{at}.name", f"duplicate tenant name {name!r}")
+        if name == TOKEN_ADMIN.name:
+            raise _fail(path, f"{at}.name", f"{name!r} is reserved: it names the administrator that KVHINT_AUTH_TOKEN authenticates")
         try:
             role = Role(entry.get("role", "tenant"))
         except ValueError:
@@ -292,7 +295,10 @@ def _wrap(handler: grpc.RpcMethodHandler, tenants: Tenants) -> grpc.RpcMethodHan
     """The same handler, authenticating first and publishing the principal."""
 
     async def principal(request_metadata: Sequence[tuple[str, Any]] | None, context: grpc.aio.ServicerContext) -> Tenant:
-        header = dict(request_metadata or ()).get("authorization")
+        try:
+            header = authorization(request_metadata)
+        except RepeatedAuthorization as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         auth_context = context.auth_context() if tenants.uses_client_identities else None
         tenant = tenants.authenticate(header, auth_context)
         if tenant is None:

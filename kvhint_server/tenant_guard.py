@@ -29,34 +29,46 @@ Rules (a tenant T; "own" = in T's session namespace, tenancy.Tenant.owns):
     lists only T's blocks; ListSessions only sessions in T's namespace.
     Session id lists in answers and events (BlockInfo.session_ids, member
     ids, PinBroken.session_ids, coordinates) are cut to T's sessions.
-  * Events. T's subscription receives an event only when one of the
-    sessions it names is T's; the session-less residency chunk of a snapshot
-    (session "") is left out (T's blocks are in T's session chunks).
+  * Events. T's subscription receives an event only when it is tagged for T
+    (events.Event.tenants), which the publisher computes once per event on the
+    engine thread (TenantRouter): one of the sessions the event names is T's; a
+    removal also when any member of the block at removal time is T's (an event
+    names at most 16 members); a PinBroken when a grant of T's (session,
+    continuation or block-hash) broke, showing T only its own blocks; a
+    HintApplied/OperationCompleted of T's hint alone; AllBlocksCleared always.
+    The session-less residency chunk of a snapshot (session "") is left out
+    (T's blocks are in T's session chunks).
 
 Costs: checks that ask "whose block is this" walk the block's member set
 and grant owners until the answer is known (worst case O(members) for a
-prefix shared by many sessions); budget use is computed once per batch that
-has a Retain/Pin, O(retention grants). Everything here except WatchScope
-runs on the engine thread.
+prefix shared by many sessions; a removal of a block with more members than an
+event names walks them once, on the engine thread); budget use is computed once
+per batch that has a Retain/Pin, O(retention grants), and kept up to date with
+what each Retain/Pin was granted. TenantGuard runs on the engine thread;
+TenantRouter wherever events are published; WatchScope on the server's loop,
+O(1) per event it is not sent.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvhint.v1 import kvhint_pb2 as pb
 
 from . import wire
-from .core import KvHintCore
 from .errors import RpcError, excerpt
-from .events import AllBlocksCleared, BlocksRemoved, BlocksStored, Event, HintApplied, OperationCompleted
-from .model import Action, Clip, HintResult, HintSpec, Reason, Selector, SelectorKind, Tier, tiers_of
+from .events import AllBlocksCleared, Event, HintApplied, OperationCompleted, Payload, PinBroken
+from .model import Action, Clip, HintResult, HintSpec, Reason, Selector, SelectorKind, tiers_of
 from .operations import Operation
 from .queries import Residency
 from .tenancy import Tenant, Tenants
+
+if TYPE_CHECKING:
+    from .core import KvHintCore
 
 
 def permission_denied(message: str, field: str) -> RpcError:
@@ -146,11 +158,13 @@ class TenantGuard:
         self.core = core
         self.tenants = tenants
         self.tenant = tenant
+        # (blocks the tenant pins, blocks it protects), counted once per batch and kept up to date.
         self._use: tuple[set[bytes], set[bytes]] | None = None
-
-    def id_key(self, hint_id: str) -> str:
-        """The idempotency key of a hint id (scoped to the tenant)."""
-        return f"{self.tenant.name}\x00{hint_id}"
+        # What the last Retain/Pin added to `_use` before the executor granted it: (its owner,
+        # blocks newly protected, blocks newly pinned). The engine-wide pin budget may clip a Pin
+        # after this guard counted it, so the next Retain/Pin first keeps only what the ledger
+        # shows was granted (`_settle_counted`).
+        self._counted: tuple[str, list[bytes], list[bytes]] | None = None
 
     def admit(self, spec: HintSpec) -> HintSpec | HintResult:
         """The spec to apply (block hashes narrowed to the tenant's), or a
@@ -198,6 +212,9 @@ class TenantGuard:
         if self._use is None:
             self.core.expire_retention()
             self._use = budget_use(self.core, self.tenants)[tenant.name]
+            self._counted = None
+        elif self._counted is not None:
+            self._settle_counted()
         pinned, protected = self._use
         requested = len(hashes)
         budgets = []
@@ -211,6 +228,11 @@ class TenantGuard:
             if len(hashes) < before:
                 clips.append(Clip.of_blocks(reason, f"tenant {tenant.name!r} {name} budget of {budget} blocks: "
                                                     f"{verb} {len(hashes)} of {requested}", requested, len(hashes)))
+        self._counted = (
+            spec.selector.owner,
+            [h for h in hashes if h not in protected],
+            [h for h in hashes if h not in pinned] if spec.action is Action.PIN else [],
+        )
         protected.update(hashes)
         if spec.action is Action.PIN:
             pinned.update(hashes)
@@ -226,6 +248,23 @@ class TenantGuard:
                 ):
                     pinned.discard(h)
         return hashes
+
+    def _settle_counted(self) -> None:
+        """Uncount what the last Retain/Pin added to the tenant's use but was not granted (the
+        engine-wide pin budget clipped the Pin after `clip_budget`, or the hint failed): the
+        blocks it newly counted held no grant of the tenant's before, so each counts now iff
+        the hint's owner holds (a pin on) it."""
+        assert self._use is not None and self._counted is not None
+        (owner, new_protected, new_pinned), self._counted = self._counted, None
+        pinned, protected = self._use
+        grants = self.core.ledger.grants
+        for h in new_protected:
+            if owner not in grants.get(h, ()):
+                protected.discard(h)
+        for h in new_pinned:
+            g = grants.get(h, {}).get(owner)
+            if g is None or not g.pinned:
+                pinned.discard(h)
 
     @staticmethod
     def _within(hashes: list[bytes], held: set[bytes], budget: int) -> list[bytes]:
@@ -282,7 +321,7 @@ def narrow_prefix(tenant: Tenant | None, prefix: str) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------- events (the server's loop)
+# ---------------------------------------------------------------- events
 
 
 def owns_operation(tenant: Tenant, op: Operation) -> bool:
@@ -295,27 +334,100 @@ def owns_operation(tenant: Tenant, op: Operation) -> bool:
     return bool(op.sessions) and all(tenant.owns(s) for s in op.sessions)
 
 
+class TenantRouter:
+    """Which tenants' subscriptions may receive an event: its tag (events.Event.tenants),
+    computed once per event where it is published (the engine thread, or wherever the
+    journal books residency), never per subscription. The tenants file is immutable, so any
+    thread may ask.
+
+    A tenant gets an event when one of the sessions it names is the tenant's; a HintApplied
+    of a tenant's hint, and an OperationCompleted of an operation a tenant's hint started,
+    only that tenant (`owns_operation`); AllBlocksCleared every tenant. The core tags what
+    sessions alone cannot tell (KvHintCore._removal_tenants, on_pin_broken): a removal with
+    the tenants of every member of the block and those shown it resident that hold it no
+    more, a PinBroken with the tenants whose grants broke (`pin_broken`)."""
+
+    def __init__(self, tenants: Tenants) -> None:
+        self._prefixes = tuple((t.session_prefix, t.name) for t in tenants.tenants if not t.admin)
+        self._everyone = frozenset(name for _, name in self._prefixes)
+        self._of_owner = tenants.tenant_of_owner
+
+    def __call__(self, payload: Payload, sessions: Sequence[str]) -> frozenset[str]:
+        kind = payload.__class__
+        if kind is HintApplied and payload.scope:  # type: ignore[union-attr]
+            return frozenset((payload.scope,))  # type: ignore[union-attr]
+        if kind is OperationCompleted:
+            op: Operation = payload.operation  # type: ignore[union-attr]
+            if op.scope:
+                return frozenset((op.scope,))
+            names = {self.tenant_of(s) for s in op.sessions}  # every session one tenant's
+            return frozenset(names) if len(names) == 1 and None not in names else frozenset()
+        if kind is AllBlocksCleared:
+            return self._everyone  # names no session; every follower must drop the tier
+        return self.tenants_of(sessions)
+
+    def tenant_of(self, ident: str) -> str | None:
+        """The name of the (non-admin) tenant whose namespace holds a session/continuation id."""
+        for prefix, name in self._prefixes:
+            if ident.startswith(prefix):
+                return name
+        return None
+
+    def tenants_of(self, ids: Iterable[str]) -> frozenset[str]:
+        """The tenants whose namespaces hold any of `ids` (the walk stops once every tenant is found)."""
+        found: set[str] = set()
+        everyone = len(self._prefixes)
+        for ident in ids:
+            name = self.tenant_of(ident)
+            if name is not None:
+                found.add(name)
+                if len(found) == everyone:
+                    break
+        return frozenset(found)
+
+    def absent(self, tenants: frozenset[str], ids: Iterable[str]) -> frozenset[str]:
+        """Those of `tenants` that none of `ids` belongs to (the walk stops once all are found)."""
+        left = set(tenants)
+        for ident in ids:
+            name = self.tenant_of(ident)
+            if name in left:
+                left.discard(name)
+                if not left:
+                    break
+        return tenants if len(left) == len(tenants) else frozenset(left)
+
+    def pin_broken(
+        self, hashes: Sequence[bytes], owners: Mapping[bytes, Sequence[str]]
+    ) -> tuple[tuple[str, tuple[bytes, ...]], ...]:
+        """(tenant, its blocks) for each tenant whose grant on one of `hashes` ended (`owners`:
+        block -> owner keys of its ended grants), blocks in `hashes` order (PinBroken.tenant_blocks)."""
+        per: dict[str, list[bytes]] = {}
+        of_owner = self._of_owner
+        for h in hashes:
+            for owner in owners.get(h, ()):
+                t = of_owner(owner)
+                if t is None:
+                    continue
+                mine = per.setdefault(t.name, [])
+                if not mine or mine[-1] != h:
+                    mine.append(h)
+        return tuple((name, tuple(blocks)) for name, blocks in per.items())
+
+
 class WatchScope:
-    """One tenant's view of the event stream (one subscription; its coroutine only).
+    """One tenant's view of the event stream (one subscription; the server's loop).
 
-    An event passes when it names one of the tenant's sessions. A removal passes
-    too when it removes a block this stream delivered as stored (or in its
-    snapshot): removals name at most 16 member sessions, so a widely shared
-    block's removal may name none of the tenant's, and a follower of the
-    tenant's stream must still see it go.
-
-    What the stream delivered is remembered per tier (only blocks actually sent)
-    and forgotten when those copies go: every removal and AllBlocksCleared is
-    looked at (`select`), whether or not the stream's own filter passes it, so the
-    memory stays bounded by the tenant's blocks still resident."""
+    An event passes when its tag (events.Event.tenants, set once when published: see
+    TenantRouter) names the tenant; an untagged event (a bus without a router) passes
+    nobody's. Nothing is remembered per subscription, so a stream resumed with
+    START_RESUME selects exactly as the stream it continues: the removal of a block the
+    tenant's follower holds reaches it, wherever the (at most 16) members the event names
+    are."""
 
     def __init__(self, tenant: Tenant, tenants: Tenants) -> None:
         self.tenant = tenant
         # Retention owner keys that are the tenant's (its snapshot shows only those grants).
         self.owned = grants_of(tenants, tenant)
-        # Block hash -> tier bitmask of the copies this stream reported stored (or in its
-        # snapshot) and not yet reported gone.
-        self._delivered: dict[bytes, int] = {}
 
     def check_filter(self, session_ids: Iterable[str]) -> None:
         for i, s in enumerate(session_ids):
@@ -324,62 +436,27 @@ class WatchScope:
                     f"{excerpt(s)} is outside tenant {self.tenant.name!r}'s namespace", f"filter.session_ids[{i}]"
                 )
 
-    def select(self, ev: Event, wanted: bool) -> bool:
-        """Whether to send `ev` on this stream; `wanted`: the stream's own filter
-        passes it. Keeps the removal bookkeeping for every event, wanted or not."""
-        p = ev.payload
-        if isinstance(p, BlocksRemoved):
-            seen = self._forget(p)
-            return wanted and (seen or any(self.tenant.owns(s) for s in ev.sessions))
-        if isinstance(p, AllBlocksCleared):
-            self._clear(p.tier)
-            return wanted  # names no session; every follower must drop the tier
-        if not wanted:
-            return False
-        if isinstance(p, HintApplied) and p.scope:
-            return p.scope == self.tenant.name  # a tenant's hint: its sender's alone
-        if isinstance(p, OperationCompleted):
-            return owns_operation(self.tenant, p.operation)
-        mine = any(self.tenant.owns(s) for s in ev.sessions)
-        if mine and isinstance(p, BlocksStored):
-            bit, delivered = p.tier.bit, self._delivered
-            for h in p.block_hashes:
-                delivered[h] = delivered.get(h, 0) | bit
-        return mine
-
-    def _forget(self, p: BlocksRemoved) -> bool:
-        """The removed copies are gone; whether any removed block was delivered."""
-        delivered = self._delivered
-        seen = False
-        keep = ~p.tier.bit
-        for h in p.block_hashes:
-            mask = delivered.get(h)
-            if mask is None:
-                continue
-            seen = True
-            mask &= keep
-            if p.last_copy or not mask:
-                del delivered[h]
-            else:
-                delivered[h] = mask
-        return seen
-
-    def _clear(self, tier: Tier) -> None:
-        keep = ~tier.bit
-        delivered = self._delivered
-        for h, mask in list(delivered.items()):
-            mask &= keep
-            if mask:
-                delivered[h] = mask
-            else:
-                del delivered[h]
+    def visible(self, events: Sequence[Event]) -> list[Event]:
+        """The events tagged for this tenant, in order (one set lookup each)."""
+        name = self.tenant.name
+        return [ev for ev in events if ev.tenants is not None and name in ev.tenants]
 
     def event_bytes(self, ev: Event, epoch: str) -> bytes:
-        """The event as this tenant may see it: foreign session ids cut out."""
+        """The event as this tenant may see it: foreign session ids cut out, a PinBroken's
+        blocks cut to the tenant's own. A cut view is built once per tenant and event."""
+        name = self.tenant.name
+        views = ev.views
+        if views is not None and name in views:
+            return views[name]
         shared = wire.event_bytes(ev, epoch)
         owns = self.tenant.owns
-        coords = getattr(ev.payload, "coordinates", None)
-        if all(owns(s) for s in ev.sessions) and (coords is None or not coords.continuation_id or owns(coords.continuation_id)):
+        p = ev.payload
+        coords = getattr(p, "coordinates", None)
+        if (
+            all(owns(s) for s in ev.sessions)
+            and (coords is None or not coords.continuation_id or owns(coords.continuation_id))
+            and (p.__class__ is not PinBroken or p.tenant_blocks == ((name, p.block_hashes),))  # type: ignore[union-attr]
+        ):
             return shared
         msg = pb.WatchEventsResponse.FromString(shared)
         which = msg.WhichOneof("payload")
@@ -393,17 +470,18 @@ class WatchScope:
             _cut(c.member_session_ids, owns)
         if which == "pin_broken":
             _cut(msg.pin_broken.session_ids, owns)
-        return msg.SerializeToString()
+            del msg.pin_broken.block_hashes[:]
+            msg.pin_broken.block_hashes.extend(dict(p.tenant_blocks).get(name, ()))  # type: ignore[union-attr]
+        view = msg.SerializeToString()
+        if views is None:
+            views = ev.views = {}
+        views[name] = view
+        return view
 
-    def block_infos(self, blocks: Sequence[pb.BlockInfo]) -> None:
-        delivered = self._delivered
+    def cut_blocks(self, blocks: Sequence[pb.BlockInfo]) -> None:
+        """A snapshot chunk's blocks as this tenant may see them: foreign session ids cut."""
         for b in blocks:
             _cut(b.session_ids, self.tenant.owns)
-            mask = 0
-            for t in b.tiers:
-                mask |= 1 << t
-            if mask:
-                delivered[b.block_hash] = delivered.get(b.block_hash, 0) | mask
 
 
 def _cut(ids, owns) -> None:  # type: ignore[no-untyped-def]

@@ -267,9 +267,19 @@ def _expected_reuse(msg: pb.RetainAction | pb.PinAction, ttl_s: float) -> float 
     return min(seconds, ttl_s)
 
 
+#: Block hashes of a block_hashes selector that cost one rate-limit token (apply_cost).
+HASHES_PER_TOKEN = 64
+
+
+def _selector_hashes(hint: pb.Hint) -> int:
+    selector = hint.selector
+    return len(selector.block_hashes.block_hashes) if selector.WhichOneof("target") == "block_hashes" else 0
+
+
 def check_apply_batch_size(request: pb.ApplyHintsRequest, config: ServerConfig) -> None:
-    """INVALID_ARGUMENT for an empty batch or one over max_hints_per_batch (checked before the
-    batch is charged to the caller's rate limit: a batch refused as a whole costs nothing)."""
+    """INVALID_ARGUMENT for an empty batch or one over max_hints_per_batch or
+    max_block_hashes_per_batch (checked before the batch is charged to the caller's rate limit:
+    a batch refused as a whole costs nothing)."""
     n = len(request.hints)
     if n == 0:
         raise invalid_argument("ApplyHintsRequest.hints is empty", "hints")
@@ -277,6 +287,19 @@ def check_apply_batch_size(request: pb.ApplyHintsRequest, config: ServerConfig) 
         raise invalid_argument(
             f"{n} hints exceed max_hints_per_batch={config.max_hints_per_batch}", "hints", Reason.TOO_MANY_HINTS
         )
+    hashes = sum(_selector_hashes(hint) for hint in request.hints)
+    if hashes > config.max_block_hashes_per_batch:
+        raise invalid_argument(
+            f"{hashes} block hashes over the batch's selectors exceed max_block_hashes_per_batch="
+            f"{config.max_block_hashes_per_batch}; split the batch", "hints", Reason.TOO_MANY_HINTS,
+        )
+
+
+def apply_cost(request: pb.ApplyHintsRequest) -> int:
+    """An ApplyHints batch's rate-limit tokens: one per hint, except that a hint with a
+    block_hashes selector costs one per HASHES_PER_TOKEN of its hashes (at least one), as its
+    engine work grows with them."""
+    return sum(max(1, -(-_selector_hashes(hint) // HASHES_PER_TOKEN)) for hint in request.hints)
 
 
 def parse_apply_request(request: pb.ApplyHintsRequest, config: ServerConfig, info: EngineInfo) -> list[ParsedHint]:

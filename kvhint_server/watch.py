@@ -19,6 +19,15 @@ Semantics (etcd-style):
     (SUBSCRIBER_OVERFLOW). A subscriber that is reading only risks COMPACTED,
     when the replay window passes it. Per subscriber the server keeps a cursor
     and what gRPC buffers; the engine thread never waits for a subscriber.
+  * Open streams are bounded (snapshots included): KVHINT_MAX_WATCH_STREAMS in
+    all and, with tenancy, KVHINT_MAX_WATCH_STREAMS_PER_TENANT per tenant
+    (admins included). Past either, WatchEvents fails at once with RESOURCE_EXHAUSTED,
+    ErrorInfo reason REASON_RESOURCE_EXHAUSTED, metadata {"cause":
+    "watch_streams" | "tenant_watch_streams", "limit": <the bound>}, and no
+    RetryInfo (a slot frees when another stream ends).
+  * Per event a subscription does O(1) work when the event is not for it: a
+    tenant's selects by the event's tenant tag (tenant_guard.WatchScope), set
+    once when it was published.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,7 +44,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 from . import wire
 from .config import ServerConfig
 from .core import EngineStopped, KvHintCore
-from .errors import excerpt
+from .errors import RpcError, excerpt, resource_exhausted
 from .events import Event, EventBus
 from .model import Tier, parse_enum
 from .queries import BlockView, Queries
@@ -47,6 +56,9 @@ if TYPE_CHECKING:
 READ_BATCH = 256
 SNAPSHOT_CHUNK_BLOCKS = 512
 MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.1, 60.0
+# ErrorInfo causes of a refused stream.
+CAUSE_WATCH_STREAMS = "watch_streams"
+CAUSE_TENANT_WATCH_STREAMS = "tenant_watch_streams"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +107,11 @@ class WatchHub:
         self._config = config
         self._loop = loop
         self._subs: set[Subscriber] = set()
+        # Open streams (snapshots included), in all and per tenant; the loop's alone (`admit`).
+        self._open = 0
+        self._open_by_tenant: dict[str, int] = {}
+        self.max_streams = config.max_watch_streams
+        self.max_streams_per_tenant = config.max_watch_streams_per_tenant
         self._scheduled = False
         self._closing = False
         # At most this many blocks or sessions per snapshot piece (None: the
@@ -115,6 +132,30 @@ class WatchHub:
         subs = list(self._subs)
         last = self._bus.last_sequence
         return len(subs), max((last - s.cursor for s in subs), default=0)
+
+    @contextlib.contextmanager
+    def admit(self, tenant: str | None = None) -> Iterator[None]:
+        """The loop: hold a slot for one WatchEvents stream while the body runs. `tenant`: the
+        caller's tenant with tenancy. RESOURCE_EXHAUSTED (RpcError) when a bound is reached."""
+        if self._open >= self.max_streams:
+            raise _too_many(f"{self._open} WatchEvents streams are open, the server's limit", CAUSE_WATCH_STREAMS, self.max_streams)
+        held = self._open_by_tenant.get(tenant, 0) if tenant is not None else 0
+        if tenant is not None and held >= self.max_streams_per_tenant:
+            raise _too_many(f"tenant {tenant!r} has {held} WatchEvents streams open, its limit",
+                            CAUSE_TENANT_WATCH_STREAMS, self.max_streams_per_tenant)
+        self._open += 1
+        if tenant is not None:
+            self._open_by_tenant[tenant] = held + 1
+        try:
+            yield
+        finally:
+            self._open -= 1
+            if tenant is not None:
+                left = self._open_by_tenant[tenant] - 1
+                if left:
+                    self._open_by_tenant[tenant] = left
+                else:
+                    del self._open_by_tenant[tenant]
 
     def close(self) -> None:
         """Stop accepting wake-ups; streams end with a SHUTTING_DOWN resync."""
@@ -187,17 +228,14 @@ class WatchHub:
                 if events is None:
                     yield self._resync(pb.Resync.CAUSE_COMPACTED, f"events after {sent} are no longer kept")
                     return
-                for ev in events:
-                    sent = ev.sequence
-                    if scope is None:
-                        if flt.matches(ev):
-                            yield wire.event_bytes(ev, bus.epoch)
-                    elif scope.select(ev, flt.matches(ev)):  # the scope's bookkeeping sees every event
-                        yield scope.event_bytes(ev, bus.epoch)
+                sent = events[-1].sequence if events else sent
+                for ev in events if scope is None else scope.visible(events):
+                    if flt.matches(ev):
+                        yield wire.event_bytes(ev, bus.epoch) if scope is None else scope.event_bytes(ev, bus.epoch)
             for session_id, views in piece.chunks:  # a tenant's cursor yields only its sessions
                 for message in self._chunks(piece.sequence, session_id, views, block_size):
                     if scope is not None:
-                        scope.block_infos(message.snapshot_chunk.blocks)
+                        scope.cut_blocks(message.snapshot_chunk.blocks)
                     yield message
         yield self._control(sent, snapshot_end=pb.SnapshotEnd())
         if self.on_snapshot is not None:
@@ -272,18 +310,17 @@ class WatchHub:
                     yield self._resync(pb.Resync.CAUSE_COMPACTED, f"events after {sub.cursor} are no longer kept")
                     return
                 if events:
-                    for ev in events:
-                        sub.cursor = ev.sequence
-                        wanted = flt.matches(ev)
-                        if scope is not None:  # every event: the scope forgets removed blocks
-                            wanted = scope.select(ev, wanted)
-                        if wanted:
+                    for ev in events if scope is None else scope.visible(events):
+                        if flt.matches(ev):
+                            sub.cursor = ev.sequence
                             sub.sending_since = loop.time()
                             yield wire.event_bytes(ev, bus.epoch) if scope is None else scope.event_bytes(ev, bus.epoch)
                             sub.sending_since = None
                             last_sent = loop.time()
                             if sub.overflowed:
                                 break
+                    else:
+                        sub.cursor = events[-1].sequence
                     continue
                 sub.wake.clear()
                 if bus.last_sequence > sub.cursor or self._closing:
@@ -303,3 +340,9 @@ class WatchHub:
                 last_sent = loop.time()
         finally:
             self._subs.discard(sub)
+
+
+def _too_many(message: str, cause: str, limit: int) -> RpcError:
+    err = resource_exhausted(f"{message} ({limit}); close a stream first", cause, None)
+    err.metadata["limit"] = str(limit)
+    return err

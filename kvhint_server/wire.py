@@ -149,6 +149,7 @@ def capabilities(info: EngineInfo, config: ServerConfig, epoch: str, pin_budget_
             max_id_length=config.max_id_length,
             max_hint_id_length=config.max_hint_id_length,
             max_block_hashes_per_selector=config.max_block_hashes_per_selector,
+            max_block_hashes_per_batch=config.max_block_hashes_per_batch,
             max_page_size=config.max_page_size,
             idempotency_window=config.idempotency_window,
         ),

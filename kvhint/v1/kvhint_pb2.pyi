@@ -19,7 +19,11 @@ Contract summary (the normative text is in each message below):
   REASON_RESOURCE_EXHAUSTED, metadata "cause": "rate_limited" or
   "queue_full") and a google.rpc.RetryInfo giving when a retry can succeed
   (absent when it cannot: a batch larger than the burst). Nothing of such a
-  call was applied. Hint work delayed by the per-step budget is reported in
+  call was applied. A WatchEvents stream past the server's bound on open
+  streams (in all, or the caller's tenant's) fails RESOURCE_EXHAUSTED at
+  once, "cause": "watch_streams" or "tenant_watch_streams" and "limit": the
+  bound, without RetryInfo (a place frees when another stream ends). Hint
+  work delayed by the per-step budget is reported in
   ApplyHintsResponse.deferred_steps.
 
 Block hashes are the engine's external block hash, as the engine publishes
@@ -1250,6 +1254,7 @@ class Limits(_message.Message):
     MAX_BLOCK_HASHES_PER_SELECTOR_FIELD_NUMBER: _builtins.int
     MAX_PAGE_SIZE_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_WINDOW_FIELD_NUMBER: _builtins.int
+    MAX_BLOCK_HASHES_PER_BATCH_FIELD_NUMBER: _builtins.int
     pin_budget_blocks: _builtins.int
     """Pinned blocks at most, across all sessions. Logical blocks, like every
     block count (see KvCacheGroup): on a model with sliding-window groups a
@@ -1279,7 +1284,18 @@ class Limits(_message.Message):
     max_page_size: _builtins.int
     """Largest page_size honoured by paginated RPCs."""
     idempotency_window: _builtins.int
-    """How many hint ids are remembered for idempotency."""
+    """How many hint ids are remembered for idempotency (the most recently
+    used). With tenants, per tenant: each tenant's ids are its own, and one
+    tenant's hints never push another's ids out of the window.
+    """
+    max_block_hashes_per_batch: _builtins.int
+    """Block hashes over all the block_hashes selectors of one ApplyHintsRequest
+    at most (a batch is applied as one unit of engine work, which grows with
+    them); more is INVALID_ARGUMENT (REASON_TOO_MANY_HINTS, field "hints"):
+    split the batch. 0 from a server that predates it: no limit but
+    max_block_hashes_per_selector's. Under a rate limit such a hint costs
+    more than one token (the vLLM integration: one per 64 hashes).
+    """
     @_builtins.property
     def max_ttl(self) -> _duration_pb2.Duration:
         """TTLs above this are capped (CLIPPED/TTL_CAPPED)."""
@@ -1296,10 +1312,11 @@ class Limits(_message.Message):
         max_block_hashes_per_selector: _builtins.int = ...,
         max_page_size: _builtins.int = ...,
         idempotency_window: _builtins.int = ...,
+        max_block_hashes_per_batch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["max_ttl", b"max_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_window", b"idempotency_window", "max_block_hashes_per_selector", b"max_block_hashes_per_selector", "max_hint_id_length", b"max_hint_id_length", "max_hints_per_batch", b"max_hints_per_batch", "max_id_length", b"max_id_length", "max_page_size", b"max_page_size", "max_ttl", b"max_ttl", "pin_budget_blocks", b"pin_budget_blocks", "pin_budget_fraction", b"pin_budget_fraction"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_window", b"idempotency_window", "max_block_hashes_per_batch", b"max_block_hashes_per_batch", "max_block_hashes_per_selector", b"max_block_hashes_per_selector", "max_hint_id_length", b"max_hint_id_length", "max_hints_per_batch", b"max_hints_per_batch", "max_id_length", b"max_id_length", "max_page_size", b"max_page_size", "max_ttl", b"max_ttl", "pin_budget_blocks", b"pin_budget_blocks", "pin_budget_fraction", b"pin_budget_fraction"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

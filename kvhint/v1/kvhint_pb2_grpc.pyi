@@ -19,7 +19,11 @@ Contract summary (the normative text is in each message below):
   REASON_RESOURCE_EXHAUSTED, metadata "cause": "rate_limited" or
   "queue_full") and a google.rpc.RetryInfo giving when a retry can succeed
   (absent when it cannot: a batch larger than the burst). Nothing of such a
-  call was applied. Hint work delayed by the per-step budget is reported in
+  call was applied. A WatchEvents stream past the server's bound on open
+  streams (in all, or the caller's tenant's) fails RESOURCE_EXHAUSTED at
+  once, "cause": "watch_streams" or "tenant_watch_streams" and "limit": the
+  bound, without RetryInfo (a place frees when another stream ends). Hint
+  work delayed by the per-step budget is reported in
   ApplyHintsResponse.deferred_steps.
 
 Block hashes are the engine's external block hash, as the engine publishes

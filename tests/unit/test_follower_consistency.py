@@ -59,8 +59,8 @@ class SyncEngine(FakeEngine):
 
 
 class World:
-    def __init__(self, max_index_blocks: int) -> None:
-        self.config = ServerConfig(max_index_blocks=max_index_blocks)
+    def __init__(self, max_index_blocks: int, **config: Any) -> None:
+        self.config = ServerConfig(max_index_blocks=max_index_blocks, **config)
         self.core = KvHintCore(self.config, monotonic=FakeClock())
         self.engine = SyncEngine(self.core)
         self.core.attach(self.engine)
@@ -122,12 +122,15 @@ class World:
 
     def subscribe(self, max_items: int) -> None:
         self.tracker.subscription()
-        self.cursor = SnapshotCursor(self.queries, max_items)
+        self.cursor = self._cursor(max_items)
         start = self.engine.run(self.cursor.begin)
         self.fed = start.sequence
         self._control(start.sequence, snapshot_begin=pb.SnapshotBegin(num_sessions=start.num_sessions, num_blocks=start.num_blocks))
         if self.cursor.done:
             self._end_snapshot()
+
+    def _cursor(self, max_items: int) -> SnapshotCursor:
+        return SnapshotCursor(self.queries, max_items)
 
     def snapshot_step(self) -> None:
         cursor = self.cursor
@@ -151,6 +154,34 @@ class World:
         while self.cursor is not None:
             self.snapshot_step()
         self._deliver_events(self.core.bus.last_sequence)
+
+    # ---- a run
+    def apply(self, kind: str, arg: Any) -> None:
+        """One operation of `operations()`."""
+        if kind == "request":
+            self.request(*arg)
+        elif kind == "offload":
+            self.offload(arg)
+        elif kind == "evict":
+            self.evict(arg, Tier.DEVICE)
+        elif kind == "evict_host":
+            self.evict(arg, Tier.HOST)
+        elif kind == "reset":
+            self.reset_device()
+        else:
+            self.hint(arg)
+
+    def run(self, ops: list[tuple[str, Any]], subscribe_at: int, piece_items: int) -> None:
+        """The operations, with a snapshot step after each; the follower subscribes before
+        operation `subscribe_at` (or after the last); then everything is delivered."""
+        for i, (kind, arg) in enumerate(ops):
+            if i == subscribe_at:
+                self.subscribe(piece_items)
+            self.apply(kind, arg)
+            self.snapshot_step()
+        if self.fed is None:
+            self.subscribe(piece_items)
+        self.settle()
 
     # ---- the check
     def assert_agrees(self) -> None:
@@ -222,25 +253,7 @@ def operations(draw: Any) -> list[tuple[str, Any]]:
 )
 def test_follower_agrees_with_queries_after_any_traffic_and_hints(ops, subscribe_at, piece_items, max_index_blocks):
     world = World(max_index_blocks)
-    for i, (kind, arg) in enumerate(ops):
-        if i == subscribe_at:
-            world.subscribe(piece_items)
-        if kind == "request":
-            world.request(*arg)
-        elif kind == "offload":
-            world.offload(arg)
-        elif kind == "evict":
-            world.evict(arg, Tier.DEVICE)
-        elif kind == "evict_host":
-            world.evict(arg, Tier.HOST)
-        elif kind == "reset":
-            world.reset_device()
-        else:
-            world.hint(arg)
-        world.snapshot_step()
-    if world.fed is None:
-        world.subscribe(piece_items)
-    world.settle()
+    world.run(ops, subscribe_at, piece_items)
     world.assert_agrees()
 
 

@@ -234,6 +234,36 @@ def test_a_batch_refused_as_a_whole_costs_no_rate_limit_tokens(make_harness):
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def _evict_hashes(first: int, n: int) -> pb.Hint:
+    return pb.Hint(selector=pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=[h(i) for i in range(first, first + n)])),
+                   evict=pb.EvictAction())
+
+
+def test_block_hashes_are_bounded_per_batch_and_cost_by_the_64(make_harness):
+    """A batch runs as one engine-thread task whose work grows with its selectors' hashes: more
+    than max_block_hashes_per_batch over all of them is INVALID_ARGUMENT (TOO_MANY_HINTS, as
+    GetCapabilities says, nothing applied, no tokens spent), and under a rate limit a hint costs
+    one token per 64 of its hashes, so a caller's rate bounds its hashes, not just its hints."""
+    harness = make_harness(rate_limit_hints_per_s=0.01, rate_limit_burst=100, max_block_hashes_per_batch=200)
+    assert harness.stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=5).limits.max_block_hashes_per_batch == 200
+    harness.engine.store([h(i) for i in range(1, 301)], session="a")
+    with pytest.raises(grpc.RpcError) as exc:
+        harness.apply(_evict_hashes(1, 150), _evict_hashes(151, 51))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    info = error_info(exc.value)
+    assert info.reason == "REASON_TOO_MANY_HINTS" and info.metadata["field"] == "hints", exc.value.details()
+    assert "201 block hashes" in (exc.value.details() or "")
+    assert len(harness.engine.device) == 300  # nothing evicted
+    # 200 hashes: ceil(150/64) + ceil(50/64) = 3 + 1 tokens, and a session hint 1: 5 of the 100.
+    assert len(harness.apply(_evict_hashes(1, 150), _evict_hashes(151, 50), retain("a", 1)).results) == 3
+    for _ in range(18):  # 95 left: eighteen 5-token batches (hints of 65, 65 and 64 hashes: 2 + 2 + 1) go through ...
+        harness.apply(_evict_hashes(1, 65), _evict_hashes(66, 65), _evict_hashes(131, 64))
+    with pytest.raises(grpc.RpcError) as exc:  # ... and a 6-token one (65, 65, 65) does not fit the 5 left
+        harness.apply(_evict_hashes(1, 65), _evict_hashes(66, 65), _evict_hashes(131, 65))
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(harness.apply(*[retain("a", 1)] * 5).results) == 5  # while 5 one-token hints do
+
+
 def test_queries_cost_one_call(make_harness):
     harness = make_harness(rate_limit_hints_per_s=0.01, rate_limit_burst=2)
     md = (("authorization", "Bearer q"),)

@@ -296,18 +296,24 @@ _BUDGET_ACTIONS = st.sampled_from(["retain", "pin", "release", "evict"])
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.lists(st.tuples(_BUDGET_ACTIONS, st.sampled_from(["b/1", "b/2", "b/3"])), min_size=2, max_size=6))
-@example(hints=[("pin", "b/1"), ("retain", "b/1"), ("pin", "b/2")])  # a Retain replacing its own Pin frees pin budget
-def test_a_tenants_batch_spends_its_budgets_as_the_same_hints_one_batch_each(tmp_path_factory, hints) -> None:
+@given(st.lists(st.tuples(_BUDGET_ACTIONS, st.sampled_from(["b/1", "b/2", "b/3"])), min_size=2, max_size=6),
+       st.sampled_from([1, 3, 10]))
+@example(hints=[("pin", "b/1"), ("retain", "b/1"), ("pin", "b/2")], engine_pin_budget=10)  # a Retain replacing its own Pin frees pin budget
+@example(hints=[("pin", "b/1"), ("retain", "b/2")], engine_pin_budget=1)  # a Pin the engine-wide budget clipped counts what it got
+def test_a_tenants_batch_spends_its_budgets_as_the_same_hints_one_batch_each(tmp_path_factory, hints, engine_pin_budget) -> None:
     """"Applied in order": within one batch, a Release or Evict that ends some of B's grants
-    gives the budget back to the Retain or Pin after it, exactly as when each hint is its own
-    batch (pin budget 2, retention budget 3 blocks; three sessions of 2 blocks each)."""
+    gives the budget back to the Retain or Pin after it, and a Pin clipped by the engine-wide
+    pin budget spends only what it was granted, exactly as when each hint is its own batch (pin
+    budget 2, retention budget 3 blocks; three sessions of 2 blocks each; an engine-wide pin
+    budget of 1, 3 or 10 blocks)."""
     def run(batched: bool) -> tuple[object, ...]:
-        hx = Harness(local_engine_info(num_device_blocks=64), tenants_file=write(tmp_path_factory.mktemp("t"), TENANTS))
+        hx = Harness(local_engine_info(num_device_blocks=11), tenants_file=write(tmp_path_factory.mktemp("t"), TENANTS),
+                     pin_budget_fraction=engine_pin_budget / 10)
         try:
             for i, s in enumerate(("b/1", "b/2", "b/3")):
                 hx.engine.store([h(10 * i + 1), h(10 * i + 2)], session=s)
             wire = [_hint(a, session_sel(s)) for a, s in hints]
+            assert hx.core.ledger.pin_budget_blocks == engine_pin_budget
             results = apply(hx, B, *wire) if batched else [apply(hx, B, w)[0] for w in wire]
             return (
                 [(outcome(r), [(c.requested_blocks, c.granted_blocks) for c in r.clips]) for r in results],
@@ -486,6 +492,8 @@ def test_random_batches_of_team_b_never_change_team_a(tmp_path: Path) -> None:
                        "rate_limit_burst": 0}]}, "tenants[0].rate_limit_burst"),
         ({"tenants": [{"name": "x", "session_prefix": "x/", "tokens": ["t"], "rate_limit_burst": 10}]},
          "tenants[0].rate_limit_burst"),
+        # KVHINT_AUTH_TOKEN's administrator is named so (its rate bucket, its labels): not a tenant's name
+        ({"tenants": [{"name": "auth-token", "session_prefix": "x/", "tokens": ["t"]}]}, "tenants[0].name"),
     ],
 )
 def test_a_bad_tenants_file_fails_fast_naming_the_field(tmp_path: Path, doc: object, field: str) -> None:
@@ -668,3 +676,23 @@ def test_a_tenants_snapshot_counts_only_its_own_sessions_and_blocks(hx: Harness)
     assert begin(B) == (1, 3, {"b/y"})
     assert begin(A) == (2, 3, {"a/x", "a/z"})
     assert begin(ADMIN)[:2] == (3, 4)
+
+
+def test_another_tenants_traffic_does_not_push_a_tenants_ids_out_of_the_window(tmp_path: Path) -> None:
+    """Each tenant has an idempotency window of its own (executor.py): team-a's ids cannot push
+    team-b's out, so team-b's retry stays a replay; a tenant's own window is still bounded."""
+    hx = Harness(local_engine_info(num_device_blocks=64), tenants_file=write(tmp_path, TENANTS), idempotency_window=4)
+    try:
+        hx.engine.store([h(1), h(2)], session="b/s")
+        hx.engine.store([h(3)], session="a/s")
+        (first,) = apply(hx, B, retain("b/s", 60, hint_id="b-keep"))
+        assert first.outcome == pb.OUTCOME_ACCEPTED and not first.replayed
+        for i in range(10):  # more than the window of ids, all team-a's
+            apply(hx, A, retain("a/s", 60, hint_id=f"a-{i}"))
+        (retry,) = apply(hx, B, retain("b/s", 60, hint_id="b-keep"))
+        assert retry.replayed, "team-a's ids pushed team-b's out of the idempotency window"
+        (old,) = apply(hx, A, retain("a/s", 60, hint_id="a-0"))
+        (new,) = apply(hx, A, retain("a/s", 60, hint_id="a-9"))
+        assert not old.replayed and new.replayed
+    finally:
+        hx.close()

@@ -1,6 +1,7 @@
-"""A tenant's WatchEvents stream remembers only what it sent, and forgets it when the
-blocks go, whatever the stream's filter (tenant_guard.WatchScope); over loopback gRPC
-with the fake engine."""
+"""A tenant's WatchEvents streams over loopback gRPC with the fake engine: what they are sent
+(tenant_guard.WatchScope, by the tenant tag each event got when published), what the server
+keeps for them (nothing per stream; the core's memory of blocks shown to tenants goes with
+the blocks), and how many a tenant may open (KVHINT_MAX_WATCH_STREAMS_PER_TENANT)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ from pathlib import Path
 import grpc
 import pytest
 
+from google.protobuf import duration_pb2
+
 from kvhint.v1 import kvhint_pb2 as pb
-from kvhint_server import tenant_guard
+from kvhint_server import core as core_module
+from kvhint_server import index as index_module
+from kvhint_server.config import ServerConfig
 from kvhint_server.model import Tier
 
-from kvhint_unit_support import Harness, gate_engine_steps, h, local_engine_info
+from kvhint_unit_support import Harness, error_info, gate_engine_steps, h, local_engine_info, pin
 
 TENANTS = {
     "tenants": [
@@ -27,6 +32,7 @@ TENANTS = {
     ]
 }
 A, B = (("authorization", "Bearer tok-a"),), (("authorization", "Bearer tok-b"),)
+ADMIN = (("authorization", "Bearer tok-admin"),)
 
 
 @pytest.fixture
@@ -59,19 +65,6 @@ class Stream:
     def close(self) -> None:
         self.call.cancel()
         self.thread.join(5)
-
-
-def recorded_scopes(monkeypatch) -> list[tenant_guard.WatchScope]:  # type: ignore[no-untyped-def]
-    """Every WatchScope built from now on (one per tenant stream), to read its memory."""
-    scopes: list[tenant_guard.WatchScope] = []
-    init = tenant_guard.WatchScope.__init__
-
-    def record(self, *a, **k) -> None:  # type: ignore[no-untyped-def]
-        init(self, *a, **k)
-        scopes.append(self)
-
-    monkeypatch.setattr(tenant_guard.WatchScope, "__init__", record)
-    return scopes
 
 
 def settle(hx: Harness) -> None:
@@ -122,11 +115,26 @@ def test_after_a_prefix_cache_reset_another_tenants_removal_of_the_same_content_
     assert removed == []
 
 
-def test_a_tenant_stream_forgets_blocks_that_are_gone_whatever_its_filter(hx: Harness, monkeypatch) -> None:
-    """Memory per tenant stream stays bounded by the blocks still resident: after every
-    block is gone (evicted after a Release, or a prefix-cache reset), a stream of
-    every filter kind holds nothing for them."""
-    scopes = recorded_scopes(monkeypatch)
+def shown(hx: Harness) -> dict[bytes, frozenset[str]]:
+    """The core's memory of blocks shown to tenants that none of their sessions holds (engine thread)."""
+    return hx.engine.run(lambda: dict(hx.core._shown_tenants))
+
+
+def removed(stream: Stream) -> list[bytes]:
+    return [bytes(x) for m in list(stream.got) if m.HasField("blocks_removed") for x in m.blocks_removed.block_hashes]
+
+
+def wait_for(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    """Sent by the server; the client thread reads it a little later."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_tenant_stream_sees_its_released_blocks_go_and_nothing_is_kept_after(hx: Harness) -> None:
+    """B's follower keeps a released session's blocks resident (MembershipChanged: they stay
+    cached), so their later eviction, which names no session, still reaches B's stream. The
+    memory behind it, and behind every other filter kind, is gone once the blocks are."""
     streams = []
     for i, flt in enumerate([pb.EventFilter(),
                              pb.EventFilter(kinds=[pb.EVENT_KIND_BLOCKS_STORED]),
@@ -138,42 +146,150 @@ def test_a_tenant_stream_forgets_blocks_that_are_gone_whatever_its_filter(hx: Ha
             blocks = [h(1000 + 100 * r + i) for i in range(40)]
             hx.engine.store(blocks, session="b/s")
             release(hx, "b/s")
+            assert set(shown(hx)) == set(blocks)
             hx.engine.remove(blocks[:20])  # evicted after the Release: the removal names no session
+            wait_for(lambda b=blocks: set(b[:20]) <= set(removed(streams[0])))
+            assert set(blocks[:20]) <= set(removed(streams[0]))
             clear_device(hx)  # the rest go with a prefix-cache reset
             settle(hx)
-        assert len(scopes) == 3
-        assert [len(s._delivered) for s in scopes] == [0, 0, 0]
-        # What a stream was sent it still follows: B's stored block's removal reaches it.
+            assert shown(hx) == {}
+        assert removed(streams[1]) == [] and removed(streams[2]) == []  # their filters pass none of these
         hx.engine.store([h(5)], session="b/s")
-        settle(hx)
-        assert [len(s._delivered) for s in scopes] == [1, 1, 1]
         hx.engine.remove([h(5)])
-        settle(hx)
-        assert [len(s._delivered) for s in scopes] == [0, 0, 0]
-        deadline = time.monotonic() + 10  # sent by the server; the client thread reads it a little later
-        while True:
-            removed = [bytes(x) for m in list(streams[0].got) if m.HasField("blocks_removed") for x in m.blocks_removed.block_hashes]
-            if h(5) in removed or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-        assert h(5) in removed
+        wait_for(lambda: h(5) in removed(streams[0]) and h(5) in removed(streams[2]))
+        assert h(5) in removed(streams[0]) and h(5) in removed(streams[2])
+        assert shown(hx) == {}
     finally:
         for s in streams:
             s.close()
 
 
-def test_a_snapshot_then_a_reset_leaves_nothing_remembered(hx: Harness, monkeypatch) -> None:
-    scopes = recorded_scopes(monkeypatch)
+def test_a_snapshot_a_release_then_a_reset_leaves_nothing_remembered(hx: Harness) -> None:
     hx.engine.store([h(i) for i in range(1, 30)], session="b/snap")
     b = Stream(hx, B, start=pb.WatchEventsRequest.START_SNAPSHOT)
     try:
         hx.wait_subscribers(1)
-        assert len(scopes[0]._delivered) == 29
+        release(hx, "b/snap")
+        assert len(shown(hx)) == 29
         clear_device(hx)
-        settle(hx)
-        assert len(scopes[0]._delivered) == 0
+        assert shown(hx) == {}
+        wait_for(lambda: any(m.HasField("all_blocks_cleared") for m in list(b.got)))
+        assert any(m.HasField("all_blocks_cleared") for m in b.got)
     finally:
         b.close()
+
+
+def hashes_sel(*hs: bytes) -> pb.Selector:
+    return pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=list(hs)))
+
+
+def apply(hx: Harness, who, *hints: pb.Hint) -> list[pb.HintResult]:  # type: ignore[no-untyped-def]
+    return list(hx.stub.ApplyHints(pb.ApplyHintsRequest(hints=list(hints)), metadata=who, timeout=10).results)
+
+
+def broken_pins(stream: Stream) -> list[list[bytes]]:
+    return [[bytes(x) for x in m.pin_broken.block_hashes] for m in list(stream.got) if m.HasField("pin_broken")]
+
+
+def test_a_tenant_hears_of_every_pin_of_its_own_that_breaks_and_of_no_other(hx: Harness) -> None:
+    """Team-a pins by block hashes and by continuation (grants named by no session), team-b by
+    session; one allocation breaks them all (one PinBroken, as the vLLM adapter publishes).
+    Each tenant's stream shows its own broken blocks alone; an admin's the whole event."""
+    ttl = duration_pb2.Duration(seconds=60)
+    hx.engine.store([h(1), h(2)], session="a/s")
+    hx.engine.store([h(3)], session="a/s2", continuation="a/cont")
+    hx.engine.store([h(4), h(5)], session="b/secret")
+    pins = apply(hx, A, pb.Hint(selector=hashes_sel(h(1), h(2)), pin=pb.PinAction(ttl=ttl)),
+                 pb.Hint(selector=pb.Selector(continuation=pb.ContinuationSelector(continuation_id="a/cont")),
+                         pin=pb.PinAction(ttl=ttl)))
+    pins += apply(hx, B, pin("b/secret", 60))
+    assert [r.outcome for r in pins] == [pb.OUTCOME_ACCEPTED] * 3
+    streams = [Stream(hx, who) for who in (A, B, ADMIN)]
+    hx.wait_subscribers(3)
+    try:
+        hx.engine.run(lambda: hx.core.on_pin_broken([h(1), h(4), h(2), h(3), h(5)], 5))
+        wait_for(lambda: all(broken_pins(s) for s in streams))
+        assert [broken_pins(s) for s in streams] == [
+            [[h(1), h(2), h(3)]], [[h(4), h(5)]], [[h(1), h(4), h(2), h(3), h(5)]],
+        ]
+        assert b"b/secret" not in b"".join(m.SerializeToString() for m in streams[0].got)
+    finally:
+        for s in streams:
+            s.close()
+
+
+def test_a_resumed_stream_sees_a_shared_block_go_though_the_removal_names_none_of_its_sessions(
+    hx: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower reconnects with START_RESUME right after the last event it got (the
+    documented way to continue without a gap); then a block its session shares with team-a's
+    goes, and the removal names team-a's session alone (events name a few members: 16, here
+    1, so that two sessions are enough). The resumed stream must report the block gone."""
+    monkeypatch.setattr(index_module, "MAX_MEMBERS_REPORTED", 1)
+    monkeypatch.setattr(core_module, "MAX_MEMBERS_REPORTED", 1)
+    hx.engine.store([h(1)], session="a/x")
+    first = Stream(hx, B, heartbeat_interval=duration_pb2.Duration(nanos=100_000_000))
+    hx.wait_subscribers(1)
+    hx.engine.store([h(1)], session="b/y", prefix_hit=True)
+    wait_for(lambda: any(m.HasField("blocks_stored") for m in list(first.got)))
+    first.close()
+    last = max(m.sequence for m in first.got if m.HasField("blocks_stored"))
+    assert last == hx.bus.last_sequence
+    resumed = Stream(hx, B, start=pb.WatchEventsRequest.START_RESUME, resume_epoch=hx.bus.epoch, resume_after_sequence=last)
+    try:
+        hx.wait_subscribers(1)
+        hx.engine.remove([h(1)])
+        assert "b/y" not in hx.bus.read_after(last, 1)[0].sessions
+        wait_for(lambda: removed(resumed))
+        assert removed(resumed) == [h(1)]
+        assert b"a/x" not in b"".join(m.SerializeToString() for m in resumed.got)
+    finally:
+        resumed.close()
+
+
+def refusal(hx: Harness, who) -> grpc.RpcError | None:  # type: ignore[no-untyped-def]
+    """Open a stream; the error it fails with at once (None: it stays open, and is closed)."""
+    call = hx.stub.WatchEvents(pb.WatchEventsRequest(heartbeat_interval=duration_pb2.Duration(nanos=100_000_000)),
+                               metadata=who, timeout=10)
+    try:
+        next(iter(call))  # a heartbeat: the stream is open
+        return None
+    except grpc.RpcError as err:
+        return err
+    finally:
+        call.cancel()
+
+
+def test_watch_streams_are_bounded_per_tenant_and_in_all(hx: Harness) -> None:
+    """A tenant that opens streams up to its bound is refused the next with RESOURCE_EXHAUSTED
+    naming the limit, while another tenant still opens one; past the server's bound everyone
+    is refused; a closed stream gives its slot back."""
+    assert (ServerConfig().max_watch_streams, ServerConfig().max_watch_streams_per_tenant) == (1024, 64)
+    hub = hx.server.servicer.hub
+    assert (hub.max_streams, hub.max_streams_per_tenant) == (1024, 64)  # the config's
+    hub.max_streams_per_tenant, hub.max_streams = 2, 3
+    a_streams = [Stream(hx, A), Stream(hx, A)]
+    hx.wait_subscribers(2)
+    try:
+        err = refusal(hx, A)
+        assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        info = error_info(err)
+        assert info.reason == "REASON_RESOURCE_EXHAUSTED"
+        assert dict(info.metadata) == {"cause": "tenant_watch_streams", "limit": "2"}
+        b_stream = Stream(hx, B)
+        hx.wait_subscribers(3)
+        err = refusal(hx, ADMIN)
+        assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(error_info(err).metadata) == {"cause": "watch_streams", "limit": "3"}
+        b_stream.close()
+        wait_for(lambda: hub._open == 2)
+        assert refusal(hx, ADMIN) is None
+        a_streams.pop().close()
+        wait_for(lambda: hub._open == 1)
+        assert refusal(hx, A) is None
+    finally:
+        for s in a_streams:
+            s.close()
 
 
 def test_shutdown_during_a_snapshot_ends_the_stream_with_a_shutting_down_resync() -> None:

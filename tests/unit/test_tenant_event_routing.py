@@ -1,0 +1,199 @@
+"""Tenants' event streams, routed by the tag each event gets once when published
+(tenant_guard.TenantRouter, events.Event.tenants): over the engine-neutral core with the
+test as the engine thread (test_follower_consistency's World), as a tenant's subscription
+sees them (tenant_guard.WatchScope).
+
+  * A tenant's follower (kvhint_client's EngineTracker) that reconnects with START_RESUME
+    at any point never keeps a block that is gone, though removals name at most a few
+    members (patched down to 1 here so that four sessions exceed it).
+  * A PinBroken shows each tenant exactly the blocks whose broken grants were its own,
+    whatever owner held them (session, continuation, block hashes); unscoped streams
+    see it whole.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_server import core as core_module
+from kvhint_server import index as index_module
+from kvhint_server import wire
+from kvhint_server.events import Event, PinBroken
+from kvhint_server.model import Tier
+from kvhint_server.snapshot import SnapshotCursor
+from kvhint_server.tenant_guard import WatchScope
+
+from test_follower_consistency import DEPTH, ENGINE, LEAVES, PATHS, World
+
+TENANTS = {
+    "tenants": [
+        {"name": "team-a", "session_prefix": "a/", "tokens": ["tok-a"]},
+        {"name": "team-b", "session_prefix": "b/", "tokens": ["tok-b"]},
+        {"name": "ops", "role": "admin", "tokens": ["tok-admin"]},
+    ]
+}
+SESSIONS = ["a/0", "a/1", "b/0", "b/1"]
+
+
+def tenants_file() -> str:
+    path = Path(tempfile.mkdtemp()) / "tenants.json"
+    path.write_text(json.dumps(TENANTS))
+    return str(path)
+
+
+class TenantWorld(World):
+    """World whose follower is tenant `name`'s: its snapshot, the events tagged for it with
+    foreign ids cut, as WatchHub.stream sends them."""
+
+    def __init__(self, max_index_blocks: int, name: str) -> None:
+        super().__init__(max_index_blocks, tenants_file=tenants_file())
+        self.tenants = self.config.tenants
+        self.tenant = self.tenants.by_name[name]
+        self.scope = WatchScope(self.tenant, self.tenants)
+
+    def reconnect(self) -> None:
+        """The stream broke; the follower resumes after the last event it got (START_RESUME):
+        a new stream, with a new scope."""
+        if self.fed is not None and self.cursor is None:
+            self.scope = WatchScope(self.tenant, self.tenants)
+
+    def _cursor(self, max_items: int) -> SnapshotCursor:
+        return SnapshotCursor(self.queries, max_items, self.scope.owned, self.tenant.owns)
+
+    def _control(self, sequence: int, **payload: Any) -> None:
+        chunk = payload.get("snapshot_chunk")
+        if chunk is not None:
+            self.scope.cut_blocks(chunk.blocks)
+        super()._control(sequence, **payload)
+
+    def _deliver_events(self, upto: int) -> None:
+        assert self.fed is not None
+        events = self.core.bus.read_after(self.fed, upto - self.fed)
+        assert events is not None
+        for ev in self.scope.visible(events):
+            self.tracker.handle(pb.WatchEventsResponse.FromString(self.scope.event_bytes(ev, self.core.bus.epoch)))
+        self.fed = upto
+
+    def apply(self, kind: str, arg: Any) -> None:
+        if kind == "release":
+            self.hint(pb.Hint(selector=pb.Selector(session=pb.SessionSelector(session_id=arg)), release=pb.ReleaseAction()))
+        elif kind == "reconnect":
+            self.reconnect()
+        else:
+            super().apply(kind, arg)
+
+    def assert_follower_holds_nothing_gone(self) -> None:
+        assert self.follower.tier_blocks(ENGINE, int(Tier.DEVICE)) <= set(self.engine.device)
+        assert self.follower.tier_blocks(ENGINE, int(Tier.HOST)) <= self.engine.host
+        assert all(self.tenant.owns(s) for s in self.follower.sessions(ENGINE, include_stale=True))
+
+
+@st.composite
+def tenant_traffic(draw: Any) -> list[tuple[str, Any]]:
+    ops: list[tuple[str, Any]] = []
+    for _ in range(draw(st.integers(1, 30))):
+        kind = draw(st.sampled_from(["request", "request", "request", "anonymous", "offload", "evict", "evict",
+                                     "evict_host", "release", "reset", "reconnect", "reconnect"]))
+        if kind in ("request", "anonymous"):
+            session = draw(st.sampled_from(SESSIONS)) if kind == "request" else None
+            ops.append(("request", (session, draw(st.sampled_from(LEAVES)), draw(st.integers(1, DEPTH)))))
+        elif kind == "release":
+            ops.append(("release", draw(st.sampled_from(SESSIONS))))
+        elif kind in ("reset", "reconnect"):
+            ops.append((kind, None))
+        else:
+            ops.append((kind, draw(st.sampled_from(PATHS))))
+    return ops
+
+
+_EXAMPLE_LEAF = LEAVES[0]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(
+    ops=tenant_traffic(),
+    subscribe_at=st.integers(0, 30),
+    piece_items=st.integers(1, 3),
+    max_index_blocks=st.sampled_from([6, 1_000]),
+    name=st.sampled_from(["team-a", "team-b"]),
+)
+# b/0 joins a block a/0 admitted; the stream resumes; the removal names a/0 alone.
+@example(ops=[("request", ("a/0", _EXAMPLE_LEAF, 1)), ("request", ("b/0", _EXAMPLE_LEAF, 1)), ("reconnect", None),
+              ("evict", _EXAMPLE_LEAF[:1])], subscribe_at=0, piece_items=1, max_index_blocks=1_000, name="team-b")
+# b/0 is released (its blocks stay cached), the stream resumes, then the blocks go.
+@example(ops=[("request", ("b/0", _EXAMPLE_LEAF, 1)), ("release", "b/0"), ("reconnect", None),
+              ("evict", _EXAMPLE_LEAF[:1])], subscribe_at=0, piece_items=1, max_index_blocks=1_000, name="team-b")
+# An anonymous store names the members of its last block, b/0 among them: the follower holds its
+# first block too, which b/0 left with its last copy (the removal names its admitting a/0 alone).
+@example(ops=[("request", ("a/0", _EXAMPLE_LEAF, 2)), ("request", ("b/0", _EXAMPLE_LEAF, 2)), ("evict", _EXAMPLE_LEAF[:1]),
+              ("request", (None, _EXAMPLE_LEAF, 2)), ("reconnect", None), ("evict", _EXAMPLE_LEAF[:1])],
+         subscribe_at=0, piece_items=1, max_index_blocks=1_000, name="team-b")
+def test_a_resumed_tenant_follower_never_keeps_a_block_that_is_gone(ops, subscribe_at, piece_items, max_index_blocks, name):
+    with mock.patch.object(index_module, "MAX_MEMBERS_REPORTED", 1), mock.patch.object(core_module, "MAX_MEMBERS_REPORTED", 1):
+        world = TenantWorld(max_index_blocks, name)
+        world.run(ops, subscribe_at, piece_items)
+        world.assert_follower_holds_nothing_gone()
+        # Nothing is kept for blocks that are gone: after a reset and the host's evictions too.
+        world.reset_device()
+        for p in PATHS:
+            world.evict(p, Tier.HOST)
+        assert world.core._shown_tenants == {}
+
+
+# ---------------------------------------------------------------- PinBroken
+
+BLOCKS = [bytes([i]) * 32 for i in range(1, 7)]
+# Owner keys of grants, each with the tenant whose stream must hear of its break ("" = nobody's).
+OWNERS = [("s:a/x", "team-a"), ("c:a/cont", "team-a"), ("b:team-a", "team-a"), ("s:b/y", "team-b"),
+          ("b:team-b", "team-b"), ("b:", ""), ("s:shared", ""), ("b:ops", "")]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    grants=st.lists(st.tuples(st.sampled_from(OWNERS), st.sets(st.sampled_from(BLOCKS), min_size=1)), min_size=1, max_size=6),
+    broken=st.lists(st.sampled_from(BLOCKS), min_size=1, max_size=6, unique=True),
+    ended_by_the_engine_thread=st.booleans(),
+)
+@example(grants=[(OWNERS[2], {BLOCKS[0]}), (OWNERS[4], {BLOCKS[1]})], broken=BLOCKS[:2], ended_by_the_engine_thread=True)
+def test_a_pin_broken_shows_each_tenant_its_own_broken_blocks(grants, broken, ended_by_the_engine_thread):
+    """Pins held by session, continuation or block hashes, of two tenants and of nobody's, break
+    in one allocation (one PinBroken, as the vLLM adapter publishes). Team-a's stream shows the
+    broken blocks a grant of team-a's was on, and no other; team-b's likewise; an admin's the
+    event as it was published."""
+    world = World(1_000, tenants_file=tenants_file())
+    core, tenants = world.core, world.config.tenants
+    for (owner, _), blocks in grants:
+        core.ledger.grant(owner, sorted(blocks), pinned=True, priority=0, deadline=1e12, expires_at=1e12)
+
+    def break_pins() -> None:
+        if ended_by_the_engine_thread:  # the adapter: grants end at once, booked later
+            core.record(core.on_pin_broken, broken, len(broken), core.drop_grants(broken))
+        else:
+            core.on_pin_broken(broken, len(broken))
+
+    world.engine.run(break_pins)
+    world.core.settle()
+    (ev,) = [e for e in core.bus.read_after(0, 1000) if isinstance(e.payload, PinBroken)]
+    held = {t: [h for h in broken if any(o[1] == t and h in blocks for o, blocks in grants)] for t in ("team-a", "team-b")}
+    for t, mine in held.items():
+        assert _seen(ev, WatchScope(tenants.by_name[t], tenants), core.bus.epoch) == (mine or None), t
+    whole = pb.WatchEventsResponse.FromString(wire.event_bytes(ev, core.bus.epoch)).pin_broken
+    assert list(whole.block_hashes) == broken
+    assert set(whole.session_ids) == {o[2:] for (o, _), blocks in grants if o.startswith("s:") and blocks & set(broken)}
+
+
+def _seen(ev: Event, scope: WatchScope, epoch: str) -> list[bytes] | None:
+    """The blocks of the PinBroken a tenant's stream is sent (None: not sent); no foreign ids."""
+    if not scope.visible([ev]):
+        return None
+    msg = pb.WatchEventsResponse.FromString(scope.event_bytes(ev, epoch)).pin_broken
+    assert all(scope.tenant.owns(s) for s in msg.session_ids)
+    return list(msg.block_hashes)
