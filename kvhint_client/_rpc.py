@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2
 from kvhint.v1 import kvhint_pb2
 
 from .builders import SelectorLike, as_selector
-from .config import ConnectionConfig, RetryPolicy
+from .config import MAX_TIMEOUT_S, ConnectionConfig, RetryPolicy, check_timeout
 from .durations import Seconds, to_duration
 from .errors import KvHintError
 from .names import TierLike, parse_tier
@@ -77,12 +77,21 @@ class Attempts:
 
 
 def resolve_timeout(config: ConnectionConfig, timeout: Optional[float]) -> Optional[float]:
-    """Per-call override, else the config default."""
+    """Per-call override (checked: config.check_timeout), else the config default."""
     if timeout is not None:
-        if timeout <= 0:
-            raise ValueError("timeout must be > 0")
-        return timeout
+        return check_timeout(timeout, "timeout")
     return config.default_timeout
+
+
+def stream_timeout(timeout: Optional[float]) -> Optional[float]:
+    """A stream's deadline: None (none), or checked as every timeout is (config.check_timeout)."""
+    return None if timeout is None else check_timeout(timeout, "timeout")
+
+
+def poll_timeout(config: ConnectionConfig, remaining: float) -> float:
+    """The timeout of one GetOperation poll of a wait with `remaining` seconds left (possibly inf):
+    the config default, within what is left and MAX_TIMEOUT_S."""
+    return min(remaining, config.default_timeout or MAX_TIMEOUT_S, MAX_TIMEOUT_S)
 
 
 def retry_after_of(error: grpc.RpcError) -> Optional[float]:
@@ -123,6 +132,7 @@ def check_limits(hints: Sequence[kvhint_pb2.Hint], limits: Optional[kvhint_pb2.L
     if limits.max_hints_per_batch and len(hints) > limits.max_hints_per_batch:
         raise ValueError(f"{len(hints)} hints; the server takes at most {limits.max_hints_per_batch} per batch "
                          "(GetCapabilities limits.max_hints_per_batch)")
+    hashes = 0
     for i, hint in enumerate(hints):
         if not isinstance(hint, kvhint_pb2.Hint):
             return  # prepare_hints says what is wrong
@@ -137,6 +147,11 @@ def check_limits(hints: Sequence[kvhint_pb2.Hint], limits: Optional[kvhint_pb2.L
             if limits.max_block_hashes_per_selector and n > limits.max_block_hashes_per_selector:
                 raise ValueError(f"hints[{i}].selector.block_hashes has {n} hashes; the server takes at most "
                                  f"{limits.max_block_hashes_per_selector} (GetCapabilities limits.max_block_hashes_per_selector)")
+            hashes += n
+            if limits.max_block_hashes_per_batch and hashes > limits.max_block_hashes_per_batch:
+                raise ValueError(f"hints[:{i + 1}] hold {hashes} block hashes; the server takes at most "
+                                 f"{limits.max_block_hashes_per_batch} per batch (GetCapabilities "
+                                 "limits.max_block_hashes_per_batch): split the batch")
         if hint.WhichOneof("action") == "share":
             ids.append(("share.destination", hint.share.destination, limits.max_id_length))
         for path, value, most in ids:

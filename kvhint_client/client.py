@@ -242,7 +242,7 @@ class KvHintClient(_ClientBase):
         resume=(epoch, last_sequence_processed)). heartbeat: server heartbeat period.
         timeout: a deadline for the whole stream (default none)."""
         request = _rpc.watch_request(start, resume, filter, heartbeat)
-        call = self._stub.WatchEvents(request, timeout=timeout, metadata=self._metadata)
+        call = self._stub.WatchEvents(request, timeout=_rpc.stream_timeout(timeout), metadata=self._metadata)
         return WatchStream(call, self.address)
 
     def get_operation(self, operation_id: str, *, timeout: Optional[float] = None) -> kvhint_pb2.Operation:
@@ -262,7 +262,7 @@ class KvHintClient(_ClientBase):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise _rpc.operation_timeout_error(operation_id, last, timeout, self.address)
-            last = self.get_operation(operation_id, timeout=min(remaining, self._config.default_timeout or remaining))
+            last = self.get_operation(operation_id, timeout=_rpc.poll_timeout(self._config, remaining))
             if _rpc.operation_finished(last):
                 return last
             time.sleep(max(0.0, min(poll_interval, deadline - time.monotonic())))
@@ -430,7 +430,7 @@ class AsyncKvHintClient(_ClientBase):
         timeout: Optional[float] = None,
     ) -> AsyncWatchStream:
         request = _rpc.watch_request(start, resume, filter, heartbeat)
-        call = self._stub.WatchEvents(request, timeout=timeout, metadata=self._metadata)
+        call = self._stub.WatchEvents(request, timeout=_rpc.stream_timeout(timeout), metadata=self._metadata)
         return AsyncWatchStream(call, self.address)
 
     async def get_operation(self, operation_id: str, *, timeout: Optional[float] = None) -> kvhint_pb2.Operation:
@@ -452,9 +452,7 @@ class AsyncKvHintClient(_ClientBase):
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise _rpc.operation_timeout_error(operation_id, last, timeout, self.address)
-            last = await self.get_operation(
-                operation_id, timeout=min(remaining, self._config.default_timeout or remaining)
-            )
+            last = await self.get_operation(operation_id, timeout=_rpc.poll_timeout(self._config, remaining))
             if _rpc.operation_finished(last):
                 return last
             await asyncio.sleep(max(0.0, min(poll_interval, deadline - loop.time())))

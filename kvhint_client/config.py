@@ -4,7 +4,11 @@ Contracts:
 - The bearer token travels as `authorization: Bearer <token>` call metadata (plaintext or TLS).
 - `default_timeout` is the deadline of every unary call, spanning all its retry attempts; a
   per-call `timeout=` overrides it. `None` means no deadline. Streams (WatchEvents) have no
-  deadline unless one is passed to `watch()`.
+  deadline unless one is passed to `watch()`. Every timeout (default_timeout, a per-call or
+  stream `timeout=`, FleetClient.apply's, the CLI's --timeout) must be a number of seconds > 0
+  and at most MAX_TIMEOUT_S (2**31 s, about 68 years): inf, nan and larger values raise
+  ValueError naming the argument (gRPC would otherwise fail such a call DEADLINE_EXCEEDED
+  without sending it). For no deadline, use `default_timeout=None`.
 - RetryPolicy retries ONLY on UNAVAILABLE (the request never reached a servicer or the
   connection broke). DEADLINE_EXCEEDED, INVALID_ARGUMENT and every other code surface at once.
   ApplyHints retries are idempotent because the client gives every hint without a `hint_id` a
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import random
 from dataclasses import dataclass, field
@@ -42,6 +47,22 @@ RECONNECT_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 )
+
+
+#: The longest timeout a call takes, in seconds (2**31 s, about 68 years). gRPC keeps a deadline
+#: as int64 nanoseconds since the epoch: a timeout of a few billion seconds overflows it, and the
+#: call fails DEADLINE_EXCEEDED without being sent.
+MAX_TIMEOUT_S = float(2**31)
+
+
+def check_timeout(value: float, name: str) -> float:
+    """`value` as a float when it is a number of seconds in (0, MAX_TIMEOUT_S]; ValueError naming
+    the argument `name` otherwise (inf and nan included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"{name} must be a finite number of seconds > 0 and at most {MAX_TIMEOUT_S:.0f} (about 68 years), got {value!r}"
+        )
+    return float(value)
 
 
 def _read_pem(source: Optional[PemSource]) -> Optional[bytes]:
@@ -148,7 +169,8 @@ class ConnectionConfig:
     address: "host:port" (any gRPC target string works, e.g. "unix:/path").
     tls: None for a plaintext channel.
     bearer_token: sent as `authorization: Bearer <token>` on every call.
-    default_timeout: seconds per unary call (across retries); None for no deadline.
+    default_timeout: seconds per unary call (across retries), at most MAX_TIMEOUT_S; None for no
+        deadline.
     retry: the UNAVAILABLE retry policy of unary calls.
     metadata: extra call metadata sent on every call.
     channel_options: extra gRPC channel options; they win over RECONNECT_CHANNEL_OPTIONS.
@@ -165,8 +187,8 @@ class ConnectionConfig:
     def __post_init__(self) -> None:
         if not self.address:
             raise ValueError("address must not be empty")
-        if self.default_timeout is not None and self.default_timeout <= 0:
-            raise ValueError("default_timeout must be > 0 or None")
+        if self.default_timeout is not None:
+            check_timeout(self.default_timeout, "default_timeout")
 
     @classmethod
     def from_env(cls, **overrides: object) -> "ConnectionConfig":

@@ -8,9 +8,11 @@ Routing of each hint (by its selector):
 - With a ResidencyIndex (an EventFollower's, or one passed directly; engine names must match the
   endpoint names): a session selector goes to the live engines holding blocks of that session
   (most blocks first); a block-hash selector to the live engines holding any of the hashes.
-  Selectors the index cannot resolve (continuations, include_children) and selections the index
-  finds nowhere (e.g. a session that holds only retention, or an engine not yet synced) are
-  resolved by asking the engines.
+  The index cannot speak for the engines of the fleet that are not live in it (not yet synced,
+  reconnecting, resyncing): those are asked as well, and the ones holding the selection are
+  added (after the index's). Selectors the index cannot resolve (continuations,
+  include_children) and selections the index finds nowhere (e.g. a session that holds only
+  retention, or an engine not yet synced) are resolved by asking every engine.
 - Without an index, or for those selectors: a session selector (without include_children) goes
   to the engines whose ListSessions has that exact session (which includes sessions holding
   only retention); other selectors to the engines whose QueryResidency finds at least one block.
@@ -22,18 +24,22 @@ its own KV-cache pool and its own KvHint server on port + rank. Treat the ranks 
 EventFollower) routes each session's hints to the rank that served it.
 
 Each engine receives one ApplyHints batch holding its hints in request order (same hint_id on
-every engine, so per-engine retries stay idempotent). Engines that fail (routing or apply) are
-reported in `errors`; hints that no engine holds are reported in `unrouted` and sent nowhere.
+every engine, so per-engine retries stay idempotent). Hint ids must be unique within one call
+(results and routes are keyed by them): a repeated non-empty hint_id raises ValueError before
+anything is sent. Engines that fail (routing or apply) are reported in `errors`; hints that no
+engine holds are reported in `unrouted` and sent nowhere.
 `apply(timeout=...)` bounds the whole call, routing and applying together (default: the longest
 of the engines' `default_timeout`s): each call gets the time left, an engine that failed to answer
 while routing is not asked again in the same call, and an engine whose batch the deadline leaves
 no time for reports DEADLINE_EXCEEDED in `errors` without being sent anything. The engines are
-asked in parallel (each about every hint the index does not resolve, in turn), and routing may
+asked in one parallel round (each about every hint it is asked about, in turn), and routing may
 take at most half of the time left (ROUTING_SHARE), so one engine that does not answer (hung,
 partitioned) cannot leave the engines that did answer without time for their batches: it reports
 DEADLINE_EXCEEDED in `errors`, and a hint no engine that answered holds is reported in `unrouted`.
-A batch over an engine's known GetCapabilities limits raises ValueError before any engine is sent
-anything.
+The calls run on the FleetClient's thread pool; one that was still waiting for a worker when its
+deadline passed (every worker busy with other threads' apply() calls) was not sent, and its
+DEADLINE_EXCEEDED says so. A batch over an engine's known GetCapabilities limits raises
+ValueError before any engine is sent anything.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from kvhint.v1 import kvhint_pb2
 from . import _rpc
 from .builders import Target
 from .client import KvHintClient
-from .config import ConnectionConfig, as_config
+from .config import ConnectionConfig, as_config, check_timeout
 from .errors import KvHintError
 from .follower import EnginesLike, EventFollower, ResidencyIndex, _named_engines
 from .results import ApplyResult
@@ -60,6 +66,9 @@ _T = TypeVar("_T")
 
 #: The share of the time left that FleetClient.apply's routing may take (the rest is the batches').
 ROUTING_SHARE = 0.5
+#: FleetClient's default max_workers, per engine: how many apply() calls (from as many threads) run
+#: at once without any of them waiting for a worker. Threads are started only when calls need them.
+CALLS_IN_PARALLEL = 16
 
 
 @dataclass(frozen=True)
@@ -136,7 +145,14 @@ def data_parallel_endpoints(
 
 
 class FleetClient:
-    """Typed fan-out over several KvHint servers (blocking; calls run in parallel threads)."""
+    """Typed fan-out over several KvHint servers (blocking; calls run in parallel threads).
+
+    Thread-safe: apply(), engines_for() and apply_to() may be called from several threads at once.
+    The calls share one KvHintClient (one channel) per engine and one thread pool of `max_workers`
+    threads (default CALLS_IN_PARALLEL per engine, started as needed); each apply() occupies up
+    to one worker per engine, so up to max_workers / len(engines) calls run without waiting. A
+    call to an engine that waited for a worker until its deadline passed is not sent and reports
+    DEADLINE_EXCEEDED saying the pool was busy (raise max_workers)."""
 
     def __init__(
         self,
@@ -145,10 +161,13 @@ class FleetClient:
         follower: Optional[Union[EventFollower, ResidencyIndex]] = None,
         max_workers: Optional[int] = None,
     ) -> None:
+        if max_workers is not None and max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1 (or None: {CALLS_IN_PARALLEL} per engine), got {max_workers!r}")
         self._configs = _named_engines(endpoints)
         self._clients = {name: KvHintClient(cfg) for name, cfg in self._configs.items()}
         self._index = follower.index if isinstance(follower, EventFollower) else follower
-        self._pool = ThreadPoolExecutor(max_workers=max_workers or len(self._clients), thread_name_prefix="kvhint-fleet")
+        self._workers = max_workers or CALLS_IN_PARALLEL * len(self._clients)
+        self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvhint-fleet")
 
     @property
     def engines(self) -> list[str]:
@@ -163,21 +182,39 @@ class FleetClient:
         call: Callable[[str, KvHintClient], _T],
         *,
         until: Optional["_Deadline"] = None,
-        late: Optional[Callable[[str], KvHintError]] = None,
+        method: Callable[[str], str] = lambda _: "",
+        abandon: bool = False,
     ) -> tuple[dict[str, _T], dict[str, KvHintError]]:
-        """Run call(name, client) for each engine in parallel; KvHintErrors are collected per engine.
-        With `until` (and `late`), waits no longer than that deadline: an engine whose call has not
-        returned by then gets late(name) in the errors (its call is abandoned, not awaited)."""
-        futures = {engine: self._pool.submit(call, engine, self._clients[engine]) for engine in engines}
+        """Run call(name, client) for each engine on the pool, in parallel; KvHintErrors are
+        collected per engine. With `until`, a call that has not started when it passes never runs
+        and reports DEADLINE_EXCEEDED (saying the pool was busy when it was submitted in time);
+        `method(name)` names the RPC the call sends. With `abandon` too, waits no longer than
+        `until`: an engine whose call is still running then gets until.exceeded in the errors (its
+        call is abandoned, not awaited; what it returns later is ignored)."""
+        submitted_in_time = until is None or until.left() != 0.0
+
+        def unstarted(engine: str) -> KvHintError:
+            assert until is not None
+            client = self._clients[engine]
+            if submitted_in_time:
+                return until.not_started(method(engine), client, self._workers)
+            return until.exceeded(method(engine), client)
+
+        def run(engine: str, client: KvHintClient) -> _T:
+            if until is not None and until.left() == 0.0:
+                raise unstarted(engine)
+            return call(engine, client)
+
+        futures = {engine: self._pool.submit(run, engine, self._clients[engine]) for engine in engines}
         results: dict[str, _T] = {}
         errors: dict[str, KvHintError] = {}
-        wait_s = None if until is None or late is None else until.left()
-        if wait_s is not None:
-            _wait_futures(list(futures.values()), timeout=wait_s)
+        if abandon and until is not None:
+            _wait_futures(list(futures.values()), timeout=until.left())
         for engine, future in futures.items():
-            if wait_s is not None and late is not None and not future.done():
-                future.cancel()  # not started yet: never runs; running: its result is ignored
-                errors[engine] = late(engine)
+            if abandon and until is not None and not future.done():
+                # Not started yet: cancelled, it never runs. Running: abandoned, its result ignored.
+                late = until.exceeded(method(engine), self._clients[engine])
+                errors[engine] = unstarted(engine) if future.cancel() else late
                 continue
             try:
                 results[engine] = future.result()
@@ -215,19 +252,21 @@ class FleetClient:
                 return False
 
     def _ask_all(
-        self, hints: list[kvhint_pb2.Hint], routing: "_Deadline"
+        self, questions: dict[str, list[kvhint_pb2.Hint]], routing: "_Deadline"
     ) -> tuple[dict[str, list[str]], dict[str, KvHintError]]:
-        """hint_id -> the engines holding it, asking each engine about every hint in turn (the
-        engines in parallel) and waiting no longer than `routing`: an engine that has not answered
-        by then, or fails, is reported and not asked further (the answers it gave still count)."""
-        answers: dict[str, list[str]] = {engine: [] for engine in self.engines}
-        asking: dict[str, str] = {engine: self._asks_with(hints[0]) for engine in self.engines}
+        """hint_id -> the engines holding it, asking each engine about its hints in `questions`,
+        in turn (the engines in parallel) and waiting no longer than `routing`: an engine that has
+        not answered by then, or fails, is reported and not asked further (the answers it gave
+        still count)."""
+        engines = [engine for engine in self.engines if questions.get(engine)]
+        answers: dict[str, list[str]] = {engine: [] for engine in engines}
+        asking: dict[str, str] = {engine: self._asks_with(questions[engine][0]) for engine in engines}
 
         def ask(name: str, client: KvHintClient) -> None:
             def timeout() -> Optional[float]:
                 return routing.call_timeout(asking[name], client)
 
-            for hint in hints:
+            for hint in questions[name]:
                 asking[name] = self._asks_with(hint)
                 try:
                     held = self._holds(client, hint, timeout)
@@ -238,11 +277,10 @@ class FleetClient:
                 if held:
                     answers[name].append(hint.hint_id)
 
-        _, errors = self._fan_out(
-            self.engines, ask, until=routing, late=lambda e: routing.exceeded(asking[e], self._clients[e])
-        )
-        held_by = {engine: set(answers[engine]) for engine in self.engines}  # what a late engine answers after this is not read
-        return {h.hint_id: [e for e in self.engines if h.hint_id in held_by[e]] for h in hints}, errors
+        _, errors = self._fan_out(engines, ask, until=routing, method=asking.__getitem__, abandon=True)
+        held_by = {engine: set(answers[engine]) for engine in engines}  # what a late engine answers after this is not read
+        hint_ids = dict.fromkeys(hint.hint_id for hints in questions.values() for hint in hints)
+        return {hint_id: [e for e in engines if hint_id in held_by[e]] for hint_id in hint_ids}, errors
 
     def _from_index(self, hint: kvhint_pb2.Hint) -> list[str]:
         """The engines the index finds the hint's selection on ([]: ask the engines)."""
@@ -258,35 +296,47 @@ class FleetClient:
             return [e for e in self.engines if e in holders]
         return []
 
+    def _questions(self, hints: list[kvhint_pb2.Hint], found: dict[str, list[str]]) -> dict[str, list[kvhint_pb2.Hint]]:
+        """engine -> the hints to ask it about, given what the index `found` (hint_id -> engines):
+        every engine about the hints the index does not resolve; the engines not live in the index
+        (it cannot speak for them) about the hints it does resolve as well."""
+        index = self._index
+        unknown = [] if index is None else [e for e in self.engines if not index.is_live(e)]
+        questions = {e: [h for h in hints if e in unknown or not found[h.hint_id]] for e in self.engines}
+        return {engine: asked for engine, asked in questions.items() if asked}
+
     def engines_for(self, hint: kvhint_pb2.Hint, *, timeout: Optional[float] = None) -> tuple[list[str], dict[str, KvHintError]]:
-        """The engines a hint is routed to, and errors from engines that could not be asked."""
+        """The engines a hint is routed to (as apply() routes it: the index's, then those of the
+        engines asked that hold it), and errors from engines that could not be asked."""
         found = self._from_index(hint)
-        if found:
-            return found, {}
-        held, errors = self._fan_out(self.engines, lambda _, c: self._holds(c, hint, lambda: timeout))
-        return [e for e in self.engines if held.get(e)], errors
+        ask = list(self._questions([hint], {hint.hint_id: found}))
+        held, errors = self._fan_out(ask, lambda _, c: self._holds(c, hint, lambda: timeout))
+        return _merged(found, [e for e in ask if held.get(e)]), errors
 
     # -- apply --------------------------------------------------------------------------------------
 
     def apply(self, *hints: kvhint_pb2.Hint, broadcast: bool = False, timeout: Optional[float] = None) -> FleetApplyResult:
         """Route each hint (see module doc), then apply one batch per engine, in parallel. `timeout`
         bounds the whole call (module doc; routing takes at most ROUTING_SHARE of it); default: the
-        longest of the engines' default_timeout (None, no deadline, when one of them has none)."""
+        longest of the engines' default_timeout (None, no deadline, when one of them has none).
+        ValueError, before anything is sent, for a bad timeout (config.check_timeout) or a hint_id
+        that repeats an earlier hint's."""
         prepared = _rpc.prepare_hints(hints)
-        if timeout is not None and timeout <= 0:
-            raise ValueError("timeout must be > 0")
+        _check_unique_ids(prepared)
+        if timeout is not None:
+            check_timeout(timeout, "timeout")
         deadline = _Deadline(timeout if timeout is not None else self._default_timeout())
         batches: dict[str, list[kvhint_pb2.Hint]] = {}
         routes: dict[str, list[str]] = {}
         unrouted: list[kvhint_pb2.Hint] = []
         errors: dict[str, KvHintError] = {}
         found = {} if broadcast else {hint.hint_id: self._from_index(hint) for hint in prepared}
-        to_ask = [hint for hint in prepared if not broadcast and not found[hint.hint_id]]
+        questions = {} if broadcast else self._questions(prepared, found)
         asked: dict[str, list[str]] = {}
-        if to_ask:
-            asked, errors = self._ask_all(to_ask, deadline.routing())
+        if questions:
+            asked, errors = self._ask_all(questions, deadline.routing())
         for hint in prepared:
-            engines = self.engines if broadcast else found[hint.hint_id] or asked[hint.hint_id]
+            engines = self.engines if broadcast else _merged(found[hint.hint_id], asked.get(hint.hint_id, []))
             routes[hint.hint_id] = engines
             if not engines:
                 unrouted.append(hint)
@@ -297,12 +347,9 @@ class FleetClient:
             _rpc.check_limits(batches[engine], self._clients[engine].limits)
 
         def send(name: str, client: KvHintClient) -> ApplyResult:
-            left = deadline.left()
-            if left == 0.0:
-                raise deadline.exceeded("ApplyHints", client)
-            return client.apply(*batches[name], timeout=left)
+            return client.apply(*batches[name], timeout=deadline.call_timeout("ApplyHints", client))
 
-        per_engine, apply_errors = self._fan_out(order, send)
+        per_engine, apply_errors = self._fan_out(order, send, until=deadline, method=lambda _: "ApplyHints")
         errors.update(apply_errors)
         return FleetApplyResult(per_engine=per_engine, errors=errors, routes=routes, unrouted=unrouted)
 
@@ -352,15 +399,45 @@ class _Deadline:
             raise self.exceeded(method, client)
         return left
 
-    def exceeded(self, method: str, client: KvHintClient) -> KvHintError:
+    def _name(self) -> str:
         if self._whole is not None:
-            details = (
+            return (
                 f"FleetClient.apply's deadline ({self._whole.timeout:g}s) leaves routing {ROUTING_SHARE:.0%} of it "
-                f"({self.timeout:.3g}s), which passed before this engine answered {method}"
+                f"({self.timeout:.3g}s), which"
             )
-        else:
-            details = f"FleetClient.apply's deadline ({self.timeout:g}s) passed before this engine was sent {method}"
+        return f"FleetClient.apply's deadline ({self.timeout:g}s)"
+
+    def exceeded(self, method: str, client: KvHintClient) -> KvHintError:
+        """The engine did not answer `method` in time (routing), or was left no time to be sent it."""
+        happened = f"answered {method}" if self._whole is not None else f"was sent {method}"
+        details = f"{self._name()} passed before this engine {happened}"
         return KvHintError(grpc.StatusCode.DEADLINE_EXCEEDED, details, method=method, address=client.address)
+
+    def not_started(self, method: str, client: KvHintClient, workers: int) -> KvHintError:
+        """The call to `method` waited for a pool worker until the deadline passed: never sent."""
+        details = (
+            f"{self._name()} passed while the call to {method} waited for a worker of the FleetClient's thread "
+            f"pool (max_workers={workers}, all busy with other apply() calls): it was not sent; the engine was not asked"
+        )
+        return KvHintError(grpc.StatusCode.DEADLINE_EXCEEDED, details, method=method, address=client.address)
+
+
+def _merged(first: list[str], then: list[str]) -> list[str]:
+    """`first`, then the engines of `then` not in it."""
+    return first + [engine for engine in then if engine not in first]
+
+
+def _check_unique_ids(hints: list[kvhint_pb2.Hint]) -> None:
+    """ValueError naming both positions when a hint_id repeats an earlier hint's (routes and
+    results are keyed by hint_id; an engine sent both would reject the second)."""
+    first: dict[str, int] = {}
+    for i, hint in enumerate(hints):
+        j = first.setdefault(hint.hint_id, i)
+        if j != i:
+            raise ValueError(
+                f"hints[{i}].hint_id {hint.hint_id!r} repeats hints[{j}]'s: hint ids must be unique within one "
+                "FleetClient.apply call"
+            )
 
 
 __all__ = ["FleetApplyResult", "FleetClient", "data_parallel_endpoints"]

@@ -170,7 +170,8 @@ class EventFollower(_FollowerBase):
         return self.index.wait_live(self._configs, timeout)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop following: cancel every stream and join the threads."""
+        """Stop following: cancel every stream and join the threads (each engine's stream ends, so
+        the index no longer counts it live)."""
         self._stop.set()
         with self._streams_lock:
             for stream in self._streams.values():
@@ -248,7 +249,8 @@ class EventFollower(_FollowerBase):
 
 class AsyncEventFollower(_FollowerBase):
     """asyncio twin of EventFollower: one task per engine, same index and semantics.
-    `await start()` inside a running loop; `await stop()` to cancel."""
+    `await start()` inside a running loop; `await stop()` to cancel (as EventFollower.stop(), it
+    leaves every engine not live in the index)."""
 
     def __init__(
         self,
@@ -323,6 +325,9 @@ class AsyncEventFollower(_FollowerBase):
                             break
                 except KvHintError as exc:
                     error = exc
+                except asyncio.CancelledError:  # stop(): the engine is no longer followed, so not live
+                    tracker.stream_ended(None)
+                    raise
                 except Exception as exc:  # a bug, not the engine: log it and keep following
                     error = exc
                     log.exception("engine %s: following failed; reconnecting", engine)

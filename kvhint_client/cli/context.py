@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -23,7 +22,16 @@ from typing import Any, Optional, TextIO
 import grpc
 
 from ..client import KvHintClient
-from ..config import ADDRESS_ENV, DEFAULT_ADDRESS, TOKEN_ENV, ConnectionConfig, RetryPolicy, TlsConfig
+from ..config import (
+    ADDRESS_ENV,
+    DEFAULT_ADDRESS,
+    MAX_TIMEOUT_S,
+    TOKEN_ENV,
+    ConnectionConfig,
+    RetryPolicy,
+    TlsConfig,
+    check_timeout,
+)
 from ..errors import KvHintError
 
 EXIT_OK = 0
@@ -57,7 +65,7 @@ def add_global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> No
     )
     group.add_argument(
         "--timeout", type=float, default=default(DEFAULT_TIMEOUT), metavar="SECONDS",
-        help=f"deadline per call, retries included (default {DEFAULT_TIMEOUT:g})",
+        help=f"deadline per call, retries included (default {DEFAULT_TIMEOUT:g}; at most {MAX_TIMEOUT_S:.0f})",
     )
     group.add_argument("--json", action="store_true", default=default(False), help="print JSON instead of tables")
     group.add_argument("--token", default=default(os.environ.get(TOKEN_ENV)), help=f"bearer token (default: ${TOKEN_ENV})")
@@ -92,8 +100,10 @@ class CliContext:
 
     def config(self) -> ConnectionConfig:
         args = self.args
-        if not (math.isfinite(self.timeout) and self.timeout > 0):
-            raise UsageError(f"--timeout must be a finite number of seconds > 0, got {self.timeout!r}")
+        try:
+            check_timeout(self.timeout, "--timeout")
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         retries = getattr(args, "retries", 2)
         if retries < 0:
             raise UsageError("--retries must be >= 0")

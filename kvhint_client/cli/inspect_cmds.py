@@ -59,7 +59,8 @@ def run_capabilities(args: argparse.Namespace, ctx: CliContext) -> int:
         f"tiers           {', '.join(f'{tier_name(t.tier)}({t.medium}' + (f', {t.capacity_blocks} blocks' if t.capacity_blocks else '') + (', shared' if t.shared else '') + (', honours retention' if t.honours_retention else '') + ')' for t in caps.tiers)}",
         f"max ttl         {seconds_text(limits.max_ttl)}",
         f"pin budget      {limits.pin_budget_blocks} blocks ({limits.pin_budget_fraction:.0%} of device)",
-        f"max batch       {limits.max_hints_per_batch} hints, {limits.max_block_hashes_per_selector} hashes per selector",
+        f"max batch       {limits.max_hints_per_batch} hints, {limits.max_block_hashes_per_selector} hashes per selector"
+        + (f", {limits.max_block_hashes_per_batch} in all" if limits.max_block_hashes_per_batch else ""),
         f"share peers     {', '.join(caps.share_destinations) or '-'}",
         "",
     ]

@@ -55,8 +55,15 @@ The state is plain JSON (`PAUSE_STATE_FORMAT`, version `PAUSE_STATE_VERSION`):
 A null sample is a pause that ended its session (version 2; `load` also reads
 version 1 exports, which have none).
 
-Only the observations travel: the prior, `window`, `prior_weight` and
-`min_samples` are the loading model's own configuration.
+Only the observations travel: the prior, `window`, `prior_weight`,
+`min_samples` and `max_keys` are the loading model's own configuration.
+
+The keys come from traffic (session class header values, tool names), so
+their number is bounded: a model keeps at most `max_keys` keys (default
+`DEFAULT_MAX_KEYS`, 4096), dropping the key observed least recently when a new
+one would exceed it. An export lists the keys in that order (least recently
+observed first); `load` keeps the last `max_keys` of them, so a loaded model
+drops the same keys next as the model it came from.
 
 Not thread-safe; owned by one `SessionPolicy`.
 """
@@ -78,6 +85,8 @@ PAUSE_STATE_FORMAT = "kvhint.pause_model"
 PAUSE_STATE_VERSION = 2
 #: Versions `PauseModel.load` reads (1: no null samples).
 PAUSE_STATE_VERSIONS = (1, 2)
+#: `PauseModel`'s default `max_keys`: how many keys it keeps (module doc).
+DEFAULT_MAX_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -178,7 +187,8 @@ class PauseModel:
     ("class", "coder"), ("declared", "long"), ("all",))``. `min_samples` is how
     many observations a key needs before it is preferred over a more general
     one. `prior_points`: the prior enters `reuse_index` as that many equally
-    weighted quantile points.
+    weighted quantile points. `max_keys`: the most keys kept; beyond it the
+    key observed least recently is dropped (module doc).
     """
 
     def __init__(
@@ -189,9 +199,13 @@ class PauseModel:
         prior_weight: float = 2.0,
         min_samples: int = 3,
         prior_points: int = 64,
+        max_keys: int = DEFAULT_MAX_KEYS,
     ) -> None:
         if window < 1 or prior_weight <= 0 or min_samples < 1 or prior_points < 1:
             raise ValueError("window, min_samples and prior_points must be >= 1 and prior_weight > 0")
+        if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
+            raise ValueError(f"max_keys must be an integer >= 1, got {max_keys!r}")
+        self.max_keys = max_keys
         self.prior_points = prior_points
         self.prior = prior or LogNormalPrior()
         self.window = window
@@ -210,16 +224,20 @@ class PauseModel:
         self._add(keys, math.inf)
 
     def _add(self, keys: Iterable[tuple[str, ...]], seconds: float) -> None:
+        samples = self._samples
         for key in keys:
-            sample = self._samples.get(key)
+            sample = samples.pop(key, None)
             if sample is None:
-                sample = self._samples[key] = _Sample(self.window)
+                sample = _Sample(self.window)
+            samples[key] = sample  # most recently observed last
             sample.add(seconds)
+            if len(samples) > self.max_keys:
+                del samples[next(iter(samples))]  # the key observed least recently
 
     def export(self) -> dict[str, Any]:
-        """The learned state as a JSON-serialisable dict (module doc): per key, its most recent
-        observations (at most `window`), oldest first, None for a pause that ended its session.
-        `load` of it into a model with the same
+        """The learned state as a JSON-serialisable dict (module doc): per key, least recently
+        observed key first, its most recent observations (at most `window`), oldest first, None
+        for a pause that ended its session. `load` of it into a model with the same
         configuration gives identical predictions, now and after further observations."""
         return {
             "format": PAUSE_STATE_FORMAT,
@@ -229,7 +247,8 @@ class PauseModel:
 
     def load(self, state: Mapping[str, Any]) -> None:
         """Replace the learned state with `state` (what `export` returned, possibly from a
-        model with another `window`: a key with more samples keeps its most recent `window`).
+        model with another `window` or `max_keys`: a key with more samples keeps its most recent
+        `window`, and of more than `max_keys` keys the last `max_keys`, the most recently observed).
 
         Raises ValueError, leaving the model unchanged, when `state` is not an export of a
         version in `PAUSE_STATE_VERSIONS`: another format or version, a key that is not a
@@ -237,7 +256,7 @@ class PauseModel:
         (or, from version 2, null)."""
         parsed = _parse_state(state)
         samples: dict[tuple[str, ...], _Sample] = {}
-        for key, values in parsed:
+        for key, values in parsed[-self.max_keys :]:
             sample = samples[key] = _Sample(self.window)
             for x in values[-self.window :]:
                 sample.add(x)

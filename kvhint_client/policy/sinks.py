@@ -1,9 +1,13 @@
 """Where a `SessionPolicy` sends its hints, and how fast.
 
 A sink takes a batch of `kvhint_pb2.Hint` and returns one `HintResult` per
-hint, in order. `ClientSink` wraps `KvHintClient`, `AsyncClientSink` wraps
-`AsyncKvHintClient`, `FleetSink` wraps `FleetClient` (a hint counts as applied
-when any engine holding the session applied it). Tests use `RecordingSink`.
+hint, in order, or raises when it cannot say what became of some hint (the
+RPC failed): `SessionPolicy.flush` then queues the batch again, under the same
+hint ids, which servers deduplicate. `ClientSink` wraps `KvHintClient`,
+`AsyncClientSink` wraps `AsyncKvHintClient`, `FleetSink` wraps `FleetClient`
+(a hint counts as applied when any engine holding the session applied it;
+it raises when an engine that might hold a hint failed). Tests use
+`RecordingSink`.
 
 `HintRateLimit` bounds the hint rate a policy sends at: at most `rate` hints
 in any one-second interval, at most `burst` at once. (`TokenBucket`, kept for
@@ -20,9 +24,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvhint.v1 import kvhint_pb2 as pb
 
+from ..errors import KvHintError
+
 if TYPE_CHECKING:
     from ..client import AsyncKvHintClient, KvHintClient
-    from ..fleet import FleetClient
+    from ..fleet import FleetApplyResult, FleetClient
 
 #: Outcome preference when engines of a fleet disagree (most applied first).
 _OUTCOME_RANK = {pb.OUTCOME_ACCEPTED: 0, pb.OUTCOME_DEFERRED: 1, pb.OUTCOME_CLIPPED: 2, pb.OUTCOME_MISSING: 3, pb.OUTCOME_REJECTED: 4}
@@ -62,7 +68,16 @@ class FleetSink:
     """Hints to the engines of a fleet that hold each selected session (`FleetClient.apply`).
 
     Each hint's result is the most applied one among the engines (ACCEPTED >
-    DEFERRED > CLIPPED > MISSING > REJECTED); no engine answering is MISSING."""
+    DEFERRED > CLIPPED > MISSING > REJECTED). MISSING ("no engine holds it")
+    only when every engine answered and none holds the hint. `FleetClient.apply`
+    reports engines that failed (routing or apply) in `errors` without raising;
+    when that leaves the fate of any hint unknown (it was routed to an engine
+    that failed, or no engine answered for it while some engine failed), this
+    sink raises KvHintError (the first such engine's code, naming the hints and
+    engines) instead of answering, so `SessionPolicy.flush` queues the batch
+    again rather than marking the session cold and dropping the hint (a Release
+    included). The resend reuses the hint ids: an engine that did apply a hint
+    replays its first result."""
 
     def __init__(self, fleet: FleetClient, timeout: float | None = 5.0) -> None:
         self.fleet = fleet
@@ -70,6 +85,7 @@ class FleetSink:
 
     def apply(self, hints: Sequence[pb.Hint]) -> Sequence[pb.HintResult]:
         result = self.fleet.apply(*hints, timeout=self.timeout)
+        _raise_if_unknown(hints, result)
         out = []
         for hint in hints:
             per_engine = list(result.results_for(hint.hint_id).values())
@@ -78,6 +94,31 @@ class FleetSink:
             else:
                 out.append(min(per_engine, key=lambda r: _OUTCOME_RANK.get(r.outcome, 9)))
         return out
+
+
+def _raise_if_unknown(hints: Sequence[pb.Hint], result: FleetApplyResult) -> None:
+    """KvHintError when an engine that failed leaves the fate of some hint unknown (FleetSink)."""
+    if not result.errors:
+        return
+    unknown: dict[str, list[str]] = {}  # hint_id -> the failed engines it may be on
+    for hint in hints:
+        failed = [e for e in result.routes.get(hint.hint_id, []) if e in result.errors]
+        if not failed and not result.results_for(hint.hint_id):
+            failed = list(result.errors)  # no engine answered for it: any failed engine may hold it
+        if failed:
+            unknown[hint.hint_id] = failed
+    if not unknown:
+        return
+    engines = list(dict.fromkeys(e for failed in unknown.values() for e in failed))
+    first = result.errors[engines[0]]
+    raise KvHintError(
+        first.code,
+        f"FleetClient.apply left {len(unknown)} of {len(hints)} hints without a known result "
+        f"({', '.join(repr(h) for h in list(unknown)[:5])}{', ...' if len(unknown) > 5 else ''}): "
+        + "; ".join(f"engine {e!r} failed: {result.errors[e]}" for e in engines),
+        method=first.method,
+        address=first.address,
+    ) from first
 
 
 class RecordingSink:

@@ -118,6 +118,7 @@ def test_usage_errors_exit_2_without_calling_the_server(fake: RunningServer) -> 
         (["capabilities", "--timeout", "0"], "--timeout must be a finite number of seconds > 0"),
         (["capabilities", "--timeout", "nan"], "--timeout must be a finite number of seconds > 0"),
         (["capabilities", "--timeout", "inf"], "--timeout must be a finite number of seconds > 0"),
+        (["capabilities", "--timeout", "1e10"], "--timeout must be a finite number of seconds > 0 and at most 2147483648"),
         (["apply", "pin", "--session", "S", "--ttl", "1e20"], "out of range"),
         (["watch", "--heartbeat", "1e20", "--count", "1"], "out of range"),
         (["watch", "--duration", "-1"], "--duration must be a finite number of seconds > 0"),
@@ -206,6 +207,10 @@ def test_residency_and_sessions_json(fake: RunningServer) -> None:
 def test_capabilities_human_and_json(fake: RunningServer) -> None:
     run = kvhint("capabilities", address=fake.address)
     assert run.returncode == 0 and "fake 0.0" in run.stdout and "pin" in run.stdout
+    fake.servicer.capabilities.limits.max_hints_per_batch = 256
+    fake.servicer.capabilities.limits.max_block_hashes_per_selector = 4096
+    fake.servicer.capabilities.limits.max_block_hashes_per_batch = 8192
+    assert "256 hints, 4096 hashes per selector, 8192 in all" in kvhint("capabilities", address=fake.address).stdout
     caps = json.loads(kvhint("capabilities", "--json", address=fake.address).stdout)
     assert caps["engine"] == "fake" and caps["num_device_blocks"] == 128
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import grpc
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvhint_client.config import ConnectionConfig, RetryPolicy, TlsConfig, as_config
+from kvhint_client.config import MAX_TIMEOUT_S, ConnectionConfig, RetryPolicy, TlsConfig, as_config
 
 
 def test_only_unavailable_is_retryable() -> None:
@@ -79,3 +80,15 @@ def test_tls_needs_both_halves_of_a_client_certificate() -> None:
     tls = TlsConfig(server_name_override="kvhint.internal")
     assert ("grpc.ssl_target_name_override", "kvhint.internal") in ConnectionConfig(tls=tls).all_channel_options()
     assert isinstance(tls.channel_credentials(), grpc.ChannelCredentials)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, 1e10, MAX_TIMEOUT_S * 2])
+def test_a_default_timeout_grpc_cannot_honour_is_refused_naming_the_field(bad: float) -> None:
+    """inf or ~1e10 s used to be accepted, and then every call failed DEADLINE_EXCEEDED unsent."""
+    with pytest.raises(ValueError, match=r"default_timeout must be a finite number of seconds > 0 and at most 2147483648"):
+        ConnectionConfig("h:1", default_timeout=bad)
+
+
+def test_the_longest_default_timeout_and_none_are_accepted() -> None:
+    assert ConnectionConfig("h:1", default_timeout=MAX_TIMEOUT_S).default_timeout == MAX_TIMEOUT_S
+    assert ConnectionConfig("h:1", default_timeout=None).default_timeout is None

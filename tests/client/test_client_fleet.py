@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import grpc
@@ -59,6 +60,56 @@ def test_with_index_routes_from_residency_and_reports_engine_errors() -> None:
             assert fallback.routes == {"t": ["a"]} and a.servicer.count("ListSessions") == 1
         assert out.per_engine["a"].all_accepted
         assert out.errors["b"].code == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        a.stop()
+        b.stop()
+
+
+def _index_with(engines: dict[str, dict]) -> ResidencyIndex:
+    """An index in which each engine has installed the snapshot of its sessions."""
+    index = ResidencyIndex()
+    for engine, sessions in engines.items():
+        tracker = EngineTracker(engine, engine, index)
+        tracker.subscription()
+        for message in snapshot("E", 1, sessions):
+            tracker.handle(message)
+    return index
+
+
+def test_engines_not_live_in_the_index_are_asked_too() -> None:
+    """dp1's watch stream dropped (stalled, resyncing) while the engine still holds S: a Release
+    the index resolves to dp0 also reaches dp1 (it used to reach dp0 only), asked in the same call."""
+    dp0, dp1 = start_fake_server(), start_fake_server()
+    for server in (dp0, dp1):
+        server.servicer.sessions = [kvhint_pb2.SessionInfo(session_id="S")]
+    index = _index_with({"dp0": {"S": [(1, [1]), (2, [1])]}, "dp1": {"S": [(1, [1])]}})
+    index.set_live("dp1", False)
+    try:
+        with FleetClient({"dp0": dp0.address, "dp1": dp1.address}, follower=index) as fleet:
+            out = fleet.apply(session("S").release(hint_id="rel"), blocks(h(2)).evict(hint_id="ev"), timeout=5)
+            assert fleet.engines_for(session("S").release())[0] == ["dp0", "dp1"]
+        assert out.routes == {"rel": ["dp0", "dp1"], "ev": ["dp0"]}, "dp1 holds S but not block 2"
+        assert out.all_accepted and [x.hint_id for x in dp1.servicer.applied] == ["rel"]
+        assert dp0.servicer.count("ListSessions") == 0 and dp0.servicer.count("QueryResidency") == 0, "the index answered for dp0"
+        assert dp1.servicer.count("ListSessions") == 2 and dp1.servicer.count("QueryResidency") == 1
+    finally:
+        dp0.stop()
+        dp1.stop()
+
+
+def test_a_repeated_hint_id_is_refused_before_anything_is_sent() -> None:
+    """Two hints sharing an id (e.g. an envelope reusing action_id "0") used to be routed as one:
+    both went to both engines, where the second was refused as a conflict."""
+    a, b = _two_engines()
+    try:
+        with FleetClient({"a": a.address, "b": b.address}) as fleet:
+            with pytest.raises(ValueError, match=r"hints\[2\]\.hint_id 'x' repeats hints\[0\]'s"):
+                fleet.apply(session("S").release(hint_id="x"), session("S").pin(ttl=5), session("U").evict(hint_id="x"))
+            asked = [s.servicer.count(m) for s in (a, b) for m in ("ApplyHints", "ListSessions", "QueryResidency")]
+            assert asked == [0] * 6, "no engine was asked or sent anything"
+            out = fleet.apply(session("S").release(), session("U").evict())  # ids the client assigns never repeat
+        assert [x.WhichOneof("action") for x in a.servicer.applied] == ["release"]
+        assert [x.WhichOneof("action") for x in b.servicer.applied] == ["evict"] and out.all_accepted
     finally:
         a.stop()
         b.stop()
@@ -191,8 +242,9 @@ def test_a_batch_over_an_engines_limits_is_refused_before_any_engine_applies() -
             with pytest.raises(ValueError, match="at most 1 per batch"):
                 fleet.apply(session("X").evict(), session("Y").evict(), broadcast=True)
             assert not a.servicer.applied and not b.servicer.applied
-            with pytest.raises(ValueError, match="timeout must be > 0"):
-                fleet.apply(session("X").evict(), timeout=0)
+            for bad in (0, math.inf, math.nan, 1e10):
+                with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0 and at most 2147483648"):
+                    fleet.apply(session("X").evict(), timeout=bad)
     finally:
         a.stop()
         b.stop()

@@ -313,6 +313,38 @@ def test_async_follower_resumes_after_disconnect() -> None:
         server.stop()
 
 
+def test_stopping_either_follower_leaves_its_engines_not_live() -> None:
+    """After stop(), the index no longer routes to an engine from state frozen at stop time: the
+    asyncio follower used to leave it live (its cancelled task skipped stream_ended)."""
+
+    def serve():
+        servicer = FakeKvHint()
+        servicer.watch_scripts = [[*snapshot("E1", 5, {"S": [(1, [DEVICE])]}), HANG]]
+        return start_fake_server(servicer)
+
+    async def scenario(address: str) -> tuple[bool, bool, list[str], bool]:
+        follower = AsyncEventFollower({"e": address}, reconnect=FAST)
+        await follower.start()
+        synced = await follower.wait_synced(10)
+        await follower.stop()
+        return synced, follower.index.is_live("e"), [r.engine for r in follower.index.engines_for_session("S")], follower.status()["e"].live
+
+    server = serve()
+    try:
+        assert asyncio.run(scenario(server.address)) == (True, False, [], False)
+    finally:
+        server.stop()
+    server = serve()
+    try:
+        follower = EventFollower({"e": server.address}, reconnect=FAST)
+        follower.start()
+        assert follower.wait_synced(10)
+        follower.stop()
+        assert not follower.index.is_live("e") and not follower.index.engines_for_session("S")
+    finally:
+        server.stop()
+
+
 def test_silent_stream_is_cancelled_and_resumed() -> None:
     servicer = FakeKvHint()
     servicer.watch_scripts = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 import grpc
@@ -202,6 +203,50 @@ def test_wait_operation_times_out_with_deadline_exceeded(fake: RunningServer) ->
         kv.wait_operation("op2", timeout=0.2, poll_interval=0.05)
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "STATE_RUNNING" in info.value.details
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, 1e10, 0.0])
+def test_a_timeout_grpc_cannot_honour_is_refused_before_sending(fake: RunningServer, timeout: float) -> None:
+    """timeout=inf or 1e10 used to fail DEADLINE_EXCEEDED without sending (gRPC's deadline
+    overflows); nan was sent with no deadline. Now: ValueError naming the argument, nothing sent."""
+    message = r"timeout must be a finite number of seconds > 0 and at most 2147483648"
+    with client_for(fake) as kv:
+        with pytest.raises(ValueError, match=message):
+            kv.apply(session("S").evict(), timeout=timeout)
+        with pytest.raises(ValueError, match=message):
+            kv.watch("now", timeout=timeout)
+
+    async def scenario() -> None:
+        async with AsyncKvHintClient(ConnectionConfig(address=fake.address, retry=FAST_RETRY)) as kv:
+            with pytest.raises(ValueError, match=message):
+                await kv.apply(session("S").evict(), timeout=timeout)
+            with pytest.raises(ValueError, match=message):
+                kv.watch("now", timeout=timeout)
+
+    asyncio.run(scenario())
+    assert fake.servicer.count("ApplyHints") == 0 and fake.servicer.count("WatchEvents") == 0
+
+
+def test_the_longest_timeout_is_sent(fake: RunningServer) -> None:
+    with client_for(fake) as kv:
+        assert kv.apply(session("S").evict(), timeout=2.0**31).all_accepted
+
+
+def test_an_endless_wait_without_a_default_timeout_polls(fake: RunningServer) -> None:
+    """wait_operation(timeout=inf) with default_timeout=None: each poll gets a deadline gRPC can
+    honour (it used to get inf, and fail DEADLINE_EXCEEDED unsent)."""
+    fake.servicer.operations["op3"] = [kvhint_pb2.Operation.STATE_RUNNING, kvhint_pb2.Operation.STATE_SUCCEEDED]
+    with client_for(fake, default_timeout=None) as kv:
+        op = kv.wait_operation("op3", timeout=math.inf, poll_interval=0.01)
+    assert op.state == kvhint_pb2.Operation.STATE_SUCCEEDED
+
+    async def scenario() -> kvhint_pb2.Operation:
+        config = ConnectionConfig(address=fake.address, retry=FAST_RETRY, default_timeout=None)
+        async with AsyncKvHintClient(config) as kv:
+            return await kv.wait_operation("op4", timeout=math.inf, poll_interval=0.01)
+
+    fake.servicer.operations["op4"] = [kvhint_pb2.Operation.STATE_RUNNING, kvhint_pb2.Operation.STATE_FAILED]
+    assert asyncio.run(scenario()).state == kvhint_pb2.Operation.STATE_FAILED
 
 
 def test_health_reports_both_services(fake: RunningServer) -> None:

@@ -674,7 +674,8 @@ def test_fleet_sink_reports_the_most_applied_outcome() -> None:
         "h0": {"e1": pb.HintResult(hint_id="h0", outcome=pb.OUTCOME_MISSING), "e2": pb.HintResult(hint_id="h0", outcome=pb.OUTCOME_ACCEPTED)},
         "h1": {},
     }
-    fleet = SimpleNamespace(apply=lambda *hints, timeout=None: SimpleNamespace(results_for=lambda i: results[i]))
+    answer = SimpleNamespace(results_for=lambda i: results[i], errors={}, routes={"h0": ["e1", "e2"], "h1": []})
+    fleet = SimpleNamespace(apply=lambda *hints, timeout=None: answer)
     out = FleetSink(fleet).apply([pb.Hint(hint_id="h0"), pb.Hint(hint_id="h1")])  # type: ignore[arg-type]
     assert [r.outcome for r in out] == [pb.OUTCOME_ACCEPTED, pb.OUTCOME_MISSING]
 

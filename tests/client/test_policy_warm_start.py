@@ -23,6 +23,7 @@ from kvhint_client.policy import (
     SessionPolicy,
     ToolCallStarted,
 )
+from kvhint_client.policy.estimator import DEFAULT_MAX_KEYS
 
 KEYS = [("tool", "a", "c1"), ("tool", "a"), ("tool", "b"), ("declared", "long"), ("class", "c1"), ("all",)]
 HIERARCHIES = [tuple(KEYS[i:]) for i in range(len(KEYS))] + [(("tool", "b"), ("all",)), (("unseen",), ("all",))]
@@ -57,6 +58,7 @@ def _predictions(model: PauseModel, elapsed: float, prior: LogNormalPrior | None
     st.floats(0, 300),
     st.sampled_from([None, LogNormalPrior(20.0, 0.5)]),
     st.sampled_from([4, 256]),
+    st.sampled_from([3, DEFAULT_MAX_KEYS]),
 )
 def test_export_then_load_predicts_identically(
     before: list[tuple[set[tuple[str, ...]], float]],
@@ -64,12 +66,15 @@ def test_export_then_load_predicts_identically(
     elapsed: float,
     prior: LogNormalPrior | None,
     window: int,
+    max_keys: int,
 ) -> None:
-    original = PauseModel(window=window, min_samples=2)
+    """Also with fewer keys allowed than the observations use: the loaded model keeps the same
+    keys and drops the same ones next."""
+    original = PauseModel(window=window, min_samples=2, max_keys=max_keys)
     for keys, x in before:
         _add(original, keys, x)
     state = json.loads(json.dumps(original.export()))  # through JSON, as a router would store it
-    loaded = PauseModel(window=window, min_samples=2)
+    loaded = PauseModel(window=window, min_samples=2, max_keys=max_keys)
     loaded.load(state)
     assert loaded.export() == original.export()
     assert _predictions(loaded, elapsed, prior) == _predictions(original, elapsed, prior)
@@ -86,6 +91,40 @@ def test_a_smaller_window_keeps_the_most_recent_samples() -> None:
     small = PauseModel(window=3)
     small.load(big.export())
     assert small.export()["keys"] == [{"key": ["all"], "samples": [7.0, 8.0, 9.0]}]
+
+
+def test_keys_from_traffic_are_bounded_dropping_the_least_recently_observed() -> None:
+    """Session classes and tool names come from clients and models: a router seeing a new one per
+    session used to keep (and export) every one of them, about 1 KB each, forever."""
+    model = PauseModel(max_keys=3)
+    for name in ("a", "b", "c"):
+        model.observe([("tool", name)], 1.0)
+    model.observe([("tool", "a")], 2.0)  # a is now the most recently observed
+    model.observe([("tool", "d")], 3.0)  # drops b, the least recently observed
+    state = model.export()
+    assert [entry["key"] for entry in state["keys"]] == [["tool", "c"], ["tool", "a"], ["tool", "d"]]
+    assert model.count(("tool", "a")) == 2 and model.count(("tool", "b")) == 0
+    smaller = PauseModel(max_keys=2)
+    smaller.load(state)  # keeps the most recently observed keys
+    assert [entry["key"] for entry in smaller.export()["keys"]] == [["tool", "a"], ["tool", "d"]]
+    with pytest.raises(ValueError, match="max_keys must be an integer >= 1, got 0"):
+        PauseModel(max_keys=0)
+
+
+def test_a_policy_seeing_a_new_class_and_tool_per_session_keeps_a_bounded_model() -> None:
+    policy, sink = SessionPolicy(clock=lambda: 0.0), RecordingSink()
+    assert policy.model.max_keys == DEFAULT_MAX_KEYS == 4096
+    t = 0.0
+    for i in range(DEFAULT_MAX_KEYS):  # each session: its own class and tool, one pause
+        sid = f"s{i}"
+        policy.observe(RequestSent(sid, t=t, session_class=f"cls-{i}"))
+        policy.observe(ToolCallStarted(sid, tools=(f"tool-{i}",), t=t + 1))
+        policy.observe(RequestSent(sid, t=t + 2))
+        t += 3
+    policy.flush(sink, now=t)
+    keys = policy.model.export()["keys"]
+    assert len(keys) == DEFAULT_MAX_KEYS
+    assert ["all"] in [entry["key"] for entry in keys], "the keys every pause updates are kept"
 
 
 def test_pauses_that_ended_their_session_travel_as_null_and_version_1_states_still_load() -> None:

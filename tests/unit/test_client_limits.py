@@ -17,7 +17,7 @@ from kvhint_client.builders import session
 
 
 def test_client_checks_the_servers_limits_once_known(make_harness: Callable[..., Harness]) -> None:
-    harness = make_harness(max_id_length=8, max_hint_id_length=40, max_hints_per_batch=2)
+    harness = make_harness(max_id_length=8, max_hint_id_length=40, max_hints_per_batch=2, max_block_hashes_per_batch=5)
     with KvHintClient(f"127.0.0.1:{harness.port}") as kv:
         # Before capabilities are read, the server is the judge: the hint is REJECTED.
         (before,) = kv.apply(session("s" * 9).pin(ttl=5))
@@ -29,11 +29,17 @@ def test_client_checks_the_servers_limits_once_known(make_harness: Callable[...,
             ((session("s" * 9).pin(ttl=5),), "selector.session.session_id is 9 bytes; the server accepts at most 8"),
             ((session("S").pin(ttl=5, hint_id="h" * 41),), "hint_id is 41 bytes; the server accepts at most 40"),
             ((session("A").pin(ttl=5),) * 3, "3 hints; the server takes at most 2"),
+            ((hashes_pin(3), hashes_pin(3)), r"hints\[:2\] hold 6 block hashes; the server takes at most 5 per batch"),
         ]
         for hints, message in cases:
             with pytest.raises(ValueError, match=message):
                 kv.apply(*hints)
         assert kv.apply(session("s" * 8).pin(ttl=5, hint_id="h" * 40))[0].hint_id == "h" * 40
+
+
+def hashes_pin(n: int) -> pb.Hint:
+    return pb.Hint(selector=pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=[h(i) for i in range(n)])),
+                   pin=pb.PinAction(ttl={"seconds": 5}))
 
 
 def test_ids_longer_than_the_default_go_through_when_the_server_allows_them(make_harness: Callable[..., Harness]) -> None:
