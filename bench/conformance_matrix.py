@@ -33,6 +33,8 @@ CONFIGS = (
     ("hybrid6", ""),
     ("tiny", "host=128"),
     ("hybrid", "host=128"),
+    ("tiny", "host=128,host-eviction=kvhint"),
+    ("hybrid", "host=128,host-eviction=kvhint"),
 )
 
 
@@ -62,11 +64,19 @@ def run(preset: str, tiers: str) -> dict[str, object]:
 
 
 def parse_configs(text: str) -> tuple[tuple[str, str], ...]:
-    """`PRESET[@TIERS],...` -> ((preset, tiers), ...); an unknown preset is a usage error."""
+    """`PRESET[@TIERS],...` -> ((preset, tiers), ...); an unknown preset is a usage error. TIERS
+    is a --kvhint-tiers value and may hold commas itself (`tiny@host=128,host-eviction=kvhint`): a
+    part with `=` and no `@` continues the previous configuration's value (a preset has no `=`)."""
     from engine_integration.tiny_model import PRESETS
 
+    items: list[str] = []
+    for part in filter(None, (part.strip() for part in text.split(","))):
+        if "=" in part and "@" not in part and items:  # another key of the previous --kvhint-tiers value
+            items[-1] += "," + part
+        else:
+            items.append(part)
     configs = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for item in items:
         preset, _, tiers = item.partition("@")
         if preset not in PRESETS:
             raise argparse.ArgumentTypeError(f"unknown model preset {preset!r}; choose from {', '.join(sorted(PRESETS))}")

@@ -13,7 +13,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client.errors import KvHintError
 
 from .. import hints as H
-from ..model import CaseFailed, Registry, check
+from ..model import CaseFailed, CaseSkipped, Registry, check
 from ..target import CaseContext
 
 APPLY = "/kvhint.v1.KvHintService/ApplyHints"
@@ -35,6 +35,16 @@ def expect_invalid_argument(call: Callable[[], object], what: str, reason: str |
             check(e.reason == reason, f"{what}: ErrorInfo.reason={e.reason}, expected {reason}")
         return e
     raise CaseFailed(f"{what}: the RPC succeeded, expected INVALID_ARGUMENT")
+
+
+def none_applied(ctx: CaseContext, hint_id: str) -> None:
+    """Nothing of a batch refused as a whole was applied: its first hint's id was never seen, so
+    re-using it for another hint is no conflict and no replay."""
+    result = ctx.apply_one(H.release(ctx.sid("other"), hint_id=hint_id))
+    check(
+        result.reason != pb.REASON_HINT_ID_CONFLICT and not result.replayed,
+        f"a hint id of the rejected batch is known to the target ({H.describe(result)}): part of it was applied",
+    )
 
 
 def register(reg: Registry) -> None:
@@ -59,13 +69,35 @@ def register(reg: Registry) -> None:
             f"a batch of {limit + 1} hints (limit {limit})",
             "REASON_TOO_MANY_HINTS",
         )
-        # None applied: the first id was never seen, so re-using it for another hint is no conflict.
-        other = H.release(ctx.sid("other"), hint_id=batch[0].hint_id)
-        result = ctx.apply_one(other)
-        check(
-            result.reason != pb.REASON_HINT_ID_CONFLICT and not result.replayed,
-            f"a hint id of the rejected batch is known to the target ({H.describe(result)}): part of it was applied",
+        none_applied(ctx, batch[0].hint_id)
+
+    @reg.case(
+        "bad-input", "too-many-block-hashes-invalid-argument",
+        "An ApplyHints batch whose block_hashes selectors hold more than limits.max_block_hashes_per_batch hashes "
+        "in all (each selector within max_block_hashes_per_selector) MUST fail with INVALID_ARGUMENT and an "
+        "ErrorInfo with reason REASON_TOO_MANY_HINTS, and MUST apply none of its hints.",
+        requires=("release:block-hashes",),
+    )
+    def too_many_hashes(ctx: CaseContext) -> None:
+        limits = ctx.caps.limits
+        limit, per_selector = limits.max_block_hashes_per_batch, limits.max_block_hashes_per_selector or (1 << 31)
+        if not limit:
+            raise CaseSkipped("the target advertises no limits.max_block_hashes_per_batch")
+        hints_needed = -(-(limit + 1) // per_selector)
+        if hints_needed > limits.max_hints_per_batch:
+            raise CaseSkipped(f"{limit + 1} hashes need {hints_needed} selectors, over max_hints_per_batch")
+        width = 8 if ctx.caps.block_hash_encoding == "int64" else 32
+        if (limit + 1) * (width + 2) > 3 << 20:
+            raise CaseSkipped(f"{limit + 1} hashes of {width} bytes make a request near gRPC's default 4 MiB message limit")
+        hashes = [i.to_bytes(width, "big") for i in range(1, limit + 2)]
+        batch = [pb.Hint(hint_id=f"{ctx.sid('too-many-hashes')}-{j}", selector=H.hashes_selector(hashes[k : k + per_selector]),
+                         release=pb.ReleaseAction()) for j, k in enumerate(range(0, len(hashes), per_selector))]
+        expect_invalid_argument(
+            lambda: ctx.stub.ApplyHints(pb.ApplyHintsRequest(hints=batch), timeout=ctx.timeout),
+            f"a batch of {len(batch)} hints with {limit + 1} block hashes in all (limit {limit})",
+            "REASON_TOO_MANY_HINTS",
         )
+        none_applied(ctx, batch[0].hint_id)
 
     @reg.case(
         "bad-input", "undecodable-request-invalid-argument",

@@ -14,6 +14,7 @@ from kvhint_client.openai_traffic import Completion
 from .. import hints as H
 from ..model import CaseSkipped, Registry, check
 from ..target import CaseContext
+from .outcomes import wait_operation
 
 PRESSURE = ("pressure",)
 
@@ -44,6 +45,15 @@ def kept_through_pressure(ctx: CaseContext, label: str, kept: list[int], session
     check(got == ctx.full_hit, f"the {label} session hit {got} of {ctx.full_hit} tokens after pressure")
     lost = hit(ctx, control, ctx.sid("control"))
     check(lost == 0, f"the unhinted control session still hit {lost} tokens: the pressure did not evict it")
+
+
+def honouring_tier(ctx: CaseContext) -> pb.TierInfo:
+    """The first lower tier that advertises TierInfo.honours_retention; skips the case without one
+    (honouring retention is optional: a tier that keeps its own order says so)."""
+    for tier in ctx.caps.tiers:
+        if tier.tier != pb.TIER_DEVICE and tier.honours_retention:
+            return tier
+    raise CaseSkipped("no lower tier advertises honours_retention")
 
 
 def half_session_overflow(ctx: CaseContext) -> tuple[int, int]:
@@ -174,6 +184,41 @@ def register(reg: Registry) -> None:
         result = ctx.apply_one(H.retain(ctx.sid("kept"), priority=5, ttl=120))
         check(result.outcome == pb.OUTCOME_ACCEPTED, f"retain: {H.describe(result)}")
         kept_through_pressure(ctx, "retained", kept, ctx.sid("kept"), control)
+
+    @reg.case(
+        "retention", "retained-session-kept-by-honouring-tier",
+        "On a lower tier that advertises honours_retention, a retained session demoted off the device MUST keep a "
+        "copy of every block on the device or that tier through pressure that pushes an unhinted control session "
+        "stored before it out of the tier; its blocks MUST still be reported RETAINED (the grant outlives the device "
+        "copy while the tier holds one), and its repeat MUST hit its whole prefix.",
+        requires=("retain:session", "demote:session"),
+        needs=PRESSURE,
+    )
+    def honoured(ctx: CaseContext) -> None:
+        tier = honouring_tier(ctx)
+        name = H.TIER_NAME.get(tier.tier, str(tier.tier))
+        control, kept = ctx.session_prompt("control"), ctx.session_prompt("kept")
+        ctx.complete(control, ctx.sid("control"))
+        ctx.complete(kept, ctx.sid("kept"))
+        result = ctx.apply_one(H.retain(ctx.sid("kept"), priority=5, ttl=120))
+        check(result.outcome == pb.OUTCOME_ACCEPTED, f"retain: {H.describe(result)}")
+        demoted = ctx.apply_one(H.hint(H.session_selector(ctx.sid("kept")), "demote", target_tier=tier.tier))
+        check(demoted.outcome == pb.OUTCOME_DEFERRED and demoted.operation_id, f"demote to the {name} tier: {H.describe(demoted)}")
+        op = wait_operation(ctx, demoted.operation_id)
+        check(op.state == pb.Operation.STATE_SUCCEEDED, f"demote operation ended {pb.Operation.State.Name(op.state)} "
+              f"({H.reason_name(op.reason)}: {op.message})")
+        ctx.pressure("honoured")
+        blocks = ctx.residency(H.session_selector(ctx.sid("kept")))
+        check(len(blocks) == ctx.plan.session_resident,
+              f"QueryResidency reports {len(blocks)} blocks of the retained session, expected {ctx.plan.session_resident}")
+        lost = [b.position for b in blocks if pb.TIER_DEVICE not in b.tiers and tier.tier not in b.tiers]
+        check(not lost, f"blocks at positions {lost} of the retained session have no copy on the device or the {name} tier")
+        classes = sorted({pb.RetentionState.Class.Name(b.retention.retention_class) for b in blocks})
+        check(classes == ["CLASS_RETAINED"], f"the retained session's blocks are reported {classes} after pressure")
+        left = [b.position for b in ctx.residency(H.session_selector(ctx.sid("control"))) if tier.tier in b.tiers]
+        check(not left, f"the unhinted control keeps {len(left)} blocks on the {name} tier: the pressure did not reach it")
+        got = hit(ctx, kept, ctx.sid("kept"))
+        check(got == ctx.full_hit, f"the retained session hit {got} of {ctx.full_hit} tokens after pressure")
 
     @reg.case(
         "retention", "lower-priority-evicted-first",

@@ -14,7 +14,15 @@ def test_presets_with_optional_tiers() -> None:
     assert parse_configs("window, tiny@host=128") == (("window", ""), ("tiny", "host=128"))
 
 
-@pytest.mark.parametrize("text", ["", " , ", "llama", "window,nope@host=128"])
+def test_a_tiers_value_keeps_its_own_commas() -> None:
+    """--kvhint-tiers values are comma-separated keys too: `host-eviction=kvhint` after a
+    configuration with tiers is that configuration's, not a preset."""
+    assert parse_configs("tiny@host=128,host-eviction=kvhint,hybrid") == (
+        ("tiny", "host=128,host-eviction=kvhint"), ("hybrid", ""))
+    assert ("hybrid", "host=128,host-eviction=kvhint") in CONFIGS
+
+
+@pytest.mark.parametrize("text", ["", " , ", "llama", "window,nope@host=128", "host-eviction=kvhint,tiny"])
 def test_an_unknown_or_missing_preset_is_a_usage_error(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         parse_configs(text)

@@ -45,7 +45,8 @@ CAUGHT_BY: dict[str, list[str]] = {
     "unsupported-as-accepted": [S + f"capabilities/{a}-unadvertised-selectors-unsupported" for a in ("demote", "prefetch", "share")],
     "no-ttl-clip": [S + "clipping/retain-ttl-capped", S + "clipping/pin-ttl-capped"],
     "no-error-info": [S + f"bad-input/{n}" for n in (
-        "empty-batch-invalid-argument", "too-many-hints-invalid-argument", "undecodable-request-invalid-argument",
+        "empty-batch-invalid-argument", "too-many-hints-invalid-argument", "too-many-block-hashes-invalid-argument",
+        "undecodable-request-invalid-argument",
         "query-without-selector-invalid-argument", "unknown-operation-not-found")],
     "repeat-sequence": [S + "events/sequence-strictly-increasing", S + "events/resume-inside-window"],
     "no-resync": [S + f"events/resume-{n}-resync" for n in ("outside-window", "foreign-epoch", "future-sequence")],
@@ -60,10 +61,14 @@ CAUGHT_BY: dict[str, list[str]] = {
     "strip-stored-coordinates": [S + "events/stored-carries-session-coordinates", S + "events/snapshot-consistency"],
     "drop-events": [S + "events/unfiltered-stream-gap-free", S + "events/resume-inside-window"],
 }
-# Models the whole suite runs on (engine_integration.served.default_model presets): the dense
-# tiny model and the Gemma2-style hybrid (a full-attention and a sliding-window KV-cache group
-# sharing the pool; the plan sizes sessions from GetCapabilities.kv_cache_groups).
-MODELS = ("tiny", "hybrid")
+# Engines the whole suite runs on: engine_integration.served.default_model presets, each optionally
+# with a --kvhint-tiers value after "@". The dense tiny model, the Gemma2-style hybrid (a
+# full-attention and a sliding-window KV-cache group sharing the pool; the plan sizes sessions from
+# GetCapabilities.kv_cache_groups), and the tiny model over a 128-block host tier (vLLM's
+# OffloadingConnector) whose eviction honours retention: the tier actions and the honouring-tier case.
+HONOURING = "tiny@host=128,host-eviction=kvhint"
+MODELS = ("tiny", "hybrid", HONOURING)
+HONOURED_CASE = S + "retention/retained-session-kept-by-honouring-tier"
 
 
 def expected_failures(fault: str) -> list[str]:
@@ -73,9 +78,10 @@ def expected_failures(fault: str) -> list[str]:
 
 @pytest.fixture(scope="module", params=["tiny"])
 def served(request: pytest.FixtureRequest) -> Iterator[ServedEngine]:
-    """One engine per model (block_size 32, 80 blocks, max_model_len 1024); tests that run on
-    several models parametrize it indirectly, so pytest groups them and runs one engine at a time."""
-    engine = ServedEngine(EngineSpec(model=default_model(request.param)))
+    """One engine per MODELS entry (block_size 32, 80 blocks, max_model_len 1024); tests that run on
+    several parametrize it indirectly, so pytest groups them and runs one engine at a time."""
+    preset, _, tiers = request.param.partition("@")
+    engine = ServedEngine(EngineSpec(model=default_model(preset), extra_args=["--kvhint-tiers", tiers] if tiers else []))
     engine.start()
     try:
         yield engine
@@ -106,10 +112,13 @@ def test_vllm_integration_passes_every_advertised_case(served: ServedEngine, tmp
     # the profile it is not run under, and the tenancy cases (this engine runs without a tenants
     # file; tests/conformance/test_conformance_tenancy.py runs them), never for an unmet requirement.
     skipped = lines(text, "SKIPPED")
+    honours = "host-eviction=kvhint" in " ".join(served.spec.extra_args)
     assert not [r for r in skipped.values() if "requirement" in r], text
     assert all(re.search(r"/(demote|prefetch|share)-|/(retain|pin|release|evict)-unadvertised|range-unadvertised|operation-completed"
                          r"|/profile-tiers$", i) or ("/tenancy/" in i and r.startswith("no tenants given"))
+               or (i == HONOURED_CASE and not honours)  # no tiers (Demote unadvertised), or none honouring retention
                for i, r in skipped.items()), skipped
+    assert (HONOURED_CASE in skipped) != honours, skipped  # it runs (and, rc 0, passes) where a tier honours retention
     # Every case still listed in vllm_known_failing.txt fails as listed (one that passed would be
     # reported stale above); the list is the only place to update when the integration is fixed.
     listed = set(known_failing_patterns())
