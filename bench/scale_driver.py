@@ -6,7 +6,8 @@ fake model-runner outputs: everything the engine thread does except the forward 
 
 Timing: CPU time of the calling (engine) thread, `time.thread_time_ns`, around the
 scheduler-side work of one unit: `add_request` + `schedule()` + `update_from_output()` for a
-step, `get_computed_blocks` + `allocate_slots` + `free` for a direct fill admission. Thread CPU
+step, `get_computed_blocks` + `allocate_slots` + `record_prefix_cache_stats` + `free` for a direct fill
+admission (the calls vLLM's scheduler makes to admit a request; KvHint books a prefix hit at the third). Thread CPU
 time leaves out the KvHint sidecar's idle gRPC thread and the other side's work; process CPU
 time is recorded too. Request construction (vLLM hashes the prompt there) and the fake model
 output are outside the timed region, as they are outside the scheduler in EngineCore.
@@ -180,6 +181,7 @@ class Side:
         blocks, hit, _ = manager.get_computed_blocks(req)
         ok = manager.allocate_slots(req, req.num_tokens - hit, hit, blocks) is not None
         if ok:
+            manager.record_prefix_cache_stats(req, hit)  # as vLLM's scheduler does at admission
             manager.free(req)
         self.cpu_ns += thread_ns() - t
         self.proc_ns += process_ns() - p

@@ -108,6 +108,12 @@ class VllmAdapter:
         self._wake_lock = threading.Lock()
         self._max_id = core.config.max_id_length
         self.tiers: Any = None  # engine_integration.tiers.runtime.TierRuntime when tiers are enabled
+        # Engine thread: the last local prefix lookup of this step, (request, hit tokens), not
+        # booked yet (hooks.KvHintKVCacheManager.get_computed_blocks). Booked when the request
+        # takes the blocks (on_blocks_cached, on_lookup_taken); overwritten by the next lookup;
+        # dropped at the end of every schedule() (KvHintScheduler.schedule), so a request that
+        # is never admitted (memory pressure, then aborted) leaves nothing behind.
+        self.pending_hit: tuple[Any, int] | None = None
 
     def attach_pool(self, pool: Any) -> None:
         self.pool = pool
@@ -316,6 +322,13 @@ class VllmAdapter:
             # the same cache_blocks call, or holds them already, so the logical block and its
             # digest are known through it, and hints reach this copy through the logical block.
             return
+        lookup = self.pending_hit
+        if lookup is not None and lookup[0] is request:
+            # The request's admission (allocate_slots) caches its first blocks: it took the hit
+            # blocks its lookup found (as many as it holds cached). Booked before the stored
+            # blocks, in the order a lookup-time booking had.
+            self.pending_hit = None
+            self.on_prefix_hit(request, min(lookup[1], num_cached_blocks * block_size))
         # Engine thread, inside vLLM's cache_blocks: read only what vLLM may change later
         # (the request's block list, the pool map) and book the rest through the core's
         # journal (inline or deferred, in order). It gets a plain function and the span's
@@ -374,6 +387,14 @@ class VllmAdapter:
                 prefix_hit=prefix_hit,
             )
             start = end
+
+    def on_lookup_taken(self, request: Any, num_hit_tokens: int) -> None:
+        """Engine thread: vLLM admitted `request` with `num_hit_tokens` local prefix-hit tokens
+        (KVCacheManager.record_prefix_cache_stats). Books the noted lookup's hit unless the
+        admission's first cached blocks booked it already (on_blocks_cached)."""
+        lookup, self.pending_hit = self.pending_hit, None
+        if lookup is not None and lookup[0] is request:
+            self.on_prefix_hit(request, num_hit_tokens)
 
     def on_prefix_hit(self, request: Any, num_computed_tokens: int) -> None:
         n = num_computed_tokens // self.scheduler.block_size

@@ -15,8 +15,16 @@ methods and add:
   * admission: every `cache_full_blocks`, of every KV-cache group, is
     reported with the owning request (so the index and the event stream see
     it with its session);
-  * prefix hits: `get_computed_blocks` reports the hit blocks of requests
-    with session coordinates (a hit establishes membership);
+  * prefix hits: the local lookup (`get_computed_blocks`, and
+    `get_computed_blocks_for_connector` with a connector) is only noted; the
+    hit is booked when the request takes the blocks (a hit establishes
+    membership): at its first `cache_full_blocks` in the admission's
+    `allocate_slots`, or else at `record_prefix_cache_stats`, which vLLM's
+    scheduler calls once per admitted request with the local hit it used.
+    vLLM looks a waiting request up again every step it cannot admit it
+    (allocate_slots returns None under memory pressure), so a hit booked at
+    the lookup would join sessions to blocks they never used and refresh
+    the index every step;
   * removal: `_emit_block_removed_events` reports each logical block that
     stops being resident (its last copy in a residency group is gone; see
     kv_groups), with a cause (eviction, Evict hint, pin broken, replaced);
@@ -65,6 +73,8 @@ _free_blocks = BlockPool.free_blocks
 _touch = BlockPool.touch
 _cache_full_blocks = BlockPool.cache_full_blocks
 _get_computed_blocks = KVCacheManager.get_computed_blocks
+_get_computed_blocks_for_connector = KVCacheManager.get_computed_blocks_for_connector
+_record_prefix_cache_stats = KVCacheManager.record_prefix_cache_stats
 
 
 class KvHintBlockPool(BlockPool):
@@ -83,6 +93,8 @@ class KvHintBlockPool(BlockPool):
         self._kvh_runs: list[tuple[int, RemovalCause]] = []
         self._kvh_broken: set[int] = set()
         self._kvh_retaining = False  # the retention order is on (module doc)
+        # vLLM's lazy CPU offloaders walking this pool's free queue (watch_lazy_offloaders).
+        self._kvh_lazy: tuple[Any, ...] = ()
 
     def _kvh_init(self, adapter: VllmAdapter) -> None:
         self._kvh = adapter
@@ -266,6 +278,8 @@ class KvHintBlockPool(BlockPool):
         if filed == (view.cls, view.priority, view.reuse_at):
             return
         if filed is None:
+            if self._kvh_lazy:  # a lazy offloader's cursor must not stay on a block out of the queue
+                vllm_private.move_lazy_cursors_off(self._kvh_lazy, block, self.free_block_queue)
             self.free_block_queue.remove(block)
         protected.add(block, view.cls, view.priority, view.reuse_at)
         self._kvh_retaining = True  # something is protected now
@@ -275,6 +289,8 @@ class KvHintBlockPool(BlockPool):
         if block.ref_cnt != 0 or block.is_null:
             return
         if not self._kvh_protected.remove(block):
+            if self._kvh_lazy:
+                vllm_private.move_lazy_cursors_off(self._kvh_lazy, block, self.free_block_queue)
             self.free_block_queue.remove(block)
         self.free_block_queue.prepend_n([block])
 
@@ -314,13 +330,28 @@ class KvHintKVCacheManager(KVCacheManager):
         self._kvh = None  # type: ignore[assignment]
 
     def get_computed_blocks(self, request):  # type: ignore[no-untyped-def]
-        # Called when a waiting request is considered for admission (not per
-        # decode step). A hit establishes session membership: the blocks are
-        # resident and the session is about to use them.
+        # Called when a waiting request is considered for admission (not per decode step),
+        # again every step in which it cannot be admitted: the hit is noted, not booked. The
+        # adapter books it when the request takes the blocks (module doc, "prefix hits").
         result = _get_computed_blocks(self, request)
-        if result[1]:
-            self._kvh.on_prefix_hit(request, result[1])
+        self._kvh.pending_hit = (request, result[1]) if result[1] else None
         return result
+
+    def get_computed_blocks_for_connector(self, request):  # type: ignore[no-untyped-def]
+        # The local lookup with a connector that supports divergent hybrid hits (vLLM's
+        # scheduler calls this one instead of get_computed_blocks then); noted as that one.
+        result = _get_computed_blocks_for_connector(self, request)
+        self._kvh.pending_hit = (request, result[1]) if result[1] else None
+        return result
+
+    def record_prefix_cache_stats(self, request, num_hits):  # type: ignore[no-untyped-def]
+        # vLLM's scheduler calls this once per admitted request that looked the cache up
+        # ("Record at admission so unscheduled lookups are not counted"), with the local hit
+        # tokens the request took. The hit is booked here unless the admission's first
+        # cache_full_blocks booked it already (VllmAdapter.on_blocks_cached).
+        if self._kvh.pending_hit is not None:
+            self._kvh.on_lookup_taken(request, num_hits)
+        _record_prefix_cache_stats(self, request, num_hits)
 
 
 @contextmanager
@@ -342,6 +373,18 @@ def hooked_construction() -> AbstractContextManager[None]:
     return _rebound(_scheduler_module, "KVCacheManager", KvHintKVCacheManager)
 
 
+def watch_lazy_offloaders(pool: KvHintBlockPool, connector: Any) -> tuple[Any, ...]:
+    """Engine thread, at construction: the lazy CPU offloaders in `connector` bound to `pool`
+    (vLLM's SimpleCPUOffloadConnector with `lazy_offload`; vllm_private.lazy_offloaders). Their
+    walk keeps a cursor into the free queue, and vLLM assumes a block leaves the queue only by
+    gaining a reference; KvHint's retention order takes protected free blocks out of it with
+    none, so the pool moves such a cursor off the block first (kvh_refile_block,
+    kvh_to_queue_head: only while blocks are filed or moved by hints, never per block on the
+    path without hints). Returns them."""
+    pool._kvh_lazy = vllm_private.lazy_offloaders(connector, pool) if connector is not None else ()
+    return pool._kvh_lazy
+
+
 def install(scheduler: Any, adapter: VllmAdapter) -> KvHintBlockPool:
     """Connect the scheduler's hooked KV cache manager and block pool (built inside
     `hooked_construction`, or directly as KvHintKVCacheManager) to `adapter`."""
@@ -355,4 +398,5 @@ def install(scheduler: Any, adapter: VllmAdapter) -> KvHintBlockPool:
     pool = manager.block_pool
     pool._kvh_init(adapter)
     manager._kvh = adapter
+    watch_lazy_offloaders(pool, getattr(scheduler, "connector", None))
     return pool

@@ -167,6 +167,9 @@ class KvHintScheduler(Scheduler):
                 tiers.on_step()
             return super().schedule(*args, **kwargs)
         finally:
+            # A lookup not taken this step (the request was not admitted) is not booked;
+            # vLLM looks the request up again when it next considers it (VllmAdapter.pending_hit).
+            self.kvhint_adapter.pending_hit = None
             self._kvhint_in_step -= 1
             if not self._kvhint_in_step:
                 self.kvhint_core.journal.wake()  # the engine waits on the device now: settle
@@ -179,6 +182,18 @@ class KvHintScheduler(Scheduler):
             self._kvhint_in_step -= 1
             if not self._kvhint_in_step:
                 self.kvhint_core.journal.wake()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's reset; with lower tiers attached and `reset_running_requests` (EngineCore's
+        cache reset at pause and sleep, which preempts every running request so that no device
+        block is in use, and raises when one still is), a Demote's store in flight gives its
+        device blocks back first and its operation fails (TierRuntime.before_device_reset). A
+        plain reset keeps vLLM's rule: it fails (False) while anything, a store included, holds
+        a device block."""
+        tiers = self.kvhint_adapter.tiers
+        if reset_running_requests and tiers is not None:
+            tiers.before_device_reset()
+        return super().reset_prefix_cache(reset_running_requests, reset_connector)
 
     def _update_request_as_session(self, session: Any, update: Any) -> None:
         """A streaming-input request takes its next chunk (vLLM replaces its sampling params,

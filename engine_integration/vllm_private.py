@@ -9,6 +9,12 @@ otherwise.
                                                   read directly on per-block paths (appended_since)
   FreeKVCacheBlockQueue.fake_free_list_tail, KVCacheBlock.prev_free_block
                                                   the free queue's tail, walked back from (appended_since)
+  SimpleCPUOffloadScheduler._lazy_mode / _cursor / _gpu_block_pool
+                                                  the lazy offloader's walk position in the free
+                                                  queue, moved off a block KvHint takes out of it
+                                                  (lazy_offloaders, move_lazy_cursors_off)
+  SimpleCPUOffloadConnector.scheduler_manager, MultiConnector._connectors
+                                                  where the lazy offloader is found
   EngineCore._idle_state_callbacks, input_queue   waking an idle engine
   EngineCore._handle_shutdown                     teardown at the busy loop's exit
   OffloadingManager.take_events / reset_cache / shutdown   wrapped (monkey-patched)
@@ -71,6 +77,40 @@ def copies_in(entry: Any) -> list[Any]:
     if entry is None:
         return []
     return list(entry.values()) if isinstance(entry, dict) else [entry]
+
+
+def lazy_offloaders(connector: Any, pool: Any) -> tuple[Any, ...]:
+    """The lazy-mode CPU offloaders bound to `pool` inside `connector` (the scheduler's KV
+    connector, or an offloader itself): vLLM's `SimpleCPUOffloadScheduler` with `_lazy_mode`,
+    whose `_gpu_block_pool` is `pool` (`SimpleCPUOffloadConnector.scheduler_manager`, also
+    inside a `MultiConnector._connectors`). Each keeps `_cursor`, the free-queue block its walk
+    stopped at, and takes for granted that a block leaves the queue only by gaining a
+    reference (its staleness check is `ref_cnt > 0`)."""
+    found: list[Any] = []
+    stack, seen = [connector], set()
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        lazy = getattr(obj, "_lazy_mode", False) is True and hasattr(obj, "_cursor")
+        if lazy and getattr(obj, "_gpu_block_pool", None) is pool:
+            found.append(obj)
+        stack.append(getattr(obj, "scheduler_manager", None))
+        stack.extend(getattr(obj, "_connectors", None) or ())
+    return tuple(found)
+
+
+def move_lazy_cursors_off(offloaders: tuple[Any, ...], block: Any, queue: Any) -> None:
+    """`block` is about to leave the free queue `queue` with ref_cnt 0 (KvHint files it as
+    protected, or moves it to the head): a lazy offloader whose `_cursor` is `block` gets the block before it instead
+    (None at the queue's head: vLLM's own "walk from the head"), so its next walk goes on from
+    the block after `block`. Left on `block`, the cursor has no queue neighbours once the block is
+    out, passes vLLM's `ref_cnt > 0` staleness check, and every later walk visits nothing."""
+    for offloader in offloaders:
+        if offloader._cursor is block:
+            previous = block.prev_free_block
+            offloader._cursor = None if previous is None or previous is queue.fake_free_list_head else previous
 
 
 # ------------------------------------------------------------------ EngineCore

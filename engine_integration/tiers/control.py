@@ -363,14 +363,38 @@ class TierControl:
         for op in self._ops.values():
             op._stale = True
 
+    def release_device_holds(self, reason: str) -> list[StoreOp]:
+        """Engine thread, just before vLLM resets the device prefix cache with its running requests
+        preempted (`Scheduler.reset_prefix_cache(reset_running_requests=True)`: EngineCore's
+        cache reset at pause and sleep), which fails while any device block is in use: every
+        store in flight gives its device blocks back now (`BlockPool.free_blocks`) and fails with
+        `reason`. A store whose job has not gone to the workers is dropped at once; one the
+        workers run completes later, unpinning nothing and dropping its host chunks (the
+        device blocks may be reused before the copy runs). Returns the stores released."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        released = []
+        for job_id, op in list(self._ops.items()):
+            if not op._blocks:
+                continue
+            blocks, op._blocks = op._blocks, []
+            pool.free_blocks(blocks)
+            op.failed = op.failed or reason
+            released.append(op)
+            if op._job is not None:  # never handed to the workers: no completion will come
+                op._job = None
+                self._finish_store(self._ops.pop(job_id), success=False)
+        return released
+
     def _finish_store(self, op: StoreOp, success: bool) -> None:
         if op._stale:
             success = False
             op.failed = op.failed or "the KV connector cache was reset during the copy"
         else:
+            # A store released at a device reset (`release_device_holds`, op.failed set) keeps no copy.
+            success = success and op.failed is None
             self.manager.complete_store(op._keys, op._ctx, success)  # tiering: cascades to file tiers here
         self.manager.on_request_finished(op._ctx)
-        self.scheduler.kv_cache_manager.block_pool.free_blocks(op._blocks)
+        self.scheduler.kv_cache_manager.block_pool.free_blocks(op._blocks)  # none once released
         op._blocks = []
         op.done = True
         if op.on_done is not None:

@@ -449,10 +449,17 @@ class TierOperations:
             if op.phase is Phase.COPY:
                 self.fail(op, failure)
 
+    def fail_storing(self, stores: list[StoreOp], failure: Failure) -> None:
+        """Fail the operations whose injected store is one of `stores` (released at a device reset)."""
+        for op in list(self._ops.values()):
+            if op.phase is Phase.COPY and op.store is not None and any(op.store is s for s in stores):
+                self.fail(op, failure)
+
     def _cleanup(self, op: TierOp) -> None:
         if op.prefetch is not None:
             op.prefetch.close()  # promotions already submitted finish on their own
-        # An injected store in flight releases its G1 pins itself when the copy completes.
+        # An injected store in flight releases its G1 pins itself when the copy completes (or at a
+        # device reset, TierControl.release_device_holds).
 
     def shutdown(self) -> None:
         """Fail what is pending (SHUTTING_DOWN), stop the share worker, close channels."""

@@ -156,6 +156,20 @@ class TierRuntime:
         self.ops.fail_copying(Failure(Reason.OPERATION_FAILED, "the KV connector cache was reset"))
         self.core.on_cleared(Tier.HOST)
 
+    def before_device_reset(self) -> None:
+        """Engine thread, before `Scheduler.reset_prefix_cache(reset_running_requests=True)`
+        (KvHintScheduler): vLLM preempts its running requests so that no device block is in use,
+        and the reset raises if one still is. A Demote's store in flight holds its device blocks
+        until the copy ran (TierControl.force_store): they are given back, and the operations
+        fail (OPERATION_FAILED)."""
+        released = self.ctl.release_device_holds("the device prefix cache was reset during the copy")
+        if released:
+            log.info("kvhint tiers: device prefix cache reset with %d injected stores in flight; "
+                     "their operations fail", len(released))
+            self.ops.fail_storing(released, Failure(
+                Reason.OPERATION_FAILED,
+                "the device prefix cache was reset (pause or sleep) while the copy to the host tier was in flight"))
+
     def teardown(self) -> None:
         """Engine thread, once, at shutdown: `shutdown()`, then the connector
         manager's own shutdown (file-tier writes drained; ephemeral tiers deleted).

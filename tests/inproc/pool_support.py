@@ -3,11 +3,11 @@
 No model, no scheduler, no engine process: `Cache` builds the manager the way
 vLLM's tests/v1/core/test_prefix_caching.py does (one FullAttentionSpec group),
 and drives it with the scheduler's call sequence (get_computed_blocks,
-allocate_slots, free). With `hooked=True` it installs exactly what
-KvHintScheduler installs (engine_integration.hooks.install, VllmAdapter,
-KvHintCore) and applies hints through the same path as ApplyHints
-(validation.parse_apply_request -> HintExecutor.apply_batch), on a clock the
-test moves.
+allocate_slots, record_prefix_cache_stats at admission, free). With
+`hooked=True` it installs exactly what KvHintScheduler installs
+(engine_integration.hooks.install, VllmAdapter, KvHintCore) and applies hints
+through the same path as ApplyHints (validation.parse_apply_request ->
+HintExecutor.apply_batch), on a clock the test moves.
 
 Observations are what a user of the engine would see: which blocks an
 allocation gets, which cached hashes a prefix hit finds, and which hashes
@@ -111,6 +111,8 @@ class Cache:
         blocks = self.manager.allocate_slots(request, len(tokens) - hit_tokens, hit_tokens, computed)
         if blocks is None:
             return None
+        # vLLM's scheduler records the admitted request's local hit (where KvHint books it).
+        self.manager.record_prefix_cache_stats(request, hit_tokens)
         request.num_computed_tokens = len(tokens)
         return Admission(request, hit_tokens, self.block_ids(request))
 
