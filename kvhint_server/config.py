@@ -42,6 +42,7 @@ OTHER_VARIABLES = frozenset({
     "KVHINT_BENCH_ENFORCE_EAGER",  # bench.step_overhead: both engines eager (scripts/gpu_bundle/run.sh)
     "KVHINT_GPU_BUNDLE_CACHE", "KVHINT_GPU_BUNDLE_STORE", "KVHINT_GPU_BUNDLE_PARTS",  # scripts/gpu_bundle/
     "KVHINT_GPU_BUNDLE_SMOKE", "KVHINT_GPU_BUNDLE_LIMIT_S",
+    "KVHINT_GPU_CHECK_NOTE",  # scripts/gpu_check.py: a line for the results header (the bundle's run.sh sets it)
 })
 
 

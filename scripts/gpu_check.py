@@ -73,6 +73,9 @@ MIN_STEP_S = 30.0
 # teardown stops its engines), then SIGKILL. Part of GPU_BUDGET_S's margin under the limit.
 STOP_GRACE_S = 15.0
 SKIPPED_FOR_TIME = "budget"  # Step.details["skipped"] of a step skipped for lack of time
+# A line the caller adds to the results (in the header and the JSON's "note"): what the run's
+# install is when it is not a pip install of vLLM (scripts/gpu_bundle/run.sh sets it).
+NOTE_ENV = "KVHINT_GPU_CHECK_NOTE"
 
 
 @dataclass
@@ -135,6 +138,14 @@ class Options:
     enforce_eager: bool = False
 
 
+def _signal_group(pid: int, sig: int) -> None:
+    """Signal a step's process group; one that has just exited is no error."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None, cwd: Path = ROOT) -> tuple[int, str]:
     """Run `cmd` in `cwd` (the repository root by default), output to `log`; (exit status,
     output). 124 on timeout."""
@@ -149,11 +160,11 @@ def _run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None =
         except subprocess.TimeoutExpired:
             # SIGINT first: pytest then runs its fixtures' teardown, which stops the engines it
             # served (ServedEngine starts each in a session of its own, out of this group's reach).
-            os.killpg(proc.pid, signal.SIGINT)
+            _signal_group(proc.pid, signal.SIGINT)
             try:
                 proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
             rc = 124
             f.write(f"\n[gpu_check] timed out after {timeout:.0f}s\n")
@@ -235,6 +246,23 @@ def server_scheduling(http_url: str, timeout: float = 120.0) -> dict[str, Any]:
 BOOKKEEPING_LINE = re.compile(r"kvhint: residency bookkeeping (inline|deferred) \((KvHint\w*Scheduler)\)")
 ASYNC_CLASS = "KvHintAsyncScheduler"
 DEFERRED_METRIC = "kvhint_residency_deferred_total"
+
+
+def engine_identity(log_text: str) -> dict[str, str]:
+    """What vLLM's start-up log says an engine runs: its attention backend, model runner and
+    dtype ("" where the log does not say), so that the results name what ran (the bundle runs
+    on the lent H200 chose Triton attention, eager, on an older torch; a pip install of vLLM picks
+    its own)."""
+
+    def first(pattern: str) -> str:
+        found = re.search(pattern, log_text)
+        return found.group(1) if found else ""
+
+    return {
+        "attention_backend": first(r"Using (\w+) attention backend") or first(r"Using (\w+) backend\."),
+        "model_runner": "V2" if "Using V2 Model Runner" in log_text else "",
+        "dtype": first(r"LLM engine \(v[^)]*\) with config: .*?\bdtype=([\w.]+)"),
+    }
 
 
 def metric_total(metrics_text: str, name: str) -> float | None:
@@ -326,6 +354,11 @@ def serve_and_conform(opts: Options, name: str, model: str, serve: Step, conform
         mode = "async" if serve.details["async_scheduling"] else "sync"
         serve.status = "pass" if serve.details["async_scheduling"] == wanted else "fail"
         serve.summary = f"served, {mode} scheduling" + (" (vLLM's CPU platform forces async scheduling off)" if opts.cpu else "")
+        ran = engine_identity(engine.log_text())
+        serve.details.update(ran)
+        said = ", ".join(f"{what} {ran[key]}" for key, what in (("attention_backend", "attention"), ("model_runner", "model runner"),
+                                                               ("dtype", "dtype")) if ran[key])
+        serve.summary += f" ({said})" if said else ""
         traffic = budget.enough()
         if not traffic:
             budget.skip(conform)
@@ -455,6 +488,7 @@ def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Ste
         "budget_s": opts.budget.seconds,
         "skipped_for_time": skipped_for_time,
         "quick": opts.quick,
+        "note": os.environ.get(NOTE_ENV, ""),
         "platform": info,
         "models": {m: [vars(s) for s in group] for m, group in steps.items()},
     }
@@ -477,6 +511,8 @@ def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Ste
         + (f" Skipped for lack of time: {', '.join(skipped_for_time)}." if skipped_for_time else ""),
         "",
     ]
+    if data["note"]:
+        lines += [f"Note: {data['note']}", ""]
     if error is not None:
         lines += [f"The check could not start: {error}", ""]
     if opts.cpu:

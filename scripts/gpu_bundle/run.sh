@@ -112,6 +112,8 @@ GC="$OUTDIR/gc"; rm -rf "$GC"
 budget=()
 case " $* " in *" --budget "*|*" --budget="*) ;; *) budget=(--budget "$(( $(left) - 15 ))") ;; esac
 echo "gpu_check.sh ${budget[*]} $* ($(left) s left of $LIMIT_S)" >>"$ENV_TXT"
+# The results header says what ran (build.sh's promise): not a pip install of vllm==0.32.0.
+export KVHINT_GPU_CHECK_NOTE="run from the offline GPU bundle (scripts/gpu_bundle): vLLM 0.32.0 on torch $(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?') with the bundle's shim and FlashAttention's import error dropped, not a pip install of vllm==0.32.0; the machine and the bundle are in bundle_env.txt"
 scripts/gpu_check.sh --out "$GC" "${budget[@]}" "$@" 2>&1 | tail -40
 rc=${PIPESTATUS[0]}
 echo "gpu_check.sh exit $rc" | tee -a "$ENV_TXT"

@@ -44,6 +44,40 @@ def test_raw_round_trip_and_paired_ratios(tmp_path: Path, monkeypatch: pytest.Mo
     assert "--report-only --out " + str(out) in text
 
 
+def test_the_settler_threads_cpu_is_reported_and_charged_to_kvhint_in_the_upper_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With deferred bookkeeping (the GPU default) KvHint's settler works outside both engines'
+    timed calls, in the same process: the table says how much and what the engine-step ratio
+    is with all of it charged to KvHint; a run without the thread (inline) says nothing of it."""
+    monkeypatch.setattr(so, "RAW_DIR", tmp_path / "raw")
+    stock, other = _Timer([1e-4] * 4, [1e-3] * 4), _Timer([1e-4] * 4, [1e-3] * 4)
+    meta = {"argv": [], "preset": "tiny", "num_blocks": 80, "rounds": 1, "requests": 4, "max_tokens": 4, "aa": False,
+            "settler_cpu_ms": 0.4}
+    so.write_raw(tmp_path / "x.md", meta, stock, other)  # type: ignore[arg-type]
+    text = so.report(tmp_path / "x.md")
+    assert "settler thread (deferred bookkeeping) used 0.4 ms of CPU over these steps (100.0 us per step)" in text
+    assert "the engine step's ratio of totals is 1.100x" in text  # (4 ms + 0.4 ms) / 4 ms
+    so.write_raw(tmp_path / "y.md", {**meta, "settler_cpu_ms": None}, stock, other)  # type: ignore[arg-type]
+    assert "settler thread" not in so.report(tmp_path / "y.md")
+
+
+def test_the_settler_thread_is_found_by_name_and_its_cpu_read() -> None:
+    import threading
+
+    assert so.settler_cpu_s() is None  # no KvHint engine in this process
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (sum(range(200_000)), done.wait(5)), name=so.SETTLER_THREAD)
+    thread.start()
+    try:
+        import time
+
+        time.sleep(0.05)
+        used = so.settler_cpu_s()
+        assert used is not None and used > 0
+    finally:
+        done.set()
+        thread.join()
+
+
 class _Sched:
     def schedule(self) -> None:
         pass

