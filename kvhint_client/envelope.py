@@ -55,7 +55,8 @@ normalises to the canonical form.
 
 Rejections raise EnvelopeError (a ValueError) naming the action index, id and the problem: an
 unsupported protocol_version, action_type or action_version (listing the supported ones),
-unknown payload keys, and anything the builders reject (empty ids, ttl <= 0, bad range, ...).
+unknown payload keys, an action_id that repeats an earlier action's, and anything the builders
+reject (empty ids, ttl <= 0, bad range, ...).
 With `skip_unknown=True`, actions of unsupported *types* are skipped instead (a mixed envelope
 carrying e.g. kv.fetch for another consumer), but unsupported versions of kvhint types still fail.
 
@@ -297,11 +298,19 @@ def parse_envelope(envelope: EnvelopeLike, *, skip_unknown: bool = False) -> Par
     actions = _require(data, "actions", list, "envelope")
     hints: list[kvhint_pb2.Hint] = []
     skipped: list[dict[str, Any]] = []
+    first_with_id: dict[str, int] = {}
     for index, action in enumerate(actions):
         if skip_unknown and isinstance(action, dict) and action.get("action_type") not in ACTION_TYPES:
             skipped.append(action)
             continue
-        hints.append(action_to_hint(action, index=index))
+        hint = action_to_hint(action, index=index)
+        if hint.hint_id:
+            earlier = first_with_id.setdefault(hint.hint_id, index)
+            if earlier != index:
+                # One id, two actions: the engine would bind the id to the first and reject the
+                # second (HINT_ID_CONFLICT), and a router could not tell their results apart.
+                raise EnvelopeError(f"action {index} (id {hint.hint_id!r}): repeats the action_id of action {earlier}")
+        hints.append(hint)
     return ParsedEnvelope(message_id=message_id, hints=hints, skipped=skipped)
 
 
@@ -408,7 +417,11 @@ def hints_to_envelope(
     """A KvHintsEnvelope dict (JSON-ready) for `hints`. message_id defaults to a uuid4; hints
     without hint_id get a uuid4 action_id unless assign_ids=False."""
     actions = []
-    for hint in hints:
+    first_with_id: dict[str, int] = {}
+    for index, hint in enumerate(hints):
+        if hint.hint_id and first_with_id.setdefault(hint.hint_id, index) != index:
+            raise EnvelopeError(f"hints[{index}].hint_id {hint.hint_id!r} repeats hints[{first_with_id[hint.hint_id]}]'s: "
+                                "an envelope's action ids are unique")
         action_id = hint.hint_id or (str(uuid.uuid4()) if assign_ids else "")
         actions.append(hint_to_action(hint, action_id=action_id, block_hash_format=block_hash_format))
     return {

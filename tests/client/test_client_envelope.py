@@ -78,7 +78,7 @@ def test_hint_to_action_to_hint_is_lossless_through_json(hint: kvhint_pb2.Hint) 
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(hints(), min_size=1, max_size=5), ids)
+@given(st.lists(hints(), min_size=1, max_size=5, unique_by=lambda h: h.hint_id), ids)
 def test_envelope_to_hints_to_envelope_is_lossless(batch: list[kvhint_pb2.Hint], message_id: str) -> None:
     envelope = json.loads(json.dumps(hints_to_envelope(batch, message_id=message_id)))
     parsed = parse_envelope(json.dumps(envelope))
@@ -209,6 +209,17 @@ def test_malformed_envelopes() -> None:
     with pytest.raises(EnvelopeError, match="'payload' must be dict"):
         envelope_to_hints(_envelope({"action_id": "a", "action_type": "kv.evict", "action_version": "1.0", "payload": []}))
     assert isinstance(EnvelopeError("x"), ValueError)
+
+
+def test_a_repeated_action_id_is_refused_both_ways() -> None:
+    """One id for two actions: the engine would bind it to the first and reject the second
+    (HINT_ID_CONFLICT), and a router could not tell their results apart."""
+    twice = [session("A").retain(ttl=5, hint_id="x"), session("B").release(hint_id="x")]
+    with pytest.raises(EnvelopeError, match=r"action 1 \(id 'x'\): repeats the action_id of action 0"):
+        envelope_to_hints(_envelope(*(hint_to_action(h) for h in twice)))
+    with pytest.raises(EnvelopeError, match=r"hints\[1\].hint_id 'x' repeats hints\[0\]'s"):
+        hints_to_envelope(twice)
+    assert len(envelope_to_hints(hints_to_envelope([session("A").retain(ttl=5), session("B").release()]))) == 2  # ids assigned
 
 
 def test_hints_the_envelope_cannot_express_are_refused() -> None:
