@@ -348,8 +348,8 @@ class TenantRouter:
     more, a PinBroken with the tenants whose grants broke (`pin_broken`)."""
 
     def __init__(self, tenants: Tenants) -> None:
-        self._prefixes = tuple((t.session_prefix, t.name) for t in tenants.tenants if not t.admin)
-        self._everyone = frozenset(name for _, name in self._prefixes)
+        self._tenants = tenants
+        self._everyone = frozenset(t.name for t in tenants.tenants if not t.admin)
         self._of_owner = tenants.tenant_of_owner
 
     def __call__(self, payload: Payload, sessions: Sequence[str]) -> frozenset[str]:
@@ -368,15 +368,13 @@ class TenantRouter:
 
     def tenant_of(self, ident: str) -> str | None:
         """The name of the (non-admin) tenant whose namespace holds a session/continuation id."""
-        for prefix, name in self._prefixes:
-            if ident.startswith(prefix):
-                return name
-        return None
+        tenant = self._tenants.tenant_of_id(ident)
+        return None if tenant is None else tenant.name
 
     def tenants_of(self, ids: Iterable[str]) -> frozenset[str]:
         """The tenants whose namespaces hold any of `ids` (the walk stops once every tenant is found)."""
         found: set[str] = set()
-        everyone = len(self._prefixes)
+        everyone = len(self._everyone)
         for ident in ids:
             name = self.tenant_of(ident)
             if name is not None:
