@@ -54,6 +54,7 @@ from kvhint_server.model import (
     EngineInfo,
     Reason,
     RemovalCause,
+    RetentionClass,
     RetentionView,
     SelectorKind,
     Tier,
@@ -522,6 +523,51 @@ class VllmAdapter:
         freed = [block for digest in digests for block in self._copies_of_digest(digest, cache) if protected.remove(block)]
         if freed:
             pool.free_block_queue.prepend_n(freed)
+
+    def residency_copies_first(self, victims: list[Any]) -> list[Any]:
+        """Engine thread, in the retention order's reclaim (KvHintBlockPool._kvh_reclaim):
+        `victims`, retained copies just taken in eviction order, where each copy in a group
+        that does not define residency (a sliding-window tail) that is its group's last copy of
+        its block is replaced by a protected copy of the same logical block in a residency
+        group, when one is filed; the replaced copy is filed again by its grant.
+
+        The retention order files and takes copies one at a time, in the order vLLM freed them
+        (group by group), so it could take a retained block's window copy and leave its
+        full-attention copy with the grant: the block read as resident and retained while a
+        resume ending at it found no usable hit. With the residency copy taken first, its
+        removal ends the grant and is reported (on_keys_removed), and unprotects the window
+        copy left behind (_unprotect_copies), an ordinary block at the queue head. Without a
+        protected residency copy (every one in use by a running request) the window copy is
+        taken as before."""
+        if self._all_resident:
+            return victims
+        pool = self.pool
+        protected, cache = pool._kvh_protected, vllm_private.cached_block_map(pool)
+        residency = self._residency_suffixes
+        taking = {block.block_id for block in victims}
+        out = []
+        for block in victims:
+            key = block.block_hash
+            sibling = None
+            if key is not None and key[-4:] not in residency and all(
+                copy.block_id in taking for copy in vllm_private.copies_in(cache.get(key))
+            ):
+                digest = key[:-4]
+                sibling = next(
+                    (copy for suffix in residency for copy in vllm_private.copies_in(cache.get(digest + suffix))
+                     if copy.block_id in protected.filed and copy.block_id not in taking),
+                    None,
+                )
+            view = self.retention_of_block(block) if sibling is not None else None
+            if sibling is None or view is None or view.cls is RetentionClass.ORDINARY:
+                out.append(block)
+                continue
+            protected.remove(sibling)
+            protected.add(block, view.cls, view.priority, view.reuse_at)
+            taking.discard(block.block_id)
+            taking.add(sibling.block_id)
+            out.append(sibling)
+        return out
 
     def on_device_cleared(self) -> None:
         self.core.clear_grants()  # engine thread, as drop_grants

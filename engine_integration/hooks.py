@@ -231,6 +231,8 @@ class KvHintBlockPool(BlockPool):
     def _kvh_reclaim(self, shortfall: int) -> None:
         """Move `shortfall` protected blocks to the queue head, in class order."""
         retained, pinned = self._kvh_protected.take_victims(shortfall)
+        if retained:
+            retained = self._kvh.residency_copies_first(retained)
         if pinned:
             self._kvh_broken.update(b.block_id for b in pinned)
             self._kvh.on_pins_broken(pinned, shortfall)

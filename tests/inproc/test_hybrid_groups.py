@@ -185,6 +185,52 @@ def test_no_copy_stays_protected_after_its_blocks_hint_ended(window_first: bool,
         assert not pool.kvh_retaining
 
 
+@ORDERS
+@pytest.mark.parametrize("past_the_queue", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("resumed", [False, True], ids=["retained-when-free", "freed-under-the-grant"])
+def test_a_retained_block_keeps_every_copy_while_its_grant_lasts(window_first: bool, past_the_queue: int, resumed: bool) -> None:
+    """Under pressure the retention order takes a retained block's copies residency copy first.
+    So a block never loses its window copy (the tail a resume at that block reads) while its
+    full-attention copy keeps the grant and the block reads as resident and retained: the first
+    copy taken ends the block's grant and is reported as the block's removal. Covers both
+    filing paths: blocks already free when the Retain came, and blocks vLLM frees while the
+    grant is in effect (in its own per-group order)."""
+    with hybrid(window_first) as s:
+        pool, adapter, core = s.kv_cache_manager.block_pool, s.kvhint_adapter, s.kvhint_core
+        run(s, "a", prompt_of("A"), "A")
+        assert apply(s, retain(session("A"), priority=5))[0].outcome is Outcome.ACCEPTED
+        if resumed:  # a second turn reads the retained prefix and is freed under the grant
+            run(s, "a2", resume("A"), "A")
+            assert apply(s, retain(session("A"), priority=5))[0].outcome is Outcome.ACCEPTED
+        prompt = resume("A") if resumed else prompt_of("A")
+        chain = [adapter.external(h) for h in inproc.make_request("probe", prompt, block_size=BLOCK).block_hashes]
+        chain = [h for h in chain if adapter.device_resident(h)]
+
+        def groups_of(ext: bytes) -> set[int]:
+            """The groups holding a copy (a second copy in a group, which a resume that could
+            not hit caches again, can go: its group still holds the block)."""
+            return {get_group_id(b.block_hash) for b in adapter._copies(ext)}
+
+        before = {ext: groups_of(ext) for ext in chain}
+        assert all(ext in core.ledger.grants for ext in chain)
+        seen = len(core.bus.read_after(0, 1_000_000))
+        filed = pool._kvh_protected.count
+        extra = min(past_the_queue, filed)
+        taken = pool.get_new_blocks(pool.free_block_queue.num_free_blocks + extra)
+        core.settle()
+        removed = {h for e in core.bus.read_after(0, 1_000_000)[seen:] if isinstance(e.payload, BlocksRemoved) for h in e.payload.block_hashes}
+        lost = [i for i, ext in enumerate(chain) if groups_of(ext) != before[ext]]
+        assert pool._kvh_protected.count < filed, "the pressure took no retained copy"
+        for i, ext in enumerate(chain):
+            if ext in core.ledger.grants:
+                assert groups_of(ext) == before[ext], f"block {i} keeps its grant and reads as resident without its copies {before[ext]}"
+                assert adapter.device_resident(ext)
+            elif i in lost:
+                assert ext in removed and not adapter.device_resident(ext), f"block {i} lost a copy unreported"
+        assert len(lost) <= extra  # one logical block per copy taken at most
+        pool.free_blocks(taken)
+
+
 # ---------------------------------------------------------------- residency, by property
 
 prompts = st.lists(
