@@ -231,6 +231,52 @@ def test_a_retained_block_keeps_every_copy_while_its_grant_lasts(window_first: b
         pool.free_blocks(taken)
 
 
+hinted_workloads = st.lists(
+    st.tuples(
+        st.integers(0, 2),  # shared prefix
+        st.integers(1, 8),  # own blocks
+        st.sampled_from(["s0", "s1", "s2"]),
+        st.sampled_from(["none", "retain-1", "retain-5", "pin"]),  # hint after the request
+        st.integers(0, 6),  # pressure after it: copies past the free queue
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=hinted_workloads, window_first=st.booleans())
+def test_no_granted_block_loses_a_window_tail_to_the_retention_order(
+    workload: list[tuple[int, int, str, str, int]], window_first: bool
+) -> None:
+    """After any mix of sessions, Retains of two priorities, Pins and pressure past the free
+    queue: a logical block that still holds a grant, whose full-attention copy was free, keeps
+    every group it had a copy in before the pressure (a resume ending at it keeps its window
+    tail), and no copy stays protected without a grant."""
+    with hybrid(window_first, num_blocks=64) as s:
+        pool, adapter, core = s.kv_cache_manager.block_pool, s.kvhint_adapter, s.kvhint_core
+        full = next(g.group_id for g in adapter.groups.infos if g.kind is KvCacheGroupKind.FULL_ATTENTION)
+        for i, (prefix, blocks, sid, hint, pressure) in enumerate(workload):
+            run(s, f"r{i}", tokens(prefix, 3 * BLOCK) + tokens(50 + i, blocks * BLOCK), sid)
+            if hint != "none":
+                action = pin(session(sid)) if hint == "pin" else retain(session(sid), priority=int(hint[-1]))
+                apply(s, action)
+            if not pressure or not pool._kvh_protected.count:
+                continue
+            granted = [h for h in core.ledger.grants if adapter.device_resident(h)]
+            before = {h: {get_group_id(b.block_hash) for b in adapter._copies(h)} for h in granted}
+            free_full = {h for h in granted if all(b.ref_cnt == 0 for b in adapter._copies(h) if get_group_id(b.block_hash) == full)}
+            taken = pool.get_new_blocks(pool.free_block_queue.num_free_blocks + min(pressure, pool._kvh_protected.count))
+            core.settle()
+            for h in granted:
+                if h in core.ledger.grants and h in free_full:
+                    now = {get_group_id(b.block_hash) for b in adapter._copies(h)}
+                    assert now == before[h], f"a granted block kept {sorted(now)} of {sorted(before[h])}"
+            orphans = [b.block_id for b in pool._kvh_protected.blocks() if adapter.external(get_block_hash(b.block_hash)) not in core.ledger.grants]
+            assert not orphans, f"protected copies with no grant: {orphans}"
+            pool.free_blocks(taken)
+
+
 # ---------------------------------------------------------------- residency, by property
 
 prompts = st.lists(
