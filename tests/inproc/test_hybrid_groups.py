@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pool_support import evict, pin, release, retain, session, tokens
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
 from engine_integration import inproc
 from engine_integration.kv_groups import residency_view
@@ -244,16 +245,32 @@ hinted_workloads = st.lists(
 )
 
 
+def _layout(name: str) -> Any:
+    """A KV-cache config edit: full-first (vLLM's order for Llama-style layer lists), window-first
+    (Gemma 2's), or two window groups ahead of the full-attention one (as Gemma 3's five)."""
+
+    def edit(cfg: Any) -> None:
+        full, window = cfg.kv_cache_groups
+        if name == "window-first":
+            cfg.kv_cache_groups[:] = [window, full]
+        elif name == "two-windows":
+            cfg.kv_cache_groups[:] = [window, KVCacheGroupSpec(["window.1"], window.kv_cache_spec), full]
+
+    return edit
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workload=hinted_workloads, window_first=st.booleans())
+@given(workload=hinted_workloads, layout=st.sampled_from(["full-first", "window-first", "two-windows"]))
 def test_no_granted_block_loses_a_window_tail_to_the_retention_order(
-    workload: list[tuple[int, int, str, str, int]], window_first: bool
+    workload: list[tuple[int, int, str, str, int]], layout: str
 ) -> None:
     """After any mix of sessions, Retains of two priorities, Pins and pressure past the free
     queue: a logical block that still holds a grant, whose full-attention copy was free, keeps
     every group it had a copy in before the pressure (a resume ending at it keeps its window
     tail), and no copy stays protected without a grant."""
-    with hybrid(window_first, num_blocks=64) as s:
+    with layout_support.scheduler(
+        0, edit=_layout(layout), num_blocks=64, block_size=BLOCK, hybrid=True, sliding_window=WINDOW
+    ) as s:
         pool, adapter, core = s.kv_cache_manager.block_pool, s.kvhint_adapter, s.kvhint_core
         full = next(g.group_id for g in adapter.groups.infos if g.kind is KvCacheGroupKind.FULL_ATTENTION)
         for i, (prefix, blocks, sid, hint, pressure) in enumerate(workload):
