@@ -85,6 +85,10 @@ def device_actions() -> tuple[ActionSupport, ...]:
     return local + remote
 
 
+# residency_copies_first: the filing of a block not filed as protected.
+_NOT_FILED = (None, 0, None)
+
+
 class VllmAdapter:
     def __init__(self, core: KvHintCore, scheduler: Any, engine_core: Any | None) -> None:
         self.core = core
@@ -544,6 +548,7 @@ class VllmAdapter:
         pool = self.pool
         protected, cache = pool._kvh_protected, vllm_private.cached_block_map(pool)
         residency = self._residency_suffixes
+        filed = protected.filed
         taking = {block.block_id for block in victims}
         out = []
         for block in victims:
@@ -555,7 +560,7 @@ class VllmAdapter:
                 digest = key[:-4]
                 sibling = next(
                     (copy for suffix in residency for copy in vllm_private.copies_in(cache.get(digest + suffix))
-                     if copy.block_id in protected.filed and copy.block_id not in taking),
+                     if filed.get(copy.block_id, _NOT_FILED)[0] is RetentionClass.RETAINED),
                     None,
                 )
             view = self.retention_of_block(block) if sibling is not None else None
