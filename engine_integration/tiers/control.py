@@ -171,6 +171,25 @@ class TierControl:
             for t in self.file_tiers
         )
 
+    def host_lacks(self, block_hash: BlockHash, *, g1: bool = False, files: bool = False) -> list[int]:
+        """The groups whose copy of the block the host tier has no entry for (lookup MISS; a
+        store in flight is an entry) while the device pool (`g1`) or a file tier (`files`)
+        holds one. On a hybrid model: the window tails a resume from the host reads, which
+        `host_state` (the groups that define presence) does not look at. Pure."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        out = []
+        for g in self.group_ids:
+            key = self.key(block_hash, g)
+            if self.primary.lookup(key, self._probe) is not LookupResult.MISS:
+                continue
+            if (g1 and pool.get_cached_block(block_hash, [g]) is not None) or (files and self.file_has_key(key)):
+                out.append(g)
+        return out
+
+    def file_has_key(self, key: OffloadKey) -> bool:
+        """Some file tier holds this one copy (see `file_has`)."""
+        return any(os.path.exists(t.file_mapper.get_file_name(key)) for t in self.file_tiers)
+
     def g1_has(self, block_hash: BlockHash) -> bool:
         pool = self.scheduler.kv_cache_manager.block_pool
         return pool.get_cached_block(block_hash, list(self.required_group_ids)) is not None
@@ -306,13 +325,18 @@ class TierControl:
         keys: list[OffloadKey] = []
         per_group: list[list[OffloadKey]] = [[] for _ in self.group_ids]
         for h in dict.fromkeys(hashes):
-            if self.host_state(h) is not HostState.ABSENT:
-                op.skipped_ready.append(h)
-                continue
             # Every group's G1 copy that exists (a window group's only near a tail); the block
             # is in G1 when every required group has one (as `g1_has`).
             copies = {g: found[0] for g in self.group_ids if (found := pool.get_cached_block(h, [g])) is not None}
-            if not all(g in copies for g in self.required_group_ids):
+            if self.host_state(h) is not HostState.ABSENT:
+                # The host holds (or is storing) the block: only the copies it lacks that G1
+                # holds (on a hybrid model, window tails the host evicted or never took).
+                lacking = set(self.host_lacks(h, g1=True))
+                copies = {g: b for g, b in copies.items() if g in lacking}
+                if not copies:
+                    op.skipped_ready.append(h)
+                    continue
+            elif not all(g in copies for g in self.required_group_ids):
                 op.not_in_g1.append(h)
                 continue
             op.hashes.append(h)

@@ -264,6 +264,12 @@ class TierOperations:
             if want_file and self.feed.file_settled(e, d, inflight):
                 continue
             st = ctl.host_state(d)
+            if st is HostState.READY and ctl.host_lacks(d, g1=True):
+                # A copy only the device holds (a window tail the host evicted): stored too,
+                # or a resume from the host would find the block but not its window.
+                not_ready += 1
+                missing.append(d)
+                continue
             if st is HostState.READY:
                 if want_file:
                     not_ready += 1
@@ -286,7 +292,9 @@ class TierOperations:
             absent = set(missing)
             landed = [d for d in op.digests if d not in absent]
             ctl.touch_host(landed)
-            failure = self._store_missing(op, missing, landed)
+            # Kept from eviction by the store: the copies landed so far, including those of the
+            # blocks it completes (a block whose window copy alone is missing).
+            failure = self._store_missing(op, missing, op.digests)
             if failure is not None:
                 return failure
         if cascade:
@@ -335,13 +343,17 @@ class TierOperations:
                     continue
                 if ctl.host_state(d) is not HostState.ABSENT:
                     there.append(d)
+                    if ctl.host_lacks(d, files=True):  # a window tail only a file holds
+                        to_promote.append(d)
                 elif self.feed.file_has(e, d):
                     to_promote.append(d)
             if to_promote:
-                # The selection's copies already on the host tier first in LRU order: the
-                # promotions make their room by evicting least-recent chunks, and these are
-                # wanted as much as the ones promoted (later rounds touch what is staged).
-                ctl.touch_host(there)
+                # The selection's copies already on the host tier first in LRU order, those of
+                # the blocks being promoted included (a block's full-attention copy there while
+                # its window copy comes): the promotions make their room by evicting
+                # least-recent chunks, and these are wanted as much as the ones promoted (later
+                # rounds touch what is staged).
+                ctl.touch_host(there + to_promote)
                 op.prefetch = Prefetch(ctl, to_promote)
             return None
         pf = op.prefetch
@@ -359,7 +371,9 @@ class TierOperations:
             if ctl.g1_has(d):
                 continue
             st = ctl.host_state(d)
-            if st is HostState.READY:
+            if st is HostState.READY and ctl.host_lacks(d, files=True):
+                absent.append(d)  # staged without a window tail a file holds: promoted again
+            elif st is HostState.READY:
                 staged.append(d)
             elif st is HostState.PENDING:
                 waiting += 1

@@ -43,6 +43,9 @@ class HostOnlyControl:
     host_capacity = TierControl.host_capacity
     file_tiers: list[Any] = []
 
+    def host_lacks(self, d: int, **sources: bool) -> list[int]:
+        return []  # one group: a block on the host has every copy
+
     def __init__(self, chunks: int) -> None:
         self.manager = self.primary = CPUOffloadingManager(num_chunks=chunks, cache_policy="lru")
         self._ops: dict[int, Any] = {}
@@ -214,7 +217,11 @@ class PromotingControl:
         return True
 
     def touch_host(self, digests: list[bytes]) -> None:
-        self.touched.append((self.rounds, list(digests)))
+        # As TierControl.touch_host: only the copies the host tier holds are touched.
+        self.touched.append((self.rounds, [d for d in digests if d in self.host]))
+
+    def host_lacks(self, d: bytes, **sources: bool) -> list[int]:
+        return []  # one group: a block on the host has every copy
 
     def host_work_in_flight(self) -> bool:
         return self.in_flight

@@ -1,0 +1,91 @@
+"""KV tiers on a hybrid model act on every group's copies (the proto's KvCacheGroup): a block is
+on a tier while its full-attention copy is there, but a resume from that tier also reads the
+window tail at its prefix end. So Demote copies the window tails the host tier lacks, Prefetch
+stages the ones a file holds, and the host tier that honours retention never keeps a retained
+block's full-attention copy (and with it the block's presence and grant) while taking its window
+copy. vLLM's real OffloadingConnector and CPUOffloadingManager, in-process (tier_support)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pool_support import retain, session, tokens
+from tier_support import BLOCK, apply, device_copies, drive, hashes_of, host_copies, host_hit, run, tiered
+
+from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_server.model import Outcome, Tier
+
+ORDERS = pytest.mark.parametrize("window_first", [False, True], ids=["full-first", "window-first"])
+A = tokens(1, 10 * BLOCK)
+RESUME = A + tokens(99, 20)
+PRESSURE = tokens(7, 33)  # a prompt whose host stores evict a few of A's copies (a 16-chunk host)
+
+
+def unpressured_host_hit(window_first: bool) -> int:
+    with tiered(window_first=window_first) as s:
+        run(s, "a", A, "A")
+        return host_hit(s, RESUME)
+
+
+@ORDERS
+def test_a_demote_copies_the_window_tails_the_host_tier_lacks(window_first: bool) -> None:
+    expected = unpressured_host_hit(window_first)
+    assert expected >= 8 * BLOCK
+    full, window = (1, 0) if window_first else (0, 1)
+    with tiered(window_first=window_first) as s:
+        run(s, "a", A, "A")
+        run(s, "p", PRESSURE, "P")
+        before = host_copies(s, A)
+        (result,) = apply(s, pb.Hint(selector=session("A"), demote=pb.DemoteAction()))
+        drive(s)
+        op = s.kvhint_core.operations.get(result.operation_id)
+        assert op.state.name == "SUCCEEDED" and op.blocks == {Tier.HOST: 10}
+        after = host_copies(s, A)
+        assert set(after[full]) == set(range(10)), (before, after)
+        assert set(after[window]) == set(device_copies(s, A)[window]), f"window tails left on the device only: {before} -> {after}"
+        assert s.reset_prefix_cache()  # the device copies go (pause, sleep)
+        assert host_hit(s, RESUME) == expected
+
+
+@ORDERS
+@pytest.mark.parametrize("policy", ["lru", "kvhint"])
+def test_a_prefetch_stages_the_window_tails_a_file_holds(window_first: bool, policy: str, tmp_path: Path) -> None:
+    expected = unpressured_host_hit(window_first)
+    full = 1 if window_first else 0
+    with tiered(window_first=window_first, policy=policy, file_root=str(tmp_path)) as s:
+        run(s, "a", A, "A")
+        run(s, "p", PRESSURE, "P")
+        assert s.reset_prefix_cache()
+        s.kvhint_core.settle()
+        before = host_copies(s, A)
+        (result,) = apply(s, pb.Hint(selector=session("A"), prefetch=pb.PrefetchAction()))
+        drive(s)
+        op = s.kvhint_core.operations.get(result.operation_id)
+        assert op.state.name == "SUCCEEDED" and op.blocks == {Tier.HOST: 10}
+        after = host_copies(s, A)
+        assert set(after[full]) == set(range(10)), (before, after)
+        assert host_hit(s, RESUME) == expected, f"staged without its window tails: {before} -> {after}"
+
+
+@ORDERS
+def test_the_host_tier_takes_a_retained_blocks_full_attention_copy_before_its_window_copy(window_first: bool) -> None:
+    window = 0 if window_first else 1
+    with tiered(window_first=window_first, policy="kvhint") as s:
+        run(s, "a", A, "A")
+        before = host_copies(s, A)
+        (result,) = apply(s, retain(session("A"), priority=5, ttl_s=600))
+        assert result.outcome is Outcome.ACCEPTED
+        run(s, "p", PRESSURE, "P")
+        assert s.reset_prefix_cache()  # only the host copies are left
+        s.kvhint_core.settle()
+        after = host_copies(s, A)
+        assert after != before, "the pressure took none of A's host copies"
+        adapter, core = s.kvhint_adapter, s.kvhint_core
+        for i, h in enumerate(hashes_of(A)):
+            ext = adapter.external(h)
+            on_host = bool(adapter.tiers.lower_tiers_of(ext) & Tier.HOST.bit)
+            if i in before[window] and on_host:
+                assert i in after[window], f"block {i} is on the host without its window copy"
+            if ext in core.ledger.grants:
+                assert on_host, f"block {i} keeps its grant on no tier"
