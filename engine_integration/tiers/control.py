@@ -100,6 +100,11 @@ class StoreOp:
     _stale: bool = False
     on_done: Callable[["StoreOp"], None] | None = None
 
+    @property
+    def copies(self) -> int:
+        """The copies the store makes (one per group of each block it stores)."""
+        return len(self._keys)
+
 
 class TierControl:
     def __init__(self, scheduler: Any):
@@ -450,6 +455,7 @@ class Prefetch:
         self.keys = {ctl.key(h, g): h for h in dict.fromkeys(hashes) for g in ctl.group_ids}
         self._required = {ctl.key(h, g) for h in dict.fromkeys(hashes) for g in ctl.required_group_ids}
         self.state: dict[OffloadKey, LookupResult] = {}
+        self._first: dict[OffloadKey, LookupResult] = {}  # each key's first answer
         self.polls = 0
         self.closed = False
         ctl.install()
@@ -465,9 +471,15 @@ class Prefetch:
         for k in self.keys:
             if self.state.get(k) not in (LookupResult.HIT, LookupResult.MISS):
                 self.state[k] = self.ctl.manager.lookup(k, self.ctx)
+                self._first.setdefault(k, self.state[k])
         if all(s in (LookupResult.HIT, LookupResult.MISS) for s in self.state.values()):
             self.close()
         return self.closed
+
+    @property
+    def promoted_copies(self) -> int:
+        """Copies the host tier holds now that it did not hold at the first lookup."""
+        return sum(1 for k, st in self.state.items() if st is LookupResult.HIT and self._first.get(k) is not LookupResult.HIT)
 
     @property
     def hits(self) -> list[BlockHash]:

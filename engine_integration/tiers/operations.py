@@ -89,9 +89,11 @@ class TierOp:
     full_since: float | None = None  # monotonic: while no host room, the last step that saw tier work in flight
     prefetch: Prefetch | None = None
     cascaded: set[bytes] = field(default_factory=set)
-    stored_blocks: int = 0           # G1 -> host copies this op made
-    written_blocks: int = 0          # host -> file copies this op caused
-    promoted: list[bytes] = field(default_factory=list)  # file -> host (Prefetch)
+    # Copies, one per KV-cache group of a block (bytes_per_block is one copy's bytes).
+    stored_copies: int = 0           # G1 -> host copies this op made
+    written_copies: int = 0          # host -> file copies this op caused
+    promoted: list[bytes] = field(default_factory=list)  # file -> host (Prefetch): blocks
+    promoted_copies: int = 0         # file -> host copies (Prefetch)
     destination: str = ""
     address: str = ""
 
@@ -235,11 +237,11 @@ class TierOperations:
         op.full_since = None
         op.store_tries += 1
         op.store = store
-        op.stored_blocks += len(store.hashes)
+        op.stored_copies += store.copies
         if self.has_file and op.target is Tier.DISK:
             # complete_store cascades them to the file tier: part of this operation's bytes only
             # when the file tier is its target (a host-tier Demote moved them device -> host).
-            op.written_blocks += len(store.hashes)
+            op.written_copies += store.copies
         return None
 
     def _wait_for_room(self, op: TierOp) -> bool:
@@ -298,15 +300,14 @@ class TierOperations:
             if failure is not None:
                 return failure
         if cascade:
-            self._force_cascade(cascade)
+            op.written_copies += self._force_cascade(cascade)
             op.cascaded.update(cascade)
-            op.written_blocks += len(cascade)
         if not_ready or starting:
             return None
         # Every selected block has a valid copy on the target tier.
         bpb = self.bytes_per_block
         if op.action is Action.DEMOTE:
-            moved = (op.stored_blocks + op.written_blocks) * bpb
+            moved = (op.stored_copies + op.written_copies) * bpb
             self.core.on_transfer(list(op.exts), Tier.DEVICE, op.target, moved, op.op_id)
             self._complete(op, {op.target: len(op.exts)}, moved)
             self.book.mark_demoted(op.exts)
@@ -315,7 +316,7 @@ class TierOperations:
             self._demote_first(op.exts)
             return None
         # Share: the shared tier holds everything; hand over to the destination.
-        written = (op.stored_blocks + op.written_blocks) * bpb
+        written = (op.stored_copies + op.written_copies) * bpb
         if written:
             self.core.on_transfer(list(op.exts), Tier.HOST, Tier.DISK, written, op.op_id)
         op.phase = Phase.REMOTE
@@ -324,15 +325,17 @@ class TierOperations:
         self._pool.submit(self._share_worker, op, written)
         return None
 
-    def _force_cascade(self, digests: list[bytes]) -> None:
+    def _force_cascade(self, digests: list[bytes]) -> int:
         """Write READY host copies to the file tier(s) now (the cascade the tiering
-        manager runs after a store; the chunks are pinned until the write finishes)."""
+        manager runs after a store; the chunks are pinned until the write finishes).
+        Returns how many copies it writes."""
         mgr = self.ctl.manager
         keys = self.ctl.host_keys(digests)  # every group's host copy there is (window groups: tails)
         ctx = ReqContext(req_id=f"kvhint-cascade-{next(_ids)}")
         for idx, tier in enumerate(mgr.secondary_tiers):
             if tier in self.ctl.file_tiers:
                 tier.submit_store(mgr.create_store_job(keys, ctx, idx))
+        return len(keys)
 
     def _progress_prefetch(self, op: TierOp, starting: bool) -> Failure | None:
         ctl = self.ctl
@@ -363,6 +366,7 @@ class TierOperations:
                 return None
         if pf is not None:
             op.promoted.extend(pf.hits)
+            op.promoted_copies += pf.promoted_copies
             op.prefetch = None
             if pf.hits:
                 op.full_since = None  # progress: a later MISS starts its own wait
@@ -392,7 +396,7 @@ class TierOperations:
             return None
         lost = len(absent)
         promoted = list(dict.fromkeys(op.promoted))
-        moved = len(promoted) * self.bytes_per_block
+        moved = op.promoted_copies * self.bytes_per_block
         if promoted:
             ext_of = {d: e for e, d in zip(op.exts, op.digests)}
             self.core.on_transfer([ext_of[d] for d in promoted], Tier.DISK, Tier.HOST, moved, op.op_id)
@@ -454,7 +458,7 @@ class TierOperations:
                                       blocks={t: n for t, n in blocks.items() if n}, bytes_moved=moved)
 
     def fail(self, op: TierOp, failure: Failure) -> None:
-        moved = (op.stored_blocks + op.written_blocks) * self.bytes_per_block
+        moved = (op.stored_copies + op.written_copies) * self.bytes_per_block
         self._complete(op, {}, moved, ok=False, reason=failure.reason, message=failure.message)
 
     def fail_copying(self, failure: Failure) -> None:

@@ -66,6 +66,7 @@ class HostOnlyControl:
         self.manager.complete_store(out.keys_to_store, ctx)
         self.manager.on_request_finished(ctx)
         op.hashes, op.done = list(hashes), True
+        op._keys = [k for k in out.keys_to_store if k in {key(h) for h in hashes}]
         return op
 
     # A request of the connector's own, with its store in flight or its chunks being read.
@@ -126,11 +127,11 @@ def test_a_store_waits_while_the_host_tier_is_pinned_by_stores_in_flight(clock: 
     for _ in range(5):  # many steps, and far past the grace: the work in flight is still visible
         assert ops._store_missing(op, [3], []) is None
         clock.now += operations.HOST_FULL_GRACE_S
-    assert ctl.calls == 5 and op.store is None and op.stored_blocks == 0
+    assert ctl.calls == 5 and op.store is None and op.stored_copies == 0
     ctl.land(*pending)
     assert not ctl.host_work_in_flight()
     assert ops._store_missing(op, [3], []) is None
-    assert op.store is not None and op.store.hashes == [3] and op.stored_blocks == 1
+    assert op.store is not None and op.store.hashes == [3] and op.stored_copies == 1
     assert op.full_since is None
 
 
@@ -187,7 +188,7 @@ def test_a_demote_of_the_whole_tier_waits_for_room_instead_of_evicting_its_own_c
         assert ctl.manager.lookup(key(1), reader).name == "HIT" and ctl.manager.lookup(key(2), reader).name == "HIT"
     assert missing() == []
     assert ctl.manager.lookup(key(5), reader).name == "MISS"  # the request's copy made the room
-    assert op.stored_blocks == 2 and op.store_tries == 1
+    assert op.stored_copies == 2 and op.store_tries == 1
 
 
 # ---------------------------------------------------------------- Prefetch's promotions
@@ -240,6 +241,7 @@ class OneRoundPrefetch:
     def __init__(self, ctl: PromotingControl, digests: list[bytes]) -> None:
         ctl.rounds += 1
         self.hits = [d for d in digests if d in ctl.room]
+        self.promoted_copies = len([d for d in self.hits if d not in ctl.host])  # one group
         ctl.host.update(self.hits)
         self.closed = True
 

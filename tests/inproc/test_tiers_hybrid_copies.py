@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from pool_support import retain, session, tokens
-from tier_support import BLOCK, apply, device_copies, drive, hashes_of, host_copies, host_hit, run, tiered
+from tier_support import BLOCK, apply, copies, device_copies, drive, hashes_of, host_copies, host_hit, run, tiered
 
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.model import Outcome, Tier
@@ -19,7 +19,7 @@ from kvhint_server.model import Outcome, Tier
 ORDERS = pytest.mark.parametrize("window_first", [False, True], ids=["full-first", "window-first"])
 A = tokens(1, 10 * BLOCK)
 RESUME = A + tokens(99, 20)
-PRESSURE = tokens(7, 33)  # a prompt whose host stores evict a few of A's copies (a 16-chunk host)
+PRESSURE = tokens(7, 49)  # a prompt whose host stores evict a few of A's copies (a 16-chunk host)
 
 
 def unpressured_host_hit(window_first: bool) -> int:
@@ -44,6 +44,8 @@ def test_a_demote_copies_the_window_tails_the_host_tier_lacks(window_first: bool
         after = host_copies(s, A)
         assert set(after[full]) == set(range(10)), (before, after)
         assert set(after[window]) == set(device_copies(s, A)[window]), f"window tails left on the device only: {before} -> {after}"
+        # bytes_moved counts every copy made, each group's (a copy is one block id's bytes)
+        assert op.bytes_moved == (copies(after) - copies(before)) * s.kvhint_adapter.tiers.ops.bytes_per_block > 0
         assert s.reset_prefix_cache()  # the device copies go (pause, sleep)
         assert host_hit(s, RESUME) == expected
 
@@ -66,6 +68,7 @@ def test_a_prefetch_stages_the_window_tails_a_file_holds(window_first: bool, pol
         after = host_copies(s, A)
         assert set(after[full]) == set(range(10)), (before, after)
         assert host_hit(s, RESUME) == expected, f"staged without its window tails: {before} -> {after}"
+        assert op.bytes_moved == (copies(after) - copies(before)) * s.kvhint_adapter.tiers.ops.bytes_per_block > 0
 
 
 @ORDERS

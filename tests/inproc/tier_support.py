@@ -38,10 +38,11 @@ def tiered(*, window_first: bool = False, hybrid: bool = True, num_blocks: int =
         host_blocks=host_blocks, platform="cpu", eviction_policy=policy, file_root=file_root, file_events=True))
     config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     kv = inproc.make_kv_cache_config(num_blocks, BLOCK, hybrid=hybrid, sliding_window=WINDOW)
-    if file_root is not None:  # the file tier sizes its files from the KV tensors
-        layers = [name for group in kv.kv_cache_groups for name in group.layer_names]
-        kv.kv_cache_tensors = [KVCacheTensor(size=num_blocks * 256, layers=[name], layer_stride=0, block_stride=256)
-                               for name in layers]
+    # 256 bytes per block and layer (the file tier sizes its files from them, and an operation's
+    # bytes_moved counts copies of bytes_per_block, here 512 bytes).
+    layers = [name for group in kv.kv_cache_groups for name in group.layer_names]
+    kv.kv_cache_tensors = [KVCacheTensor(size=num_blocks * 256, layers=[name], layer_stride=0, block_stride=256)
+                           for name in layers]
     if hybrid:
         kv.prefix_cache_retention_interval = 0  # the engine's default: window tails only
         if window_first:
@@ -109,6 +110,10 @@ def device_copies(s: Any, prompt: list[int]) -> dict[int, list[int]]:
     ctl, pool = s.kvhint_adapter.tiers.ctl, s.kv_cache_manager.block_pool
     chain = hashes_of(prompt)
     return {g: [i for i, h in enumerate(chain) if pool.get_cached_block(h, [g]) is not None] for g in ctl.group_ids}
+
+
+def copies(by_group: dict[int, list[int]]) -> int:
+    return sum(len(positions) for positions in by_group.values())
 
 
 def host_hit(s: Any, prompt: list[int], rid: str = "probe-hit") -> int:
