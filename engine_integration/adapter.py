@@ -54,7 +54,6 @@ from kvhint_server.model import (
     EngineInfo,
     Reason,
     RemovalCause,
-    RetentionClass,
     RetentionView,
     SelectorKind,
     Tier,
@@ -83,10 +82,6 @@ def device_actions() -> tuple[ActionSupport, ...]:
         for a in (Action.DEMOTE, Action.PREFETCH, Action.SHARE)
     )
     return local + remote
-
-
-# residency_copies_first: the filing of a block not filed as protected.
-_NOT_FILED = (None, 0, None)
 
 
 class VllmAdapter:
@@ -245,6 +240,10 @@ class VllmAdapter:
             yield BlockState(ext, Tier.DEVICE.bit, in_use=any(b.ref_cnt > 0 for b in self._copies(ext)))
 
     def refile(self, hashes: Iterable[bytes]) -> None:
+        """File every free copy of these blocks by its class, in this order: a copy already
+        filed so is filed again as the most recent of its bucket, so a hint sent again over a
+        longer chain (the next turn's) orders the whole chain tail first, not the blocks an
+        earlier grant filed first (they are the chain's start)."""
         core, refile_block, copies_of = self.core, self.pool.kvh_refile_block, self._copies
         for h in hashes:
             copies = copies_of(h)
@@ -253,7 +252,7 @@ class VllmAdapter:
             if copies and any(b.ref_cnt == 0 for b in copies):
                 view = core.retention(h)
                 for block in copies:
-                    refile_block(block, view)
+                    refile_block(block, view, refresh=True)
         self.pool.kvh_sync_mode()  # the retention order on while anything is retained
 
     def refile_freed(self, freed: list[tuple[Any, Any]]) -> None:
@@ -265,9 +264,27 @@ class VllmAdapter:
         retention view)."""
         grants, cut = self.core.ledger.grants, self._key_to_external
         refile_block = self.pool.kvh_refile_block
-        for block, key in freed:
-            if key[cut] in grants:
-                refile_block(block)
+        if self._all_resident:  # one copy per block, freed by vLLM tail first: its order
+            for block, key in freed:
+                if key[cut] in grants:
+                    refile_block(block)
+            return
+        # Several groups: vLLM frees a request's blocks group after group, and frees window
+        # copies that leave the window while the request runs (filed then, ahead of the rest).
+        # File by logical block instead, the deepest first, each with every free copy it has
+        # (those filed earlier again): the chain's tail goes first, a block's copies together,
+        # and the window tail a resume at the chain's end reads is not the first victim.
+        granted = [(block, key) for block, key in freed if key[cut] in grants]
+        granted.sort(key=lambda bk: -(bk[0].block_hash_num_tokens or 0))
+        cache, seen = vllm_private.cached_block_map(self.pool), set()
+        for _, key in granted:
+            digest = key[:-4]
+            if digest in seen:
+                continue
+            seen.add(digest)
+            view = self.core.retention(key[cut])
+            for block in self._copies_of_digest(digest, cache):
+                refile_block(block, view, refresh=True)
 
     def demote_first(self, hashes: Iterable[bytes]) -> list[bytes]:
         moved = []  # logical blocks
@@ -527,52 +544,6 @@ class VllmAdapter:
         freed = [block for digest in digests for block in self._copies_of_digest(digest, cache) if protected.remove(block)]
         if freed:
             pool.free_block_queue.prepend_n(freed)
-
-    def residency_copies_first(self, victims: list[Any]) -> list[Any]:
-        """Engine thread, in the retention order's reclaim (KvHintBlockPool._kvh_reclaim):
-        `victims`, retained copies just taken in eviction order, where each copy in a group
-        that does not define residency (a sliding-window tail) that is its group's last copy of
-        its block is replaced by a protected copy of the same logical block in a residency
-        group, when one is filed; the replaced copy is filed again by its grant.
-
-        The retention order files and takes copies one at a time, in the order vLLM freed them
-        (group by group), so it could take a retained block's window copy and leave its
-        full-attention copy with the grant: the block read as resident and retained while a
-        resume ending at it found no usable hit. With the residency copy taken first, its
-        removal ends the grant and is reported (on_keys_removed), and unprotects the window
-        copy left behind (_unprotect_copies), an ordinary block at the queue head. Without a
-        protected residency copy (every one in use by a running request) the window copy is
-        taken as before."""
-        if self._all_resident:
-            return victims
-        pool = self.pool
-        protected, cache = pool._kvh_protected, vllm_private.cached_block_map(pool)
-        residency = self._residency_suffixes
-        filed = protected.filed
-        taking = {block.block_id for block in victims}
-        out = []
-        for block in victims:
-            key = block.block_hash
-            sibling = None
-            if key is not None and key[-4:] not in residency and all(
-                copy.block_id in taking for copy in vllm_private.copies_in(cache.get(key))
-            ):
-                digest = key[:-4]
-                sibling = next(
-                    (copy for suffix in residency for copy in vllm_private.copies_in(cache.get(digest + suffix))
-                     if filed.get(copy.block_id, _NOT_FILED)[0] is RetentionClass.RETAINED),
-                    None,
-                )
-            view = self.retention_of_block(block) if sibling is not None else None
-            if sibling is None or view is None or view.cls is RetentionClass.ORDINARY:
-                out.append(block)
-                continue
-            protected.remove(sibling)
-            protected.add(block, view.cls, view.priority, view.reuse_at)
-            taking.discard(block.block_id)
-            taking.add(sibling.block_id)
-            out.append(sibling)
-        return out
 
     def on_device_cleared(self) -> None:
         self.core.clear_grants()  # engine thread, as drop_grants

@@ -75,6 +75,7 @@ _cache_full_blocks = BlockPool.cache_full_blocks
 _get_computed_blocks = KVCacheManager.get_computed_blocks
 _get_computed_blocks_for_connector = KVCacheManager.get_computed_blocks_for_connector
 _record_prefix_cache_stats = KVCacheManager.record_prefix_cache_stats
+_free_request = KVCacheManager.free
 
 
 class KvHintBlockPool(BlockPool):
@@ -93,6 +94,9 @@ class KvHintBlockPool(BlockPool):
         self._kvh_runs: list[tuple[int, RemovalCause]] = []
         self._kvh_broken: set[int] = set()
         self._kvh_retaining = False  # the retention order is on (module doc)
+        # While KvHintKVCacheManager.free runs with the retention order on: the freed cached
+        # blocks of every group, refiled together after it (VllmAdapter.refile_freed).
+        self._kvh_freed: list[tuple[Any, Any]] | None = None
         # vLLM's lazy CPU offloaders walking this pool's free queue (watch_lazy_offloaders).
         self._kvh_lazy: tuple[Any, ...] = ()
 
@@ -231,8 +235,6 @@ class KvHintBlockPool(BlockPool):
     def _kvh_reclaim(self, shortfall: int) -> None:
         """Move `shortfall` protected blocks to the queue head, in class order."""
         retained, pinned = self._kvh_protected.take_victims(shortfall)
-        if retained:
-            retained = self._kvh.residency_copies_first(retained)
         if pinned:
             self._kvh_broken.update(b.block_id for b in pinned)
             self._kvh.on_pins_broken(pinned, shortfall)
@@ -259,13 +261,18 @@ class KvHintBlockPool(BlockPool):
             return
         mark = vllm_private.queue_tail(self)
         _free_blocks(self, ordered_blocks)
-        self._kvh.refile_freed(vllm_private.appended_since(self, mark))
+        freed = vllm_private.appended_since(self, mark)
+        if self._kvh_freed is not None:  # one request's groups, one after the other: filed together
+            self._kvh_freed += freed
+        else:
+            self._kvh.refile_freed(freed)
 
     # ------------------------------------------------------------ used by the adapter
 
-    def kvh_refile_block(self, block: Any, view: RetentionView | None = None) -> None:
+    def kvh_refile_block(self, block: Any, view: RetentionView | None = None, refresh: bool = False) -> None:
         """File one free cached block by its current retention class (`view`,
-        when the caller already has it)."""
+        when the caller already has it). `refresh`: a block already filed so is filed
+        again, as the most recent of its bucket (the order a hint or a free sets)."""
         if block.ref_cnt != 0 or block.is_null:
             return
         protected = self._kvh_protected
@@ -277,7 +284,7 @@ class KvHintBlockPool(BlockPool):
                 protected.remove(block)
                 self.free_block_queue.prepend_n([block])
             return
-        if filed == (view.cls, view.priority, view.reuse_at):
+        if filed == (view.cls, view.priority, view.reuse_at) and not refresh:
             return
         if filed is None:
             if self._kvh_lazy:  # a lazy offloader's cursor must not stay on a block out of the queue
@@ -345,6 +352,21 @@ class KvHintKVCacheManager(KVCacheManager):
         result = _get_computed_blocks_for_connector(self, request)
         self._kvh.pending_hit = (request, result[1]) if result[1] else None
         return result
+
+    def free(self, request):  # type: ignore[no-untyped-def]
+        # vLLM frees a finished request's blocks group by group (one free_blocks call each);
+        # with the retention order on, the copies freed are filed together after the last
+        # group's, by logical block (VllmAdapter.refile_freed). Once per finished request.
+        pool = self.block_pool
+        if not pool._kvh_retaining:
+            return _free_request(self, request)
+        pool._kvh_freed = freed = []
+        try:
+            return _free_request(self, request)
+        finally:
+            pool._kvh_freed = None
+            if freed:
+                self._kvh.refile_freed(freed)
 
     def record_prefix_cache_stats(self, request, num_hits):  # type: ignore[no-untyped-def]
         # vLLM's scheduler calls this once per admitted request that looked the cache up

@@ -15,11 +15,8 @@ protects, and sets the protected ones aside; only when the unprotected
 candidates run out does it take protected ones, lowest `rank` first (ties in
 LRU order), and puts the rest back. `rank(key)` is None for an unprotected
 chunk, else a tuple (the proto's order: copies the device still holds, then
-retained by priority and expected reuse, then pinned). On a hybrid model
-(`residency_keys` attached) a protected window copy taken while its block's
-full-attention copy is a protected candidate left swaps places with it
-(`_residency_first`). With no hint in effect (`active()` false) or no ranker,
-`evict` is the stock one.
+retained by priority and expected reuse, then pinned). With no hint in effect
+(`active()` false) or no ranker, `evict` is the stock one.
 
 Cost: one `rank` call per candidate popped while hints are in effect, and a
 sort of the protected candidates only when they are needed; nothing otherwise.
@@ -29,15 +26,13 @@ Runs on the engine thread (the connector's scheduler side), as the ranker does.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 Rank = Callable[[OffloadKey], "tuple[float, ...] | None"]
-ResidencyKeys = Callable[[OffloadKey], "Sequence[OffloadKey]"]
-Held = tuple["tuple[float, ...]", "tuple[int, OffloadKey]"]  # (rank, heap entry)
 
 
 class KvHintHostPolicy(LRUCachePolicy):
@@ -47,17 +42,12 @@ class KvHintHostPolicy(LRUCachePolicy):
         super().__init__(cache_capacity)
         self._rank: Rank | None = None
         self._active: Callable[[], bool] = lambda: False
-        self._residency_keys: ResidencyKeys | None = None
 
-    def attach(self, rank: Rank, active: Callable[[], bool], residency_keys: ResidencyKeys | None = None) -> None:
+    def attach(self, rank: Rank, active: Callable[[], bool]) -> None:
         """Called once by the TierRuntime: `rank(key)` (None: unprotected) and `active()`
-        (whether any hint is in effect; when not, eviction is the stock LRU).
-        `residency_keys(key)`, on a model with groups that do not define residency (hybrid):
-        the keys of the same logical block's copies in the groups that do, for a copy in
-        another group (a window tail), else empty (see `_residency_first`)."""
+        (whether any hint is in effect; when not, eviction is the stock LRU)."""
         self._rank = rank
         self._active = active
-        self._residency_keys = residency_keys
 
     @property
     def attached(self) -> bool:
@@ -94,10 +84,8 @@ class KvHintHostPolicy(LRUCachePolicy):
                 for entry in selected + deferred + [e for _, e in held]:
                     heapq.heappush(self._heap, entry)
                 return None
-            chosen, held = held[:need], held[need:]
-            if self._residency_keys is not None:
-                self._residency_first(chosen, held)
-            selected += [e for _, e in chosen]
+            selected += [e for _, e in held[:need]]
+            held = held[need:]
         for entry in deferred + [e for _, e in held]:
             heapq.heappush(self._heap, entry)
         out: list[tuple[OffloadKey, ChunkStatus]] = []
@@ -110,25 +98,3 @@ class KvHintHostPolicy(LRUCachePolicy):
             out.append((key, chunk))
         self._maybe_compact_heap()
         return out
-
-    def _residency_first(self, chosen: list[Held], rest: list[Held]) -> None:
-        """In place: a chosen protected copy in a group that does not define residency (a
-        window tail) whose logical block's residency copy is among the protected candidates
-        left in `rest` swaps places with it, so the residency copy goes instead. Every group's
-        copy of a block ranks as the block and ties go in LRU order, in which vLLM's offloading
-        puts a block's copy in a higher group id first; so the tier took a retained block's
-        window copy and kept its full-attention copy, and with it the block's presence on the
-        tier and its grant, while a resume from the tier found no window tail. With the
-        residency copy gone the block leaves the tier, which ends the grant when no other tier
-        holds it and unprotects the window copy left (the device's rule:
-        VllmAdapter.residency_copies_first)."""
-        residency_keys = self._residency_keys
-        assert residency_keys is not None
-        where = {entry[1]: j for j, (_, entry) in enumerate(rest)}
-        for i, (_, entry) in enumerate(chosen):
-            for sibling in residency_keys(entry[1]):
-                j = where.pop(sibling, None)
-                if j is not None:
-                    chosen[i], rest[j] = rest[j], chosen[i]
-                    break
-

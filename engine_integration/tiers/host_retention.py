@@ -21,8 +21,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm.v1.kv_offload.base import get_offload_block_hash, get_offload_group_idx, make_offload_key
-
 from kvhint_server.model import RetentionClass
 
 from .. import vllm_private
@@ -42,22 +40,12 @@ class HostRetention:
                      type(policy).__name__)
             return None
         me = cls(adapter)
-        split = set(adapter.groups.cacheable) - set(adapter.groups.residency)  # window groups
-        policy.attach(me.rank, adapter.retention_active, me.residency_keys if split else None)
+        policy.attach(me.rank, adapter.retention_active)
         return me
 
     def __init__(self, adapter: Any) -> None:
         self.adapter = adapter
         self.core = adapter.core
-        self._residency = tuple(adapter.groups.residency)
-
-    def residency_keys(self, key: bytes) -> tuple[bytes, ...]:
-        """For a copy in a group that does not define residency: the offload keys of its
-        logical block's copies in the groups that do; () for a residency copy."""
-        if get_offload_group_idx(key) in self._residency:
-            return ()
-        digest = bytes(get_offload_block_hash(key))
-        return tuple(make_offload_key(digest, g) for g in self._residency)
 
     def rank(self, key: bytes) -> tuple[float, ...] | None:
         adapter = self.adapter

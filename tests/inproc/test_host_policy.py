@@ -140,29 +140,3 @@ def _twin(host: Host) -> Host:
         twin.store(int.from_bytes(k[:-4], "big"))
     return twin
 
-
-def test_a_protected_window_copy_goes_after_its_blocks_full_attention_copy() -> None:
-    """On a hybrid model every group's copy of a block ranks as the block, and vLLM's offloading
-    makes a block's copy in the higher group id the older: the tier took a retained block's
-    window copy (group 1 here) and kept its full-attention copy (group 0), so the block stayed on
-    the tier, retained, without the window tail a resume reads. With `residency_keys` the
-    block's full-attention copy goes in its place, and the window copy stays until its block
-    is gone (it is then unprotected: the ranker answers None)."""
-    full, window = (lambda i: make_offload_key(i.to_bytes(32, "big"), 0)), (lambda i: make_offload_key(i.to_bytes(32, "big"), 1))
-    host = Host(4)
-    host.policy.attach(lambda k: host.ranks.get(k), lambda: host.active,
-                       lambda k: (full(int.from_bytes(k[:-4], "big")),) if k[-4:] == (1).to_bytes(4, "big") else ())
-    keys = [window(1), full(1), window(2), full(2)]  # oldest first
-    for i, k in enumerate(keys):
-        ctx = ReqContext(req_id=f"a{i}")
-        host.m.on_new_request(ctx)
-        out = host.m.prepare_store([k], ctx)
-        assert out is not None
-        host.m.complete_store(out.keys_to_store, ctx)
-        host.m.on_request_finished(ctx)
-    host.active = True
-    host.ranks = {k: (1, 5, 0, 0.0) for k in keys}  # all retained at one priority
-    assert host.store(3) == [1] and set(host.policy.chunks) == {window(1), window(2), full(2), full(3)}
-    # the LRU order alone would take window(1): the block would keep full(1) and its grant
-    del host.ranks[window(1)]  # block 1's grant ended with its full-attention copy
-    assert host.store(4) == [1] and set(host.policy.chunks) == {window(2), full(2), full(3), full(4)}  # the orphan goes next

@@ -2309,13 +2309,10 @@ func (x *ActionSupport) GetSupportsExpectedReuse() bool {
 // window tails the engine kept, which are the blocks a resume at one of
 // those prefix ends reads. Release, Evict, Demote and Prefetch likewise act
 // on all groups' copies. A block is in use (Evict: BLOCKS_IN_USE) when any of
-// its copies is. Under memory pressure the retention order takes a retained
-// block's copy in a group with defines_residency before the block's last copy
-// in any other group: that first copy ends the block's grants and is reported
-// as the block's removal (BlocksRemoved), and its remaining copies are ordinary
-// from then on. So a block reads as retained and resident only while it keeps
-// the window tails it had; the exception is a block whose residency copies
-// are all in use by running requests, whose window copy can go alone.
+// its copies is. Under memory pressure the retention order takes protected
+// copies from a chain's deepest block first, one logical block's copies after
+// the other; a block whose window copy was taken keeps its grant and stays
+// resident until its full-attention copy is taken too.
 type KvCacheGroup struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
