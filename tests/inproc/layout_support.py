@@ -51,7 +51,9 @@ def run(scheduler: Any, rid: str, prompt: list[int], sid: str | None = None, *, 
 
 
 def apply(scheduler: Any, *hints: pb.Hint) -> list[HintResult]:
-    """Hints through the ApplyHints path (validation, then the executor), on the engine thread's state."""
+    """Hints through the ApplyHints path (validation, then the executor in the core's exclusive
+    section, which settles deferred bookkeeping first), on the engine thread's state."""
     core = scheduler.kvhint_core
     parsed = parse_apply_request(pb.ApplyHintsRequest(hints=list(hints)), core.config, core.info)
-    return core.executor.apply_batch(parsed).results
+    with core.exclusive():
+        return core.executor.apply_batch(parsed).results

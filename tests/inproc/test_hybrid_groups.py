@@ -223,8 +223,7 @@ def test_pressure_on_a_session_hinted_while_it_ran_does_not_cut_its_chain(
             pool = s.kv_cache_manager.block_pool
             s.add_request(inproc.make_request("a", prompt_of("A"), session_id="A", max_tokens=4, block_size=BLOCK))
             inproc.step(s)  # prefill: A's blocks are cached and in use
-            with s.kvhint_core.exclusive():
-                (result,) = apply(s, pin(session("A")) if action == "pin" else retain(session("A"), priority=5))
+            (result,) = apply(s, pin(session("A")) if action == "pin" else retain(session("A"), priority=5))
             assert result.outcome is Outcome.ACCEPTED
             while inproc.busy(s):
                 inproc.step(s)
@@ -254,8 +253,7 @@ def test_a_retain_sent_again_after_the_next_turn_orders_the_whole_chain_tail_fir
             second = first + tokens(321, 10 * BLOCK)
             for rid, prompt in (("t1", first), ("t2", second)):
                 run(s, rid, prompt, "A")
-                with s.kvhint_core.exclusive():
-                    assert apply(s, retain(session("A"), priority=5))[0].outcome is Outcome.ACCEPTED
+                assert apply(s, retain(session("A"), priority=5))[0].outcome is Outcome.ACCEPTED
             if pressure:
                 taken = pool.get_new_blocks(pool.free_block_queue.num_free_blocks + pressure)
                 pool.free_blocks(taken)
