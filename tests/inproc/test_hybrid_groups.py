@@ -263,6 +263,60 @@ def test_a_retain_sent_again_after_the_next_turn_orders_the_whole_chain_tail_fir
     assert unpressured >= 18 * BLOCK and next_turn_hit(1) >= unpressured - BLOCK
 
 
+turns = st.lists(
+    st.tuples(st.sampled_from(["A", "B"]), st.integers(1, 4), st.sampled_from(["none", "during", "after"])),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=turns, layout=st.sampled_from(["dense", "full-first", "window-first", "two-windows"]),
+       retention_interval=st.sampled_from([0, None]), action=st.sampled_from(["retain", "pin"]))
+def test_one_copy_of_pressure_costs_a_hinted_chain_at_most_its_last_block(
+    workload: list[tuple[str, int, str]], layout: str, retention_interval: int | None, action: str
+) -> None:
+    """Multi-turn sessions hinted before, during or after their turns, and hinted again after
+    their last one (so the grant covers the whole chain): one copy of pressure past the free
+    queue costs each hinted session's resume at most its chain's last block, whatever order
+    vLLM freed the copies in (the retention order takes a chain's deepest block first)."""
+    if layout == "dense":
+        retention_interval = 0
+
+    def hits(pressure: int) -> dict[str, int]:
+        with layout_support.scheduler(
+            retention_interval, edit=_layout(layout), num_blocks=96, block_size=BLOCK, hybrid=True, sliding_window=WINDOW
+        ) as s:
+            pool = s.kv_cache_manager.block_pool
+            prompts: dict[str, list[int]] = {}
+            hinted: set[str] = set()
+
+            def hint(sid: str) -> None:
+                apply(s, pin(session(sid)) if action == "pin" else retain(session(sid), priority=5))
+                hinted.add(sid)
+
+            for i, (sid, blocks, mode) in enumerate(workload):
+                prompts[sid] = prompts.get(sid, tokens(ord(sid), 2 * BLOCK)) + tokens(100 + i, blocks * BLOCK)
+                s.add_request(inproc.make_request(f"r{i}", prompts[sid], session_id=sid, max_tokens=3, block_size=BLOCK))
+                inproc.step(s)
+                if mode == "during":
+                    hint(sid)
+                while inproc.busy(s):
+                    inproc.step(s)
+                if mode == "after":
+                    hint(sid)
+            for sid in sorted(hinted):
+                hint(sid)
+            if pressure and pool._kvh_protected.count:
+                taken = pool.get_new_blocks(pool.free_block_queue.num_free_blocks + pressure)
+                pool.free_blocks(taken)
+            return {sid: run(s, f"resume-{sid}", prompts[sid] + tokens(999, 20), sid) for sid in sorted(hinted)}
+
+    before, after = hits(0), hits(1)
+    for sid, hit in before.items():
+        assert after[sid] >= hit - BLOCK, f"session {sid}: {hit} -> {after[sid]} tokens"
+
+
 # ---------------------------------------------------------------- residency, by property
 
 prompts = st.lists(
