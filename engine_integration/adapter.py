@@ -518,14 +518,22 @@ class VllmAdapter:
             self.core.on_removed(run, tier=Tier.DEVICE, medium=self.pool.medium, cause=run_cause,
                                  remaining_tiers=tiers.residual_tiers, grants_dropped=True)
 
-    def on_pins_broken(self, blocks: list[Any], shortfall: int) -> None:
+    def on_pins_broken(self, blocks: list[Any], shortfall: int) -> list[bytes]:
+        """Engine thread, in the reclaim before an allocation: the pins of these copies' logical
+        blocks end. Returns the blocks' digests: the caller unprotects their other copies after
+        the allocation (`unprotect_copies`); at the queue's head before it they would go ahead
+        of ordinary blocks the allocation would otherwise take."""
         # One entry per logical block (a pinned block can have a copy per group).
         digests = list(dict.fromkeys(get_block_hash(b.block_hash) for b in blocks if b.block_hash is not None))
         hashes = [self.external(d) for d in digests]
         log.info("kvhint: breaking %d pinned blocks under memory pressure (shortfall %d)", len(hashes), shortfall)
         sessions = self.core.drop_grants(hashes)  # engine thread: the ledger is its own
-        self._unprotect_copies(digests)
         self.core.record(self.core.on_pin_broken, hashes, shortfall, sessions)
+        return digests
+
+    def unprotect_copies(self, digests: list[bytes]) -> None:
+        """The pool, after an allocation whose reclaim broke these blocks' pins (on_pins_broken)."""
+        self._unprotect_copies(digests)
 
     def _unprotect_copies(self, digests: list[bytes]) -> None:
         """Engine thread: the grants of these logical blocks just ended (their residency copy

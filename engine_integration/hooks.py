@@ -93,6 +93,9 @@ class KvHintBlockPool(BlockPool):
         self._kvh_pending: list[Any] | None = None
         self._kvh_runs: list[tuple[int, RemovalCause]] = []
         self._kvh_broken: set[int] = set()
+        # Logical blocks whose pins broke in this allocation's reclaim: their other copies are
+        # unprotected after it, so that they do not go ahead of ordinary blocks in it.
+        self._kvh_unprotect: list[bytes] = []
         self._kvh_retaining = False  # the retention order is on (module doc)
         # While KvHintKVCacheManager.free runs with the retention order on: the freed cached
         # blocks of every group, refiled together after it (VllmAdapter.refile_freed).
@@ -190,6 +193,9 @@ class KvHintBlockPool(BlockPool):
                             self._kvh.on_keys_removed(pending, runs[0][1])
                         else:
                             self._kvh_flush_removed(pending, runs)
+                    if self._kvh_unprotect:  # copies of blocks whose pins broke (_kvh_reclaim)
+                        digests, self._kvh_unprotect = self._kvh_unprotect, []
+                        self._kvh.unprotect_copies(digests)
         # The retention order is off (nothing is protected, so the free count is the queue's):
         # vLLM 0.32's own get_new_blocks with its eviction step, vLLM's
         # _maybe_evict_cached_block, written into the loop, and the removed keys of the whole
@@ -237,7 +243,7 @@ class KvHintBlockPool(BlockPool):
         retained, pinned = self._kvh_protected.take_victims(shortfall)
         if pinned:
             self._kvh_broken.update(b.block_id for b in pinned)
-            self._kvh.on_pins_broken(pinned, shortfall)
+            self._kvh_unprotect += self._kvh.on_pins_broken(pinned, shortfall)
         victims = retained + pinned
         if victims:
             self.free_block_queue.prepend_n(victims)

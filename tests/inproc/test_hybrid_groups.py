@@ -317,6 +317,27 @@ def test_one_copy_of_pressure_costs_a_hinted_chain_at_most_its_last_block(
         assert after[sid] >= hit - BLOCK, f"session {sid}: {hit} -> {after[sid]} tokens"
 
 
+@pytest.mark.parametrize("layout", ["full-first", "window-first", "two-windows"])
+@pytest.mark.parametrize("past_the_queue", [1, 2])
+def test_a_broken_pin_spares_no_ordinary_block(layout: str, past_the_queue: int) -> None:
+    """Pins break only for what the free queue cannot give: an allocation past the queue takes
+    every ordinary free block before a pinned copy it did not have to break for. The other
+    copies of a block whose pin broke were made ordinary before the allocation, at the queue's
+    head, so they went ahead of ordinary blocks, one of which stayed cached."""
+    with layout_support.scheduler(0, edit=_layout(layout), num_blocks=64, block_size=BLOCK, hybrid=True, sliding_window=WINDOW) as s:
+        pool, adapter = s.kv_cache_manager.block_pool, s.kvhint_adapter
+        run(s, "a", prompt_of("A"), "A")
+        assert apply(s, pin(session("A")))[0].outcome is Outcome.ACCEPTED
+        ordinary = tokens(50, 6 * BLOCK)
+        run(s, "o", ordinary)  # ordinary cached blocks in the free queue
+        chain = [adapter.external(h) for h in inproc.make_request("p", ordinary, block_size=BLOCK).block_hashes]
+        assert any(adapter._copies(h) for h in chain)
+        taken = pool.get_new_blocks(pool.free_block_queue.num_free_blocks + past_the_queue)
+        s.kvhint_core.settle()
+        assert not [i for i, h in enumerate(chain) if adapter._copies(h)], "ordinary blocks stayed cached"
+        pool.free_blocks(taken)
+
+
 # ---------------------------------------------------------------- residency, by property
 
 prompts = st.lists(
