@@ -486,7 +486,7 @@ class VllmAdapter:
             tiers = self.tiers  # a host tier that honours retention keeps evicted blocks' retained grants
             lower = tiers.held_for_retention if tiers is not None else None
             self.core.end_device_grants([key[self._key_to_external] for key in popped], cause, lower)
-            self._unprotect_copies([key[:-4] for key in popped])
+            self.unprotect_copies([key[:-4] for key in popped])
         # The keys go into the journal entry itself (see on_blocks_cached).
         self.core.record(VllmAdapter._book_removed, self, anywhere, cause, *popped)
 
@@ -532,10 +532,6 @@ class VllmAdapter:
         return digests
 
     def unprotect_copies(self, digests: list[bytes]) -> None:
-        """The pool, after an allocation whose reclaim broke these blocks' pins (on_pins_broken)."""
-        self._unprotect_copies(digests)
-
-    def _unprotect_copies(self, digests: list[bytes]) -> None:
         """Engine thread: the grants of these logical blocks just ended (their residency copy
         was evicted, or their pin broken). Their free copies that are still filed as protected,
         in any group, go to the free queue's head as ordinary blocks. The retention order takes

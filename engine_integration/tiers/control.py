@@ -336,8 +336,8 @@ class TierControl:
             if self.host_state(h) is not HostState.ABSENT:
                 # The host holds (or is storing) the block: only the copies it lacks that G1
                 # holds (on a hybrid model, window tails the host evicted or never took).
-                lacking = set(self.host_lacks(h, g1=True))
-                copies = {g: b for g, b in copies.items() if g in lacking}
+                copies = {g: b for g, b in copies.items()
+                          if self.primary.lookup(self.key(h, g), self._probe) is LookupResult.MISS}
                 if not copies:
                     op.skipped_ready.append(h)
                     continue

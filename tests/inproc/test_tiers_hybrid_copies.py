@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from pool_support import session, tokens
-from tier_support import BLOCK, apply, copies, device_copies, drive, host_copies, host_hit, run, tiered
+from tier_support import BLOCK, copies, device_copies, host_copies, host_hit, operation, run, tiered
 
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.model import Tier
@@ -36,9 +36,7 @@ def test_a_demote_copies_the_window_tails_the_host_tier_lacks(window_first: bool
         run(s, "a", A, "A")
         run(s, "p", PRESSURE, "P")
         before = host_copies(s, A)
-        (result,) = apply(s, pb.Hint(selector=session("A"), demote=pb.DemoteAction()))
-        drive(s)
-        op = s.kvhint_core.operations.get(result.operation_id)
+        op = operation(s, pb.Hint(selector=session("A"), demote=pb.DemoteAction()))
         assert op.state.name == "SUCCEEDED" and op.blocks == {Tier.HOST: 10}
         after = host_copies(s, A)
         assert set(after[full]) == set(range(10)), (before, after)
@@ -60,9 +58,7 @@ def test_a_prefetch_stages_the_window_tails_a_file_holds(window_first: bool, pol
         assert s.reset_prefix_cache()
         s.kvhint_core.settle()
         before = host_copies(s, A)
-        (result,) = apply(s, pb.Hint(selector=session("A"), prefetch=pb.PrefetchAction()))
-        drive(s)
-        op = s.kvhint_core.operations.get(result.operation_id)
+        op = operation(s, pb.Hint(selector=session("A"), prefetch=pb.PrefetchAction()))
         assert op.state.name == "SUCCEEDED" and op.blocks == {Tier.HOST: 10}
         after = host_copies(s, A)
         assert set(after[full]) == set(range(10)), (before, after)

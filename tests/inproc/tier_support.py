@@ -93,6 +93,13 @@ def apply(s: Any, *hints: pb.Hint) -> list[HintResult]:
         return core.executor.apply_batch(parsed).results
 
 
+def operation(s: Any, hint: pb.Hint) -> Any:
+    """Apply `hint` (a tier action), step until its operation is done, and return it."""
+    (result,) = apply(s, hint)
+    drive(s)
+    return s.kvhint_core.operations.get(result.operation_id)
+
+
 def hashes_of(prompt: list[int]) -> list[bytes]:
     return [bytes(h) for h in inproc.make_request("probe", prompt, block_size=BLOCK).block_hashes]
 
