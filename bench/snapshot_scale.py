@@ -87,6 +87,9 @@ class DictEngine(DeviceOnlyTiers):
     def device_blocks(self) -> Iterable[BlockState]:
         return [BlockState(h, Tier.DEVICE.bit, in_use=u) for h, u in self.device.items()]
 
+    def device_groups(self, hashes: Sequence[bytes]) -> dict[bytes, int]:
+        return {h: 1 for h in hashes if h in self.device}  # one KV-cache group
+
     def refile(self, hashes: Iterable[bytes]) -> None:
         pass
 

@@ -235,6 +235,21 @@ class VllmAdapter:
                 out[h] = BlockState(h, mask, in_use=any(b.ref_cnt > 0 for b in copies))
         return out
 
+    def device_groups(self, hashes: Sequence[bytes]) -> dict[bytes, int]:
+        cache, out = vllm_private.cached_block_map(self.pool), {}
+        pairs = tuple(zip(self.groups.cacheable, self._cacheable_suffixes))
+        for h in hashes:
+            digest = self._digest_of(h)
+            if digest is None:
+                continue
+            mask = 0
+            for group, suffix in pairs:
+                if digest + suffix in cache:
+                    mask |= 1 << group
+            if mask:
+                out[h] = mask
+        return out
+
     def device_blocks(self) -> Iterable[BlockState]:
         for ext in list(self._resident):
             yield BlockState(ext, Tier.DEVICE.bit, in_use=any(b.ref_cnt > 0 for b in self._copies(ext)))

@@ -59,6 +59,12 @@ class EngineAdapter(Protocol):
     def device_blocks(self) -> Iterable[BlockState]:
         """Every block resident on the device tier."""
 
+    def device_groups(self, hashes: Sequence[bytes]) -> dict[bytes, int]:
+        """Per block, which KV-cache groups (EngineInfo.kv_cache_groups) hold a
+        device copy of it: a bitmask of `1 << group_id`; blocks with no device
+        copy are left out. Only asked of engines that list a sliding-window
+        group (kvhint_server.window_tails)."""
+
     def refile(self, hashes: Iterable[bytes]) -> None:
         """The effective retention class of these blocks changed; re-file
         their free device copies (ask the core for the class:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvhint.v1 import kvhint_pb2 as pb
 
-from . import resolution
+from . import resolution, window_tails
 from . import wire as wire_format
 from .adapter import TierTask
 from .errors import excerpt
@@ -231,6 +231,8 @@ class HintExecutor:
                     len(hashes), len(granted),
                 ))
                 hashes = granted
+        if any(c.granted_blocks < c.requested_blocks for c in clips):
+            hashes = self._resumable(hashes, tiers, clips)
         if not hashes:  # a budget left nothing to grant: CLIPPED to 0 blocks (as an Evict of blocks all in use)
             return _result(spec, clips, {})
         ledger.grant(
@@ -244,6 +246,19 @@ class HintExecutor:
         )
         core.adapter.refile(list(reversed(hashes)))
         return _result(spec, clips, _first_tiers(hashes, tiers), effective_ttl_s=spec.ttl_s)
+
+    def _resumable(self, hashes: list[bytes], tiers: Mapping[bytes, int], clips: list[Clip]) -> list[bytes]:
+        """A block budget clipped the chain: drop the kept blocks after the last prefix end a
+        resume can hit (on an engine with sliding-window groups; kvhint_server.window_tails)."""
+        kept = window_tails.resumable(self.core, hashes, tiers)
+        if len(kept) < len(hashes):
+            clips.append(Clip.of_blocks(
+                Reason.WINDOW_TAIL_MISSING,
+                f"{len(hashes) - len(kept)} of the {len(hashes)} blocks kept come after the last prefix end "
+                f"whose sliding-window blocks the engine holds: no resume can hit them",
+                len(hashes), len(kept),
+            ))
+        return kept
 
     def _release(self, spec: HintSpec) -> HintResult:
         core = self.core

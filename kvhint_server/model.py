@@ -82,6 +82,7 @@ class Reason(enum.IntEnum):
     OPERATION_FAILED = 16
     SHUTTING_DOWN = 17
     NOT_FOUND = 18
+    WINDOW_TAIL_MISSING = 19
 
 
 class RetentionClass(enum.IntEnum):

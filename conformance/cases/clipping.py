@@ -41,8 +41,9 @@ def register(reg: Registry) -> None:
     @reg.case(
         "clipping", "pin-budget",
         "Pins MUST NOT exceed limits.pin_budget_blocks: a PIN that would go over the budget MUST be CLIPPED with "
-        "REASON_PIN_BUDGET, pin only the blocks that fit (Clip.granted_blocks, affected_blocks), and the blocks "
-        "reported pinned (QueryResidency) MUST never exceed the budget.",
+        "REASON_PIN_BUDGET, pin only the blocks that fit (Clip.granted_blocks, affected_blocks; fewer only after a "
+        "REASON_WINDOW_TAIL_MISSING clip), and the blocks reported pinned (QueryResidency) MUST be the blocks granted, "
+        "never more than the budget.",
         requires=("pin:session",),
         needs=("traffic",),
     )
@@ -93,7 +94,22 @@ def register(reg: Registry) -> None:
                     f"PIN_BUDGET clip requested={clips[0].requested_blocks} granted={clips[0].granted_blocks}, "
                     f"expected requested={per} granted={fits}",
                 )
-                check(granted == fits, f"affected_blocks reports {granted} device blocks pinned, expected {fits}")
+                # With sliding-window groups the blocks that fit may hold no prefix end a resume can
+                # hit: they are then dropped too, in a WINDOW_TAIL_MISSING clip after the budget's.
+                tails = [c for c in result.clips if c.reason == pb.REASON_WINDOW_TAIL_MISSING]
+                expected = fits
+                if tails:
+                    check(
+                        any(g.kind == pb.KvCacheGroup.KIND_SLIDING_WINDOW for g in ctx.caps.kv_cache_groups),
+                        "a WINDOW_TAIL_MISSING clip from an engine that lists no sliding-window KV-cache group",
+                    )
+                    check(
+                        tails[0].requested_blocks == fits and tails[0].granted_blocks < fits,
+                        f"WINDOW_TAIL_MISSING clip requested={tails[0].requested_blocks} granted={tails[0].granted_blocks}, "
+                        f"expected requested={fits} and fewer granted",
+                    )
+                    expected = tails[0].granted_blocks
+                check(granted == expected, f"affected_blocks reports {granted} device blocks pinned, expected {expected}")
                 clipped = result
             pinned += granted
         check(clipped is not None, f"{sessions * per} blocks pinned against a budget of {budget} without a clip")
@@ -102,7 +118,67 @@ def register(reg: Registry) -> None:
             total += sum(
                 1 for b in ctx.residency(H.session_selector(name)) if b.retention.retention_class == pb.RetentionState.CLASS_PINNED
             )
-        check(total == budget, f"QueryResidency reports {total} pinned blocks; the budget is {budget}, all of it was granted")
+        check(total == pinned, f"QueryResidency reports {total} pinned blocks; the pins granted {pinned} (budget {budget})")
+
+    @reg.case(
+        "clipping", "clipped-pin-grants-a-resumable-prefix",
+        "A PIN clipped by max_blocks MUST grant only blocks a resume can hit: after pressure that evicts an unhinted "
+        "control session, a two-turn session's repeat MUST hit exactly the blocks the PIN granted (affected_blocks). "
+        "On an engine with sliding-window KV-cache groups the blocks kept after the last prefix end whose window "
+        "blocks the engine holds MUST be dropped with a REASON_WINDOW_TAIL_MISSING clip after the MAX_BLOCKS one.",
+        requires=("pin:session",),
+        needs=("pressure",),
+    )
+    def clipped_resumable(ctx: CaseContext) -> None:
+        plan = ctx.plan
+        bs, n = plan.block_size, plan.session_blocks
+        if plan.resident_tail:
+            raise CaseSkipped("every residency group slides: a session's resident blocks are its prompt's window tail")
+        if n < 4:
+            raise CaseSkipped(f"a session prompt of {n} blocks leaves no room for a turn inside a clip")
+        name = ctx.sid("clipped")
+        prompt, control = ctx.session_prompt("clipped"), ctx.session_prompt("control")
+        ctx.complete(control, ctx.sid("control"))
+        ctx.complete(prompt[: (n // 2) * bs + max(1, bs // 2)], name)  # turn 1: a prefix of turn 2
+        ctx.complete(prompt, name)
+        cap = n - 1
+        result = ctx.apply_one(H.pin(name, ttl=120, max_blocks=cap))
+        granted = H.device_blocks(result)
+        check(
+            result.outcome == pb.OUTCOME_CLIPPED and result.reason == pb.REASON_MAX_BLOCKS
+            and result.clips[0].requested_blocks == n and result.clips[0].granted_blocks == cap,
+            f"pin of {n} blocks with max_blocks={cap}: {H.describe(result)}, expected CLIPPED/MAX_BLOCKS to {cap}",
+        )
+        tails = [c for c in result.clips if c.reason == pb.REASON_WINDOW_TAIL_MISSING]
+        if tails:
+            check(
+                any(g.kind == pb.KvCacheGroup.KIND_SLIDING_WINDOW for g in ctx.caps.kv_cache_groups),
+                "a WINDOW_TAIL_MISSING clip from an engine that lists no sliding-window KV-cache group",
+            )
+            check(
+                tails[0].requested_blocks == cap and tails[0].granted_blocks == granted < cap,
+                f"WINDOW_TAIL_MISSING clip requested={tails[0].requested_blocks} granted={tails[0].granted_blocks} "
+                f"with {granted} blocks pinned, expected requested={cap} and the pinned count, fewer",
+            )
+        else:
+            check(granted == cap, f"affected_blocks reports {granted} device blocks pinned, expected {cap}")
+        ctx.pressure("clipped")
+        if ctx.lower_tiers:
+            # A lower tier can serve a repeat, so the device is asked what it kept instead.
+            def on_device(session: str) -> int:
+                return sum(1 for b in ctx.residency(H.session_selector(session)) if pb.TIER_DEVICE in b.tiers)
+
+            kept, lost = on_device(name), on_device(ctx.sid("control"))
+            check(kept == granted, f"the device holds {kept} of the clipped session's blocks after pressure; the pin "
+                                   f"granted {granted}")
+            check(lost == 0, f"the device still holds {lost} blocks of the unhinted control: the pressure did not evict it")
+        else:
+            got = ctx.complete(prompt, name).cached_tokens
+            check(got == granted * bs, f"the clipped session's repeat hit {got} tokens after pressure; the pin granted "
+                                       f"{granted} blocks ({granted * bs} tokens)")
+            lost = ctx.complete(control, ctx.sid("control")).cached_tokens
+            check(lost == 0, f"the unhinted control session still hit {lost} tokens: the pressure did not evict it")
+        ctx.apply(H.release(name))
 
     @reg.case(
         "clipping", "pin-budget-freed-by-release",

@@ -188,6 +188,16 @@ class _ReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reason.ValueTy
     """The named object (for example an operation id) does not exist
     (ErrorInfo.reason of NOT_FOUND).
     """
+    REASON_WINDOW_TAIL_MISSING: _Reason.ValueType  # 19
+    """A Retain or Pin that a block budget clipped (max_blocks, the pin budget,
+    a tenant's budget) kept blocks after the last prefix end a resume can hit:
+    on a model with sliding-window KV-cache groups (KvCacheGroup
+    KIND_SLIDING_WINDOW) a hit must end where every such group holds a copy
+    of the window's blocks, and the engine held none there. Those blocks were
+    dropped from the hint (a Clip with this reason follows the budget's clip),
+    so the blocks granted are the ones a resume can use; none when no prefix
+    end within the budget can be hit. Never the reason of an unclipped hint.
+    """
 
 class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper):
     """Machine-readable reason attached to CLIPPED, REJECTED, MISSING results, to
@@ -232,6 +242,16 @@ REASON_SHUTTING_DOWN: Reason.ValueType  # 17
 REASON_NOT_FOUND: Reason.ValueType  # 18
 """The named object (for example an operation id) does not exist
 (ErrorInfo.reason of NOT_FOUND).
+"""
+REASON_WINDOW_TAIL_MISSING: Reason.ValueType  # 19
+"""A Retain or Pin that a block budget clipped (max_blocks, the pin budget,
+a tenant's budget) kept blocks after the last prefix end a resume can hit:
+on a model with sliding-window KV-cache groups (KvCacheGroup
+KIND_SLIDING_WINDOW) a hit must end where every such group holds a copy
+of the window's blocks, and the engine held none there. Those blocks were
+dropped from the hint (a Clip with this reason follows the budget's clip),
+so the blocks granted are the ones a resume can use; none when no prefix
+end within the budget can be hit. Never the reason of an unclipped hint.
 """
 Global___Reason: _TypeAlias = Reason  # noqa: Y015
 
@@ -1114,6 +1134,11 @@ class KvCacheGroup(_message.Message):
     copies from a chain's deepest block first, one logical block's copies after
     the other; a block whose window copy was taken keeps its grant and stays
     resident until its full-attention copy is taken too.
+    A Retain or Pin that a block budget clips keeps the start of the selected
+    chain only up to its last prefix end a resume can hit: with sliding-window
+    groups, the last kept block where every such group holds the window's
+    blocks. The blocks after it are dropped with a REASON_WINDOW_TAIL_MISSING
+    clip, so the blocks granted are the ones a resume can use.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -78,6 +78,7 @@ def test_tokens_hits_and_eviction_order_match_stock_vllm(stock6: Engine, hybrid6
     identity_tests.test_tokens_hits_and_eviction_order_match_stock_vllm((stock6, hybrid6, ("a",)))
 
 
+@pytest.mark.timeout(1200)  # the whole suite, engine start included: a hang guard, not a time limit
 def test_conformance_suite_passes(hybrid6: Engine) -> None:
     """Every advertised case passes. The two pin-budget cases skip, saying why: exceeding a
     budget of 119 logical blocks takes five 25-block sessions cached at once, 316 device blocks

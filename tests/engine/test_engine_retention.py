@@ -235,6 +235,32 @@ def test_pin_budget_clips_with_the_granted_count(clean: Engine) -> None:
     clean.apply(release("budget-a"), release("budget-b"))
 
 
+def test_a_clipped_pin_grants_what_the_resume_hits(any_clean: Engine) -> None:
+    """A two-turn session (8 blocks, then 18), pinned with max_blocks=12, then pressure: the
+    resume hits exactly the blocks the Pin granted. Dense: the 12. Hybrid: a hit ends only where
+    the sliding-window tail is cached (turn 1's end), so the Pin drops the blocks after it
+    (WINDOW_TAIL_MISSING) instead of granting 12 of which the resume could use fewer."""
+    first = tokens("clip-a", 256)
+    second = first + tokens("clip-a2", 320)
+    any_clean.complete(first, "clip-a")
+    any_clean.complete(second, "clip-a")
+    (result,) = any_clean.apply(pin("clip-a", max_blocks=12))
+    granted = result.affected_blocks[0].blocks if result.affected_blocks else 0
+    for i in range(6):
+        any_clean.complete(tokens(f"clip-filler-{i}", 600))
+    hit = any_clean.complete(second + tokens("clip-a3", 64), "clip-a").cached_tokens
+    any_clean.apply(release("clip-a"))
+    assert result.outcome == pb.OUTCOME_CLIPPED and result.reason == pb.REASON_MAX_BLOCKS
+    assert result.clips[0].granted_blocks == 12
+    caps = any_clean.stub.GetCapabilities(pb.GetCapabilitiesRequest())
+    if not any(g.kind == pb.KvCacheGroup.KIND_SLIDING_WINDOW for g in caps.kv_cache_groups):
+        assert len(result.clips) == 1 and granted == 12  # dense: every prefix is a hit
+    else:
+        assert result.clips[1].reason == pb.REASON_WINDOW_TAIL_MISSING
+        assert result.clips[1].requested_blocks == 12 and 0 < result.clips[1].granted_blocks == granted < 12
+    assert hit == granted * 32
+
+
 def test_pins_never_fail_a_request_stock_vllm_would_serve(clean: Engine) -> None:
     for i in range(2):
         clean.complete(tokens(f"pinned-{i}"), f"pinned-{i}")

@@ -82,6 +82,8 @@ class FakeEngine:
         self._info = info
         self.device: dict[bytes, bool] = {}  # hash -> in use
         self.host: set[bytes] = set()
+        # Device blocks whose copies only some KV-cache groups hold (group bitmask; device_groups).
+        self.groups_held: dict[bytes, int] = {}
         self.refiled: list[bytes] = []
         self.demoted_first: list[bytes] = []
         self.tier_tasks: list[TierTask] = []
@@ -129,6 +131,12 @@ class FakeEngine:
             if mask:
                 out[x] = BlockState(x, mask, in_use=self.device.get(x, False))
         return out
+
+    def device_groups(self, hashes: Sequence[bytes]) -> dict[bytes, int]:
+        """Every group of `info` for a device block, unless `groups_held` says otherwise."""
+        self._engine_only("device_groups")
+        every = sum(1 << g.group_id for g in self._info.kv_cache_groups) or 1
+        return {x: self.groups_held.get(x, every) for x in hashes if x in self.device and self.groups_held.get(x, every)}
 
     def device_blocks(self) -> Iterable[BlockState]:
         self._engine_only("device_blocks")

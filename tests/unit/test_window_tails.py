@@ -1,0 +1,119 @@
+"""kvhint_server.window_tails against a brute-force reading of the proto's KvCacheGroup contract:
+a hit ending at block e needs every sliding-window group's copies of the ceil((window - 1) /
+block_size) blocks ending at e. Of the blocks a clip kept, exactly those with a kept hit end after
+them on their chain (every block between kept) must stay; the rest protect nothing a resume
+reads. Engine-neutral: the fake engine says which groups hold each block."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvhint_unit_support import FakeEngine, h, local_engine_info
+
+from kvhint_server import KvHintCore, ServerConfig
+from kvhint_server.model import KvCacheGroupInfo, KvCacheGroupKind, Tier
+from kvhint_server.window_tails import resumable, window_blocks
+
+BLOCK = 16
+FULL = KvCacheGroupInfo(0, KvCacheGroupKind.FULL_ATTENTION, BLOCK)
+
+
+def window(group_id: int, tokens: int) -> KvCacheGroupInfo:
+    return KvCacheGroupInfo(group_id, KvCacheGroupKind.SLIDING_WINDOW, BLOCK, tokens, defines_residency=False)
+
+
+@contextlib.contextmanager
+def engine(*groups: KvCacheGroupInfo) -> Iterator[FakeEngine]:
+    """A core over a fake engine whose KV-cache groups are a full-attention one and `groups`."""
+    core = KvHintCore(ServerConfig(address="127.0.0.1:0"), monotonic=time.monotonic)
+    eng = FakeEngine(core, dataclasses.replace(local_engine_info(num_device_blocks=256), kv_cache_groups=(FULL, *groups)))
+    core.attach(eng)
+    eng.start()
+    try:
+        yield eng
+    finally:
+        eng.stop()
+
+
+def test_window_blocks_follow_the_contract() -> None:
+    info = local_engine_info()
+    assert window_blocks(info) == []  # no sliding-window group: nothing to judge
+    with_groups = dataclasses.replace(info, kv_cache_groups=(FULL, window(1, 64), window(2, 17), window(3, 16)))
+    assert window_blocks(with_groups) == [(2, 4), (4, 1), (8, 1)]
+    other = KvCacheGroupInfo(4, KvCacheGroupKind.OTHER, BLOCK)
+    assert window_blocks(dataclasses.replace(info, kv_cache_groups=(FULL, window(1, 64), other))) is None
+    bigger = dataclasses.replace(window(1, 64), block_size=2 * BLOCK)
+    assert window_blocks(dataclasses.replace(info, kv_cache_groups=(FULL, bigger))) is None
+
+
+chains = st.integers(1, 10).flatmap(
+    lambda trunk: st.tuples(
+        st.just(trunk),
+        st.one_of(st.none(), st.tuples(st.integers(0, trunk - 1), st.integers(1, 6))),  # a branch: after, length
+        st.lists(st.sampled_from([16, 17, 20, 33, 40, 64, 65]), min_size=0, max_size=2),  # window tokens per group
+        st.randoms(use_true_random=False),
+    )
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=chains)
+def test_resumable_keeps_exactly_the_blocks_a_kept_hit_end_follows(case: tuple) -> None:
+    trunk, branch, windows, rnd = case
+    blocks = [h(i) for i in range(trunk)]
+    parent = {b: (blocks[i - 1] if i else None) for i, b in enumerate(blocks)}
+    position = {b: i for i, b in enumerate(blocks)}
+    twig = []
+    if branch is not None:
+        after, length = branch
+        twig = [h(100 + i) for i in range(length)]
+        for i, b in enumerate(twig):
+            parent[b] = twig[i - 1] if i else blocks[after]
+            position[b] = after + 1 + i
+    groups = [window(1 + i, w) for i, w in enumerate(windows)]
+    held = {b: 1 | sum(1 << g.group_id for g in groups if rnd.random() < 0.6) for b in parent}
+    kept = sorted((b for b in parent if rnd.random() < 0.8), key=lambda b: position[b])
+    with engine(*groups) as eng:
+        eng.store(blocks, session="s")
+        if twig:
+            eng.store(twig, session="s", first_position=branch[0] + 1, parent=blocks[branch[0]])
+        eng.groups_held.update(held)
+        got = eng.run(lambda: resumable(eng.core, kept, {b: Tier.DEVICE.bit for b in kept}))
+
+    def path(e: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        b: bytes | None = e
+        while b is not None:
+            out.append(b)
+            b = parent[b]
+        return out
+
+    def hit_end(e: bytes) -> bool:
+        chain = path(e)
+        return all(all(held[b] & (1 << g.group_id) for b in chain[: -(-(g.sliding_window_tokens - 1) // BLOCK)])
+                   for g in groups)
+
+    keep = set(kept)
+    expected = [
+        b for b in kept
+        if any(b in path(e) and set(path(e)[: path(e).index(b) + 1]) <= keep and hit_end(e) for e in kept)
+    ]
+    assert got == expected
+    if not groups:
+        assert got == kept  # a model without sliding-window groups: every kept block stays
+
+
+def test_a_kept_block_only_a_lower_tier_holds_leaves_the_clip_as_it_is() -> None:
+    """A Retain also covers blocks only a lower tier holds; their window copies are not judged."""
+    blocks = [h(i) for i in range(6)]
+    with engine(window(1, 64)) as eng:
+        eng.store(blocks, session="lower")
+        eng.groups_held.update({b: 1 for b in blocks})  # no window copy on the device
+        tiers = {b: Tier.DEVICE.bit for b in blocks} | {blocks[-1]: Tier.HOST.bit}
+        assert eng.run(lambda: resumable(eng.core, blocks, tiers)) == blocks
+        assert eng.run(lambda: resumable(eng.core, blocks[:-1], tiers)) == []
