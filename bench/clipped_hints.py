@@ -47,24 +47,17 @@ def _scheduler(layout: str, num_blocks: int) -> Iterator[Any]:
 
     from engine_integration import inproc
 
-    make = inproc.make_kv_cache_config
-
-    def config(*args: Any, **kw: Any) -> Any:
-        cfg = make(*args, **kw)
+    def config(cfg: Any) -> None:
         cfg.prefix_cache_retention_interval = 0
         full, window = cfg.kv_cache_groups
         if layout == "dense":
             cfg.kv_cache_groups[:] = [full]
         elif layout == "two windows":
             cfg.kv_cache_groups[:] = [window, KVCacheGroupSpec(["window.1"], window.kv_cache_spec), full]
-        return cfg
 
-    inproc.make_kv_cache_config = config
-    try:
-        with inproc.running_scheduler(num_blocks=num_blocks, block_size=BLOCK, hybrid=True, sliding_window=WINDOW) as s:
-            yield s
-    finally:
-        inproc.make_kv_cache_config = make
+    with inproc.running_scheduler(num_blocks=num_blocks, block_size=BLOCK, hybrid=True, sliding_window=WINDOW,
+                                  edit_kv_cache_config=config) as s:
+        yield s
 
 
 def _run(s: Any, rid: str, prompt: list[int], sid: str) -> int:

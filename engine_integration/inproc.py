@@ -187,8 +187,11 @@ def make_scheduler(
     data_parallel_size: int = 1,
     grpc_address: str = "127.0.0.1:0",
     kv_events_endpoint: str | None = None,
+    edit_kv_cache_config: Callable[[KVCacheConfig], None] | None = None,
 ) -> Scheduler:
-    """Build the scheduler (see the module doc). Close it with `close(scheduler)`."""
+    """Build the scheduler (see the module doc). Close it with `close(scheduler)`.
+    `edit_kv_cache_config` changes the KV-cache config before the scheduler is built (another
+    group order or more groups, vLLM's prefix_cache_retention_interval)."""
     vllm_config = make_vllm_config(
         num_blocks=num_blocks,
         block_size=block_size,
@@ -204,6 +207,8 @@ def make_scheduler(
     kv_cache_config = make_kv_cache_config(
         num_blocks, block_size, hybrid=hybrid, window_only=window_only, sliding_window=sliding_window
     )
+    if edit_kv_cache_config is not None:
+        edit_kv_cache_config(kv_cache_config)
     if kvhint:
         from .scheduler import KvHintScheduler
 

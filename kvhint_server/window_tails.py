@@ -46,7 +46,7 @@ def window_blocks(info: EngineInfo) -> list[tuple[int, int]] | None:
 
 def resumable(core: KvHintCore, kept: list[bytes], tiers: Mapping[bytes, int]) -> list[bytes]:
     """The blocks of `kept` (chain order; `tiers`: their tier masks) that some kept hit end
-    follows on their chain, in the same order; `kept` itself when nothing can be dropped."""
+    follows on their chain, in the same order."""
     groups = window_blocks(core.info)
     if not groups or not kept or any(not tiers.get(h, 0) & Tier.DEVICE.bit for h in kept):
         return kept
@@ -88,6 +88,4 @@ def resumable(core: KvHintCore, kept: list[bytes], tiers: Mapping[bytes, int]) -
             useful.add(b)
             node = nodes.get(b)
             b = node.parent if node is not None else None
-    if len(useful) == len(kept):
-        return kept
     return [h for h in kept if h in useful]

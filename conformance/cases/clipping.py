@@ -94,21 +94,7 @@ def register(reg: Registry) -> None:
                     f"PIN_BUDGET clip requested={clips[0].requested_blocks} granted={clips[0].granted_blocks}, "
                     f"expected requested={per} granted={fits}",
                 )
-                # With sliding-window groups the blocks that fit may hold no prefix end a resume can
-                # hit: they are then dropped too, in a WINDOW_TAIL_MISSING clip after the budget's.
-                tails = [c for c in result.clips if c.reason == pb.REASON_WINDOW_TAIL_MISSING]
-                expected = fits
-                if tails:
-                    check(
-                        any(g.kind == pb.KvCacheGroup.KIND_SLIDING_WINDOW for g in ctx.caps.kv_cache_groups),
-                        "a WINDOW_TAIL_MISSING clip from an engine that lists no sliding-window KV-cache group",
-                    )
-                    check(
-                        tails[0].requested_blocks == fits and tails[0].granted_blocks < fits,
-                        f"WINDOW_TAIL_MISSING clip requested={tails[0].requested_blocks} granted={tails[0].granted_blocks}, "
-                        f"expected requested={fits} and fewer granted",
-                    )
-                    expected = tails[0].granted_blocks
+                expected = _after_window_tail_clip(ctx, result, fits)
                 check(granted == expected, f"affected_blocks reports {granted} device blocks pinned, expected {expected}")
                 clipped = result
             pinned += granted
@@ -149,19 +135,8 @@ def register(reg: Registry) -> None:
             and result.clips[0].requested_blocks == n and result.clips[0].granted_blocks == cap,
             f"pin of {n} blocks with max_blocks={cap}: {H.describe(result)}, expected CLIPPED/MAX_BLOCKS to {cap}",
         )
-        tails = [c for c in result.clips if c.reason == pb.REASON_WINDOW_TAIL_MISSING]
-        if tails:
-            check(
-                any(g.kind == pb.KvCacheGroup.KIND_SLIDING_WINDOW for g in ctx.caps.kv_cache_groups),
-                "a WINDOW_TAIL_MISSING clip from an engine that lists no sliding-window KV-cache group",
-            )
-            check(
-                tails[0].requested_blocks == cap and tails[0].granted_blocks == granted < cap,
-                f"WINDOW_TAIL_MISSING clip requested={tails[0].requested_blocks} granted={tails[0].granted_blocks} "
-                f"with {granted} blocks pinned, expected requested={cap} and the pinned count, fewer",
-            )
-        else:
-            check(granted == cap, f"affected_blocks reports {granted} device blocks pinned, expected {cap}")
+        expected = _after_window_tail_clip(ctx, result, cap)
+        check(granted == expected, f"affected_blocks reports {granted} device blocks pinned, expected {expected}")
         ctx.pressure("clipped")
         if ctx.lower_tiers:
             # A lower tier can serve a repeat, so the device is asked what it kept instead.
@@ -212,6 +187,25 @@ def register(reg: Registry) -> None:
             again.outcome == pb.OUTCOME_ACCEPTED and H.device_blocks(again) == per,
             f"pin after releasing {per} pinned blocks: {H.describe(again)}, expected ACCEPTED with {per} blocks",
         )
+
+
+def _after_window_tail_clip(ctx: CaseContext, result: pb.HintResult, kept: int) -> int:
+    """The blocks a Retain or Pin applies to after a block clip that kept `kept`: with
+    sliding-window groups the kept blocks may hold no prefix end a resume can hit, and are then
+    dropped too, in a WINDOW_TAIL_MISSING clip after the budget's (checked here); else `kept`."""
+    tails = [c for c in result.clips if c.reason == pb.REASON_WINDOW_TAIL_MISSING]
+    if not tails:
+        return kept
+    check(
+        any(g.kind == pb.KvCacheGroup.KIND_SLIDING_WINDOW for g in ctx.caps.kv_cache_groups),
+        "a WINDOW_TAIL_MISSING clip from an engine that lists no sliding-window KV-cache group",
+    )
+    check(
+        tails[0].requested_blocks == kept and tails[0].granted_blocks < kept,
+        f"WINDOW_TAIL_MISSING clip requested={tails[0].requested_blocks} granted={tails[0].granted_blocks}, "
+        f"expected requested={kept} and fewer granted",
+    )
+    return tails[0].granted_blocks
 
 
 def _ttl_cap(reg: Registry, action: str) -> None:

@@ -9,8 +9,6 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import pytest
-
 from engine_integration import inproc
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.model import HintResult
@@ -24,19 +22,14 @@ def scheduler(
     """`inproc.running_scheduler(**kwargs)` whose KV-cache config has vLLM's
     prefix_cache_retention_interval (0, the engine's default: sliding-window blocks are cached
     only as the window tail at each prompt's end; None: every one), then `edit(config)`."""
-    make = inproc.make_kv_cache_config
 
-    def config(*args: Any, **kw: Any) -> Any:
-        cfg = make(*args, **kw)
+    def config(cfg: Any) -> None:
         cfg.prefix_cache_retention_interval = retention_interval
         if edit is not None:
             edit(cfg)
-        return cfg
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(inproc, "make_kv_cache_config", config)
-        with inproc.running_scheduler(**kwargs) as s:
-            yield s
+    with inproc.running_scheduler(edit_kv_cache_config=config, **kwargs) as s:
+        yield s
 
 
 def run(scheduler: Any, rid: str, prompt: list[int], sid: str | None = None, *, block_size: int, max_tokens: int = 1) -> int:
