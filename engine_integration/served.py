@@ -33,6 +33,13 @@ ENGINE_FORBIDDEN_ENV = "KVHINT_ENGINE_FORBIDDEN"
 # dozens of engines; scripts/gpu_check.sh --cpu sets it for the same reason. Benchmarks leave it
 # unset and serve as users do.
 ENFORCE_EAGER_ENV = "KVHINT_ENFORCE_EAGER"
+# Served engines' vLLM --dtype; unset or empty: none is passed, and vLLM serves the generated
+# float32 presets in bfloat16 (its `auto`). tests/conftest.py and scripts/gpu_check.sh --cpu set
+# float32: on a CPU without bfloat16 instructions (CI's are AVX2 only) a bfloat16 prefill is
+# emulated and about 4x slower (bench/results/engine_dtype.md), and the suite's engine time is
+# mostly prefill. KvHint acts on blocks and token ids, which the dtype does not change, and every
+# comparison with stock vLLM serves both sides alike. Benchmarks and GPU runs leave it unset.
+DTYPE_ENV = "KVHINT_ENGINE_DTYPE"
 
 
 # Each served engine's vLLM --gpu-memory-utilization: on a GPU the fraction of GPU memory it may
@@ -40,6 +47,11 @@ ENFORCE_EAGER_ENV = "KVHINT_ENFORCE_EAGER"
 # engines fit on one machine; see README).
 GPU_MEMORY_ENV = "KVHINT_GPU_MEMORY_UTILIZATION"
 GPU_MEMORY_DEFAULT = "0.1"
+
+
+def dtype_from_env() -> str:
+    """The --dtype DTYPE_ENV asks served engines for ("": vLLM's default; EngineSpec's default)."""
+    return os.environ.get(DTYPE_ENV, "").strip()
 
 
 def eager_from_env() -> bool:
@@ -142,6 +154,8 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     seed: int = 0
     enforce_eager: bool = field(default_factory=eager_from_env)
+    # vLLM's --dtype ("": not passed, vLLM's `auto`); DTYPE_ENV gives the default.
+    dtype: str = field(default_factory=dtype_from_env)
 
 
 class ServedEngine:
@@ -182,6 +196,8 @@ class ServedEngine:
             cmd += ["--scheduler-cls", SCHEDULER_CLS]
         if s.enforce_eager:
             cmd.append("--enforce-eager")
+        if s.dtype:
+            cmd += ["--dtype", s.dtype]
         if s.kv_events_config is not None:
             cmd += ["--kv-events-config", json.dumps(s.kv_events_config)]
         if s.kv_transfer_config is not None:
