@@ -58,7 +58,9 @@ if str(ROOT) not in sys.path:  # run as a file: the repository's packages, insta
 # platform check and the steps: on the lent H200 (bench/results/gpu_check_h200/), without
 # `pip install -e .`, a module-level import of kvhint_server.config crashed before any results
 # file was written.
-from engine_integration.served import ENFORCE_EAGER_ENV, GPU_MEMORY_DEFAULT, GPU_MEMORY_ENV, eager_from_env  # noqa: E402
+from engine_integration.served import (  # noqa: E402
+    DTYPE_ENV, ENFORCE_EAGER_ENV, GPU_MEMORY_DEFAULT, GPU_MEMORY_ENV, dtype_from_env, eager_from_env,
+)
 
 MODELS = (("dense", "tiny"), ("hybrid", "hybrid"))
 IDENTITY_TEST = "tests/engine/test_engine_identity.py"
@@ -136,6 +138,9 @@ class Options:
     # What the results header says (KVHINT_ENFORCE_EAGER=1): passed on to the identity test's
     # pytest child, whose conftest would otherwise default it to eager.
     enforce_eager: bool = False
+    # The served engines' --dtype the header names (KVHINT_ENGINE_DTYPE; "": vLLM's default), passed
+    # on to the identity test's child the same way.
+    engine_dtype: str = ""
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -197,6 +202,7 @@ def basic_info(opts: Options) -> dict[str, Any]:
         "mode": "cpu" if opts.cpu else "gpu",
         "cuda_available": False,
         "enforce_eager": eager_from_env(),
+        "engine_dtype": dtype_from_env(),
         # Each engine's share of the device's memory (GPU_MEMORY_ENV in engine_integration.served).
         "gpu_memory_utilization": os.environ.get(GPU_MEMORY_ENV, GPU_MEMORY_DEFAULT),
     }
@@ -418,8 +424,9 @@ def identity(opts: Options, name: str, step: Step) -> None:
 
 
 def identity_env(opts: Options) -> dict[str, str]:
-    """The identity test's environment: the engines' eager mode as the results header says."""
-    return {ENFORCE_EAGER_ENV: "1" if opts.enforce_eager else "0"}
+    """The identity test's environment: the engines' eager mode and dtype as the results header says
+    (an empty dtype stays empty: tests/conftest.py only fills in an unset one)."""
+    return {ENFORCE_EAGER_ENV: "1" if opts.enforce_eager else "0", DTYPE_ENV: opts.engine_dtype}
 
 
 def step_overhead(opts: Options, name: str, model: str, step: Step) -> None:
@@ -502,7 +509,8 @@ def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Ste
         f"Command: `scripts/gpu_check.sh{' --cpu' if opts.cpu else ''}{' --quick' if opts.quick else ''}`; "
         f"{where}; vLLM {info.get('vllm', '?')}, torch {info.get('torch', '?')}, Python {info.get('python', '?')}; "
         f"served engines and the identity test {'eager (torch.compile off)' if eager else 'compiled'} "
-        f"({ENFORCE_EAGER_ENV}={'1' if eager else '0'}; the benchmark's mode is in its row); "
+        f"({ENFORCE_EAGER_ENV}={'1' if eager else '0'}; the benchmark's mode is in its row), "
+        f"dtype {info.get('engine_dtype') or 'vLLM default'} ({DTYPE_ENV}); "
         f"{GPU_MEMORY_ENV}={info.get('gpu_memory_utilization', GPU_MEMORY_DEFAULT)} per engine; "
         f"residency bookkeeping {info.get('residency_bookkeeping', 'auto')}; {wall:.0f} s in all. "
         f"Overall: **{'PASS' if ok else 'FAIL'}**.",
@@ -588,6 +596,7 @@ def run_checks(opts: Options, wanted: set[str], probe: Callable[[Options], dict[
         write_results(opts, info, {}, opts.budget.elapsed(), error=error)
         return 2
     opts.enforce_eager = bool(info.get("enforce_eager"))
+    opts.engine_dtype = str(info.get("engine_dtype") or "")
     steps: dict[str, list[Step]] = {}
     for name, preset in MODELS:
         if name in wanted:

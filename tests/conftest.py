@@ -35,13 +35,18 @@ from typing import Any
 
 import pytest
 
-from engine_integration.served import ENFORCE_EAGER_ENV, ENGINE_FORBIDDEN_ENV
+from engine_integration.served import DTYPE_ENV, ENFORCE_EAGER_ENV, ENGINE_FORBIDDEN_ENV
 
 # Engines the tests serve skip torch.compile (engine_integration.served.ENFORCE_EAGER_ENV): KvHint
 # lives in the scheduler and the block pool, which compile does not touch, and every comparison
 # with stock vLLM serves both sides the same way. Inherited by child processes (gpu_check, the
 # agentic smoke run). Set it to 0 to test with compiled models.
 os.environ.setdefault(ENFORCE_EAGER_ENV, "1")
+# And in float32, the generated presets' own dtype (engine_integration.served.DTYPE_ENV): vLLM
+# would serve them in bfloat16, which CI's AVX2-only CPUs emulate, and a prefill (most of the
+# engine tier's time) takes about 4x as long (bench/results/engine_dtype.md). KvHint acts on blocks
+# and token ids, which the dtype does not change. Set it to "" for vLLM's default.
+os.environ.setdefault(DTYPE_ENV, "float32")
 
 # Workers for the fast suite (module doc); this project's machines have two cores.
 FAST_WORKERS_ENV = "KVHINT_FAST_WORKERS"

@@ -8,10 +8,13 @@ machine, so CI runs one; `scripts/gpu_check.sh --cpu --quick` runs both."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from engine_integration.served import DTYPE_ENV
 
 pytestmark = pytest.mark.engine
 
@@ -20,15 +23,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(1200)
 def test_gpu_check_runs_on_cpu_and_writes_one_results_file(tmp_path: Path) -> None:
+    # Without tests/conftest.py's KVHINT_ENGINE_DTYPE: --cpu itself serves float32 (scripts/gpu_check.sh).
+    env = {k: v for k, v in os.environ.items() if k != DTYPE_ENV}
     proc = subprocess.run(
         [str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--quick", "--models", "hybrid", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1100,
+        cwd=ROOT, capture_output=True, text=True, timeout=1100, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads((tmp_path / "gpu_check_results.json").read_text())
     text = (tmp_path / "gpu_check_results.md").read_text()
     assert data["ok"] and "Overall: **PASS**" in text
     assert data["platform"]["mode"] == "cpu" and data["platform"]["enforce_eager"] is True
+    assert data["platform"]["engine_dtype"] == "float32" and "dtype float32 (KVHINT_ENGINE_DTYPE)" in text
     # The GPU's bookkeeping (deferred: what `auto` picks on a GPU), so the conformance
     # suite and the identity test below ran against it.
     assert data["platform"]["residency_bookkeeping"] == "deferred" and "residency bookkeeping deferred" in text

@@ -75,3 +75,22 @@ def test_served_engines_skip_torch_compile_only_when_asked(monkeypatch) -> None:
     monkeypatch.delenv(ENFORCE_EAGER_ENV)
     assert "--enforce-eager" not in ServedEngine(EngineSpec(model="m")).command()
     assert "--enforce-eager" in ServedEngine(EngineSpec(model="m", enforce_eager=True)).command()
+
+
+def test_served_engines_pass_a_dtype_only_when_asked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """KVHINT_ENGINE_DTYPE=float32 (tests/conftest.py sets it) serves with --dtype float32; unset or
+    empty, no --dtype is passed (vLLM's own choice), and an explicit spec wins either way."""
+    from engine_integration.served import DTYPE_ENV
+
+    def dtype_args(spec: EngineSpec) -> list[str]:
+        cmd = ServedEngine(spec).command()
+        return [a for i, a in enumerate(cmd) if a == "--dtype" or (i and cmd[i - 1] == "--dtype")]
+
+    monkeypatch.setenv(DTYPE_ENV, "float32")
+    assert dtype_args(EngineSpec(model="m")) == ["--dtype", "float32"]
+    assert dtype_args(EngineSpec(model="m", dtype="")) == []
+    monkeypatch.setenv(DTYPE_ENV, " ")
+    assert dtype_args(EngineSpec(model="m")) == []
+    monkeypatch.delenv(DTYPE_ENV)
+    assert dtype_args(EngineSpec(model="m")) == []
+    assert dtype_args(EngineSpec(model="m", dtype="bfloat16")) == ["--dtype", "bfloat16"]
