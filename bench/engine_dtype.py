@@ -23,12 +23,11 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import machine
+from bench.report import git, machine
 from engine_integration.served import EngineSpec, ServedEngine, default_model
 from kvhint_client.openai_traffic import complete
 
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prompts < 1:
         parser.error("--prompts must be at least 1")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+    commit = git("rev-parse", "--short", "HEAD")
     started = time.monotonic()
     rows = [measure(preset, dtype, args.prompts, args.seed) for preset in args.presets.split(",") for dtype, _ in DTYPES]
     text = render(rows, args, commit, time.monotonic() - started)

@@ -42,10 +42,8 @@ from engine_integration.served import DTYPE_ENV, ENFORCE_EAGER_ENV, ENGINE_FORBI
 # with stock vLLM serves both sides the same way. Inherited by child processes (gpu_check, the
 # agentic smoke run). Set it to 0 to test with compiled models.
 os.environ.setdefault(ENFORCE_EAGER_ENV, "1")
-# And in float32, the generated presets' own dtype (engine_integration.served.DTYPE_ENV): vLLM
-# would serve them in bfloat16, which CI's AVX2-only CPUs emulate, and a prefill (most of the
-# engine tier's time) takes about 4x as long (bench/results/engine_dtype.md). KvHint acts on blocks
-# and token ids, which the dtype does not change. Set it to "" for vLLM's default.
+# And in float32, the generated presets' own dtype, not vLLM's bfloat16 (why: the comment on
+# engine_integration.served.DTYPE_ENV). Set it to "" for vLLM's default.
 os.environ.setdefault(DTYPE_ENV, "float32")
 
 # Workers for the fast suite (module doc); this project's machines have two cores.
