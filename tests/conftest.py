@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from engine_integration.served import DTYPE_ENV, ENFORCE_EAGER_ENV, ENGINE_FORBIDDEN_ENV
+from engine_integration.served import DTYPE_ENV, ENFORCE_EAGER_ENV, ENGINE_FORBIDDEN_ENV, EXECUTOR_ENV
 
 # Engines the tests serve skip torch.compile (engine_integration.served.ENFORCE_EAGER_ENV): KvHint
 # lives in the scheduler and the block pool, which compile does not touch, and every comparison
@@ -45,6 +45,9 @@ os.environ.setdefault(ENFORCE_EAGER_ENV, "1")
 # And in float32, the generated presets' own dtype, not vLLM's bfloat16 (why: the comment on
 # engine_integration.served.DTYPE_ENV). Set it to "" for vLLM's default.
 os.environ.setdefault(DTYPE_ENV, "float32")
+# And with the model in EngineCore's process (engine_integration.served.EXECUTOR_ENV): one process
+# fewer to import torch and vLLM per engine start. Set it to "" for vLLM's choice.
+os.environ.setdefault(EXECUTOR_ENV, "uni")
 
 # Workers for the fast suite (module doc); this project's machines have two cores.
 FAST_WORKERS_ENV = "KVHINT_FAST_WORKERS"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_integration.served import DTYPE_ENV
+from engine_integration.served import DTYPE_ENV, EXECUTOR_ENV
 
 pytestmark = pytest.mark.engine
 
@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(1200)
 def test_gpu_check_runs_on_cpu_and_writes_one_results_file(tmp_path: Path) -> None:
-    # Without tests/conftest.py's KVHINT_ENGINE_DTYPE: --cpu itself serves float32 (scripts/gpu_check.sh).
-    env = {k: v for k, v in os.environ.items() if k != DTYPE_ENV}
+    # Without tests/conftest.py's KVHINT_ENGINE_DTYPE and KVHINT_ENGINE_EXECUTOR: --cpu itself serves
+    # float32 with the model in EngineCore's process (scripts/gpu_check.sh).
+    env = {k: v for k, v in os.environ.items() if k not in (DTYPE_ENV, EXECUTOR_ENV)}
     proc = subprocess.run(
         [str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--quick", "--models", "hybrid", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=1100, env=env,
@@ -35,6 +36,9 @@ def test_gpu_check_runs_on_cpu_and_writes_one_results_file(tmp_path: Path) -> No
     assert data["ok"] and "Overall: **PASS**" in text
     assert data["platform"]["mode"] == "cpu" and data["platform"]["enforce_eager"] is True
     assert data["platform"]["engine_dtype"] == "float32" and "dtype float32 (KVHINT_ENGINE_DTYPE)" in text
+    assert data["platform"]["engine_executor"] == "uni" and "executor uni (KVHINT_ENGINE_EXECUTOR)" in text
+    # The model ran in EngineCore's process: vLLM's multiprocess executor logs as VllmWorker.
+    assert "VllmWorker" not in (tmp_path / "serve_hybrid.log").read_text()
     # The GPU's bookkeeping (deferred: what `auto` picks on a GPU), so the conformance
     # suite and the identity test below ran against it.
     assert data["platform"]["residency_bookkeeping"] == "deferred" and "residency bookkeeping deferred" in text

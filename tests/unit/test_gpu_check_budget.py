@@ -127,13 +127,13 @@ def test_a_failed_start_still_writes_a_results_file(tmp_path: Path, probe: Any, 
     assert "Overall: **FAIL**" in text and reason in text and "Total wall time" in text
 
 
-def test_identity_child_gets_the_headers_eager_mode_and_dtype(tmp_path: Path) -> None:
+def test_identity_child_gets_the_headers_eager_mode_dtype_and_executor(tmp_path: Path) -> None:
     opts = _opts(tmp_path, gc.Budget(None))
     # Both override tests/conftest.py's defaults (eager, float32), which fill in only unset variables:
     # the GPU run's identity test serves as the header says, compiled and in vLLM's default dtype.
-    assert gc.identity_env(opts) == {"KVHINT_ENFORCE_EAGER": "0", "KVHINT_ENGINE_DTYPE": ""}
-    opts.enforce_eager, opts.engine_dtype = True, "float32"
-    assert gc.identity_env(opts) == {"KVHINT_ENFORCE_EAGER": "1", "KVHINT_ENGINE_DTYPE": "float32"}
+    assert gc.identity_env(opts) == {"KVHINT_ENFORCE_EAGER": "0", "KVHINT_ENGINE_DTYPE": "", "KVHINT_ENGINE_EXECUTOR": ""}
+    opts.enforce_eager, opts.engine_dtype, opts.engine_executor = True, "float32", "uni"
+    assert gc.identity_env(opts) == {"KVHINT_ENFORCE_EAGER": "1", "KVHINT_ENGINE_DTYPE": "float32", "KVHINT_ENGINE_EXECUTOR": "uni"}
 
 
 def test_the_header_names_the_engines_dtype(tmp_path: Path) -> None:
@@ -142,6 +142,14 @@ def test_the_header_names_the_engines_dtype(tmp_path: Path) -> None:
     assert "dtype float32 (KVHINT_ENGINE_DTYPE)" in (tmp_path / "gpu_check_results.md").read_text()
     gc.write_results(opts, {**_info(), "engine_dtype": ""}, {}, 1.0)
     assert "dtype vLLM default (KVHINT_ENGINE_DTYPE)" in (tmp_path / "gpu_check_results.md").read_text()
+
+
+def test_the_header_names_the_engines_executor(tmp_path: Path) -> None:
+    opts = _opts(tmp_path, gc.Budget(None))
+    gc.write_results(opts, {**_info(), "engine_executor": "uni"}, {}, 1.0)
+    assert "executor uni (KVHINT_ENGINE_EXECUTOR)" in (tmp_path / "gpu_check_results.md").read_text()
+    gc.write_results(opts, {**_info(), "engine_executor": ""}, {}, 1.0)
+    assert "executor vLLM default (KVHINT_ENGINE_EXECUTOR)" in (tmp_path / "gpu_check_results.md").read_text()
 
 
 LOG = ("(EngineCore pid=1) INFO 12-03 12:00:29 [scheduler.py:134] kvhint: residency bookkeeping deferred "
