@@ -46,8 +46,14 @@ def _cpu_flags() -> str:
 
 
 def measure(preset: str, dtype: str, prompts: int, seed: int) -> dict[str, Any]:
-    model = default_model(preset)
-    spec = EngineSpec(model=model, dtype=dtype, env={"VLLM_SERVER_DEV_MODE": "1"})
+    spec = EngineSpec(model=default_model(preset), dtype=dtype, env={"VLLM_SERVER_DEV_MODE": "1"})
+    return {"preset": preset, "dtype": dtype or "auto", **timed_serve(spec, prompts, seed)}
+
+
+def timed_serve(spec: EngineSpec, prompts: int, seed: int) -> dict[str, Any]:
+    """Serve `spec`, time its start, `prompts` unique PROMPT_TOKENS-token prefill requests (one at a
+    time, max_tokens 1) and one DECODE_TOKENS-token decode, and stop it (bench.engine_executor too)."""
+    model = spec.model
     engine = ServedEngine(spec)
     started = time.monotonic()
     engine.start()
@@ -67,7 +73,15 @@ def measure(preset: str, dtype: str, prompts: int, seed: int) -> dict[str, Any]:
         decode_s = time.monotonic() - t
     finally:
         engine.stop()
-    return {"preset": preset, "dtype": dtype or "auto", "start_s": start_s, "prefill_s": prefill, "decode_s": decode_s}
+    return {"start_s": start_s, "prefill_s": prefill, "decode_s": decode_s}
+
+
+def write_results(out: Path, text: str, commit: str, rows: list[dict[str, Any]]) -> None:
+    """The table (.md) and the raw timings (.json, same name); the table on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({"commit": commit, "machine": machine(), "rows": rows}, indent=1) + "\n")
+    print(text)
 
 
 def render(rows: list[dict[str, Any]], args: argparse.Namespace, commit: str, wall: float) -> str:
@@ -109,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = git("rev-parse", "--short", "HEAD")
     started = time.monotonic()
     rows = [measure(preset, dtype, args.prompts, args.seed) for preset in args.presets.split(",") for dtype, _ in DTYPES]
-    text = render(rows, args, commit, time.monotonic() - started)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps({"commit": commit, "machine": machine(), "rows": rows}, indent=1) + "\n")
-    print(text)
+    write_results(args.out, render(rows, args, commit, time.monotonic() - started), commit, rows)
     return 0
 
 

