@@ -37,6 +37,9 @@ import pytest
 
 from engine_integration.served import DTYPE_ENV, ENFORCE_EAGER_ENV, ENGINE_FORBIDDEN_ENV, EXECUTOR_ENV
 
+# The suite's shared engines (session fixtures: tests/engine and the conformance tests use them).
+pytest_plugins = ["shared_engines"]
+
 # Engines the tests serve skip torch.compile (engine_integration.served.ENFORCE_EAGER_ENV): KvHint
 # lives in the scheduler and the block pool, which compile does not touch, and every comparison
 # with stock vLLM serves both sides the same way. Inherited by child processes (gpu_check, the

@@ -69,6 +69,8 @@ CAUGHT_BY: dict[str, list[str]] = {
 HONOURING = "tiny@host=128,host-eviction=kvhint"
 MODELS = ("tiny", "hybrid", HONOURING)
 HONOURED_CASE = S + "retention/retained-session-kept-by-honouring-tier"
+# preset -> the shared session engine (tests/shared_engines.py) that serves it
+SHARED = {"tiny": "engine", "hybrid": "hybrid_engine"}
 
 
 def expected_failures(fault: str) -> list[str]:
@@ -79,9 +81,15 @@ def expected_failures(fault: str) -> list[str]:
 @pytest.fixture(scope="module", params=["tiny"])
 def served(request: pytest.FixtureRequest) -> Iterator[ServedEngine]:
     """One engine per MODELS entry (block_size 32, 80 blocks, max_model_len 1024); tests that run on
-    several parametrize it indirectly, so pytest groups them and runs one engine at a time."""
+    several parametrize it indirectly, so pytest groups them and runs one engine at a time. The
+    plain presets are the suite's shared engines (tests/shared_engines.py: the dense one inline,
+    the hybrid one with deferred bookkeeping), so every case must pass from whatever state the
+    tests before it left; a preset with tiers gets an engine of its own."""
     preset, _, tiers = request.param.partition("@")
-    engine = ServedEngine(EngineSpec(model=default_model(preset), extra_args=["--kvhint-tiers", tiers] if tiers else []))
+    if not tiers:
+        yield request.getfixturevalue(SHARED[preset]).served
+        return
+    engine = ServedEngine(EngineSpec(model=default_model(preset), extra_args=["--kvhint-tiers", tiers]))
     engine.start()
     try:
         yield engine

