@@ -1,0 +1,53 @@
+"""bench.suite_time: the suite's time per tier and per module from pytest's JUnit reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.suite_time import engine_tests, main, summarize
+
+
+def _tree(root: Path) -> None:
+    (root / "tests" / "engine").mkdir(parents=True)
+    (root / "tests" / "engine" / "test_served.py").write_text("import pytest\n\npytestmark = pytest.mark.engine\n")
+    (root / "tests" / "bench").mkdir(parents=True)
+    (root / "tests" / "bench" / "test_mixed.py").write_text(
+        "import pytest\n\n\ndef test_offline():\n    pass\n\n\n@pytest.mark.engine\n@pytest.mark.timeout(9)\n"
+        "def test_served_run():\n    pass\n")
+
+
+def _report(path: Path, wall: float, cases: list[tuple[str, str, float]], failures: int = 0) -> Path:
+    rows = "".join(f'<testcase classname="{c}" name="{n}" time="{t}"/>' for c, n, t in cases)
+    path.write_text(f'<testsuites><testsuite name="pytest" failures="{failures}" errors="0" time="{wall}">{rows}'
+                    "</testsuite></testsuites>")
+    return path
+
+
+def test_tiers_follow_the_engine_marker_of_modules_and_functions(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    marked = engine_tests(tmp_path)
+    assert marked == ({"tests.engine.test_served"}, {("tests.bench.test_mixed", "test_served_run")})
+    run = summarize(_report(tmp_path / "a.xml", 100.0, [
+        ("tests.engine.test_served", "test_a", 30.0),
+        ("tests.engine.test_served.TestGroup", "test_b[dense]@engine", 20.0),
+        ("tests.bench.test_mixed", "test_served_run", 25.0),
+        ("tests.bench.test_mixed", "test_offline", 5.0),
+        ("tests.unit.test_x", "test_y", 1.5),
+    ], failures=1), marked)
+    assert run["tiers"] == {"engine": 75.0, "fast": 6.5} and run["tier_tests"] == {"engine": 3, "fast": 2}
+    assert run["modules"]["tests.engine.test_served"] == 50.0 and run["wall_s"] == 100.0 and run["failures"] == 1
+
+
+def test_the_report_puts_runs_side_by_side(tmp_path: Path, monkeypatch) -> None:
+    _tree(tmp_path)
+    monkeypatch.setattr("bench.suite_time.ROOT", tmp_path)
+    a = _report(tmp_path / "a.xml", 100.0, [("tests.engine.test_served", "test_a", 90.0), ("tests.unit.test_x", "t", 4.0)])
+    b = _report(tmp_path / "b.xml", 80.0, [("tests.engine.test_served", "test_a", 70.0), ("tests.unit.test_x", "t", 5.0)])
+    out = tmp_path / "out" / "suite_time.md"
+    assert main([f"before={a}", f"after={b}", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| measure | before | after |" in text and "| wall time (s) | 100 | 80 |" in text
+    assert "| engine tier: tests, summed time (s) | 1, 90 | 1, 70 |" in text
+    assert "| `tests.engine.test_served` | 90 | 70 |" in text
+    assert set(json.loads(out.with_suffix(".json").read_text())) == {"before", "after"}
