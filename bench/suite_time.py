@@ -8,7 +8,9 @@ with a report) and writes one table per measure, the runs side by side, in the o
   `pytestmark = pytest.mark.engine` or a function's `@pytest.mark.engine`) and the fast tier;
 - the modules that took longest in the first run.
 
-    python -m bench.suite_time LABEL=RUN.xml [LABEL=RUN.xml ...] [--out bench/results/suite_time.md]
+    python -m bench.suite_time LABEL=RUN.xml [LABEL=RUN.xml ...] [--about LABEL=TEXT ...] [--out bench/results/suite_time.md]
+
+`--about` says what a run was (its commit, its command line); the table lists it under the runs.
 
 Runs made one after another on one machine compare only as far as the machine's speed held
 still; the table says so. Writes the tables (.md) and the per-module sums (.json, same name).
@@ -72,7 +74,7 @@ def summarize(report: Path, marked: tuple[set[str], set[tuple[str, str]]]) -> di
             "tiers": dict(tiers), "tier_tests": dict(counts), "modules": dict(modules)}
 
 
-def render(runs: list[tuple[str, dict[str, Any]]], top: int = 20) -> str:
+def render(runs: list[tuple[str, dict[str, Any]]], about: dict[str, str] | None = None, top: int = 20) -> str:
     labels = [label for label, _ in runs]
     head = "| measure | " + " | ".join(labels) + " |"
     rule = "|---|" + "---|" * len(labels)
@@ -80,10 +82,12 @@ def render(runs: list[tuple[str, dict[str, Any]]], top: int = 20) -> str:
     lines = [
         "# Where the test suite's time goes",
         "",
-        f"Command: `python -m bench.suite_time {command}`. "
+        f"Command: `python -m bench.suite_time {command}` (and `--about` for each run). "
         "Seconds from pytest's JUnit reports; the engine tier is the "
         "tests with the `engine` marker. The runs were made one after another on one machine: they compare only as far "
         "as its speed held still between them.",
+        "",
+        *[f"- {label}: {about[label]}" for label in labels if about and label in about],
         "",
         head, rule,
         "| wall time (s) | " + " | ".join(f"{r['wall_s']:.0f}" for _, r in runs) + " |",
@@ -103,6 +107,7 @@ def render(runs: list[tuple[str, dict[str, Any]]], top: int = 20) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.suite_time", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="LABEL=RUN.xml", help="a label and a pytest JUnit XML report")
+    parser.add_argument("--about", action="append", default=[], metavar="LABEL=TEXT", help="what a run was")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "suite_time.md"))
     args = parser.parse_args(argv)
     marked = engine_tests(ROOT)
@@ -112,9 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not label or not path:
             parser.error(f"{item!r}: expected LABEL=RUN.xml")
         runs.append((label, summarize(Path(path), marked)))
+    about = {}
+    for item in args.about:
+        label, sep, text = item.partition("=")
+        if not sep or label not in dict(runs):
+            parser.error(f"--about {item!r}: expected LABEL=TEXT for one of the runs' labels")
+        about[label] = text
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = render(runs)
+    text = render(runs, about)
     out.write_text(text)
     out.with_suffix(".json").write_text(json.dumps({label: run for label, run in runs}, indent=1, sort_keys=True) + "\n")
     print(text)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.suite_time import engine_tests, main, summarize
 
 
@@ -45,9 +47,15 @@ def test_the_report_puts_runs_side_by_side(tmp_path: Path, monkeypatch) -> None:
     a = _report(tmp_path / "a.xml", 100.0, [("tests.engine.test_served", "test_a", 90.0), ("tests.unit.test_x", "t", 4.0)])
     b = _report(tmp_path / "b.xml", 80.0, [("tests.engine.test_served", "test_a", 70.0), ("tests.unit.test_x", "t", 5.0)])
     out = tmp_path / "out" / "suite_time.md"
-    assert main([f"before={a}", f"after={b}", "--out", str(out)]) == 0
+    assert main([f"before={a}", f"after={b}", "--about", "after=commit abc", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "| measure | before | after |" in text and "| wall time (s) | 100 | 80 |" in text
+    assert "- after: commit abc" in text and "| measure | before | after |" in text and "| wall time (s) | 100 | 80 |" in text
     assert "| engine tier: tests, summed time (s) | 1, 90 | 1, 70 |" in text
     assert "| `tests.engine.test_served` | 90 | 70 |" in text
     assert set(json.loads(out.with_suffix(".json").read_text())) == {"before", "after"}
+
+
+def test_about_must_name_a_run(tmp_path: Path) -> None:
+    a = _report(tmp_path / "a.xml", 1.0, [])
+    with pytest.raises(SystemExit):
+        main([f"run={a}", "--about", "other=text", "--out", str(tmp_path / "o.md")])
