@@ -17,21 +17,15 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from engine_integration.served import default_model
 
-ENGINE_TESTS = Path(__file__).resolve().parent / "engine"  # engine_support, the harness
-
-
-def _running_engine(model: str, **kw: Any) -> Any:
-    if str(ENGINE_TESTS) not in sys.path:
-        sys.path.insert(0, str(ENGINE_TESTS))
-    from engine_support import running_engine
-
-    return running_engine(model, **kw)
+ENGINE_TESTS = str(Path(__file__).resolve().parent / "engine")
+if ENGINE_TESTS not in sys.path:  # engine_support, the harness, for a run that collects no tests/engine module
+    sys.path.insert(0, ENGINE_TESTS)
+from engine_support import Engine, running_engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -45,12 +39,12 @@ def hybrid_model() -> str:
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_model: str) -> Iterator[Any]:
-    with _running_engine(tiny_model, zmq=True) as eng:
+def engine(tiny_model: str) -> Iterator[Engine]:
+    with running_engine(tiny_model, zmq=True) as eng:
         yield eng
 
 
 @pytest.fixture(scope="session")
-def hybrid_engine(hybrid_model: str) -> Iterator[Any]:
-    with _running_engine(hybrid_model, zmq=True, env={"KVHINT_RESIDENCY_BOOKKEEPING": "deferred"}) as eng:
+def hybrid_engine(hybrid_model: str) -> Iterator[Engine]:
+    with running_engine(hybrid_model, zmq=True, env={"KVHINT_RESIDENCY_BOOKKEEPING": "deferred"}) as eng:
         yield eng
