@@ -21,7 +21,8 @@ the prefix cache reset between them:
 
 A RunSpec carries its engine arguments; runs with different engine arguments
 get their own engine start (`_engine_groups`), so (f) and (g) share a second
-engine.
+engine. The fast mode starts all the engines at the outset, side by side; the full
+mode starts each when its runs begin.
 
 Replay model (closed loop, concurrent). Every session runs in its own causal
 chain: a request is sent ``delay_s`` (x ``--time-scale``) after the request it
@@ -90,6 +91,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -238,23 +240,36 @@ def main(argv: Sequence[str] | None = None) -> int:
                     time_scale=a.time_scale, nice=a.nice,
                     tiers=tiers if any(spec.engine_args for spec in specs) else "")
     engine: EngineHandle | None = None
+    groups = _engine_groups(specs)
+    if a.http and not a.grpc:
+        raise SystemExit("--http needs --grpc")
+
+    def start_group(gi: int) -> EngineHandle:
+        from engine_integration.served import default_model
+
+        group = groups[gi]
+        model_path = default_model(model) if model in ("tiny", "bench") else model
+        log = a.engine_log or str(out / ("engine.log" if gi == 0 else f"engine-{gi}.log"))
+        args = list(group[0].resolved_args(tiers))
+        say(f"starting vllm serve ({model_path}, {h.num_gpu_blocks} blocks x {h.block_size} tokens, "
+            f"max_model_len {h.max_model_len}{', tiers ' + tiers if args else ''}); log {log}")
+        return start_engine(model_path, trace, log_path=log, extra_args=args, env=dict(group[0].engine_env),
+                            max_num_seqs=a.max_num_seqs)
+
+    # The fast (smoke) mode starts every group's engine at the outset, side by side: a start is
+    # two processes importing torch and vLLM one after the other, one core each, so two side by
+    # side take about as long as one (bench/results/engine_starts.md); the later engines idle until
+    # their runs. The full mode starts each engine when its runs begin, after the last one stopped.
+    ahead: dict[int, Future[EngineHandle]] = {}
+    starter = ThreadPoolExecutor(max_workers=max(1, len(groups) - 1), thread_name_prefix="engine-start")
     try:
-        for gi, group in enumerate(_engine_groups(specs)):
+        if fast and not a.http:
+            ahead = {gi: starter.submit(start_group, gi) for gi in range(1, len(groups))}
+        for gi, group in enumerate(groups):
             if a.http:
-                if not a.grpc:
-                    raise SystemExit("--http needs --grpc")
                 engine = EngineHandle(a.http.rstrip("/"), a.grpc, None, model)
             else:
-                from engine_integration.served import default_model
-
-                model_path = default_model(model) if model in ("tiny", "bench") else model
-                log = a.engine_log or str(out / ("engine.log" if gi == 0 else f"engine-{gi}.log"))
-                args = list(group[0].resolved_args(tiers))
-                say(f"starting vllm serve ({model_path}, {h.num_gpu_blocks} blocks x {h.block_size} tokens, "
-                    f"max_model_len {h.max_model_len}{', tiers ' + tiers if args else ''}); log {log}")
-                env = dict(group[0].engine_env)
-                engine = start_engine(model_path, trace, log_path=log, extra_args=args, env=env,
-                                      max_num_seqs=a.max_num_seqs)
+                engine = ahead.pop(gi).result() if gi in ahead else start_group(gi)
                 report.engine_start_s.append(round(time.perf_counter() - t_start, 1))
                 if a.nice:
                     set_nice(engine, a.nice, say)
@@ -294,6 +309,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if engine is not None:
             engine.stop()
+        for future in ahead.values():  # started ahead, not reached: an earlier group failed
+            try:
+                future.result().stop()
+            except Exception:  # noqa: BLE001 - that start's own failure; the first error is the one raised
+                pass
+        starter.shutdown()
 
     say("offline references: Belady-MIN and infinite cache on run (a)'s recorded block sequence")
     failed: BaseException | None = None

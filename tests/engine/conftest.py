@@ -9,9 +9,14 @@ run the test once per model.
 from __future__ import annotations
 
 import pytest
+from engine_pool import uses
 from engine_support import Engine
+from shared_engines import POOL
 
 MODELS = ("dense", "hybrid")
+# `any_engine` takes the shared engines by name: tell the pool which of its tests need which.
+POOL.needs("engine", uses("any_engine", "dense"))
+POOL.needs("hybrid_engine", uses("any_engine", "hybrid"))
 
 
 @pytest.fixture

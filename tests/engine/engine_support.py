@@ -112,6 +112,13 @@ def start_engine(model: str, *, kvhint: bool = True, zmq: bool = False, env: dic
     return Engine(served, subscriber)
 
 
+def stop_engine(eng: Engine) -> None:
+    """Close the engine's channel and ZMQ subscriber, then stop `vllm serve` (whichever
+    ServedEngine `eng.served` is now: a test may have restarted it)."""
+    eng.close()
+    eng.served.stop()
+
+
 @contextlib.contextmanager
 def running_engine(model: str, **kw: object) -> Iterator[Engine]:
     """`start_engine(model, **kw)` for the duration of a block (a fixture's lifetime)."""
@@ -119,8 +126,7 @@ def running_engine(model: str, **kw: object) -> Iterator[Engine]:
     try:
         yield eng
     finally:
-        eng.close()
-        eng.served.stop()
+        stop_engine(eng)
 
 
 def conformance_passes(engine: Engine) -> tuple[str, dict[str, str]]:

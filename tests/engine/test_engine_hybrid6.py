@@ -17,7 +17,9 @@ import pytest
 import test_engine_events as events_tests
 import test_engine_identity as identity_tests
 import test_engine_retention as retention_tests
-from engine_support import Engine, conformance_passes, running_engine
+from engine_pool import EnginePool, uses
+from engine_support import Engine, conformance_passes, start_engine, stop_engine
+from shared_engines import POOL
 
 from engine_integration.served import default_model, pool_blocks
 from kvhint.v1 import kvhint_pb2 as pb
@@ -26,16 +28,21 @@ pytestmark = pytest.mark.engine
 
 BLOCKS = pool_blocks("hybrid6")  # 240
 
+POOL.register("hybrid6", lambda: start_engine(default_model("hybrid6"), zmq=True, num_gpu_blocks=BLOCKS),
+              stop_engine, uses("hybrid6"))
+POOL.register("stock6", lambda: start_engine(default_model("hybrid6"), kvhint=False, zmq=True, num_gpu_blocks=BLOCKS),
+              stop_engine, uses("stock6"))
+
 
 @pytest.fixture(scope="module")
-def hybrid6() -> Iterator[Engine]:
-    with running_engine(default_model("hybrid6"), zmq=True, num_gpu_blocks=BLOCKS) as eng:
+def hybrid6(engine_pool: EnginePool) -> Iterator[Engine]:
+    with engine_pool.engine("hybrid6") as eng:
         yield eng
 
 
 @pytest.fixture(scope="module")
-def stock6() -> Iterator[Engine]:
-    with running_engine(default_model("hybrid6"), kvhint=False, zmq=True, num_gpu_blocks=BLOCKS) as eng:
+def stock6(engine_pool: EnginePool) -> Iterator[Engine]:
+    with engine_pool.engine("stock6") as eng:
         yield eng
 
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from engine_support import Engine, running_engine, tokens
+from engine_pool import EnginePool, uses
+from engine_support import Engine, start_engine, stop_engine, tokens
+from shared_engines import POOL
+
+from engine_integration.served import default_model
 
 pytestmark = pytest.mark.engine
 
@@ -19,12 +23,20 @@ pytestmark = pytest.mark.engine
 SESSIONS = {"dense": ("a", "b", "c"), "hybrid": ("a",)}
 
 
-@pytest.fixture(scope="module", params=["dense", "hybrid"])
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Engine, tuple[str, ...]]]:
-    """(stock vLLM, the shared KvHint engine, sessions) on one model; one stock engine at a time."""
-    model = request.getfixturevalue("tiny_model" if request.param == "dense" else "hybrid_model")
-    ours = request.getfixturevalue("engine" if request.param == "dense" else "hybrid_engine")
-    with running_engine(model, kvhint=False, zmq=True) as stock:
+MODELS = {"dense": "tiny", "hybrid": "hybrid"}  # pair's parameter -> the preset
+OURS = {"dense": "engine", "hybrid": "hybrid_engine"}  # pair's parameter -> the shared KvHint engine
+for _param, _preset in MODELS.items():
+    POOL.register(f"stock-{_preset}", lambda preset=_preset: start_engine(default_model(preset), kvhint=False, zmq=True),
+                  stop_engine, uses("pair", _param))
+    POOL.needs(OURS[_param], uses("pair", _param))
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def pair(request: pytest.FixtureRequest, engine_pool: EnginePool) -> Iterator[tuple[Engine, Engine, tuple[str, ...]]]:
+    """(stock vLLM, the shared KvHint engine, sessions) on one model. The stock engines come from
+    the pool: the one a test needs next may have been started beside an earlier engine."""
+    ours = request.getfixturevalue(OURS[request.param])
+    with engine_pool.engine(f"stock-{MODELS[request.param]}") as stock:
         yield stock, ours, SESSIONS[request.param]
 
 

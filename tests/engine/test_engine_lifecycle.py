@@ -11,10 +11,12 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-from engine_support import Engine, running_engine, tokens
+from engine_pool import EnginePool, uses
+from engine_support import Engine, start_engine, stop_engine, tokens
 from events_support import Collector, latest_sequence
+from shared_engines import POOL
 
-from engine_integration.served import EngineSpec, ServedEngine
+from engine_integration.served import EngineSpec, ServedEngine, default_model
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client import KvHintClient
 from kvhint_client.errors import KvHintError
@@ -29,9 +31,14 @@ SMALL_RING = {"KVHINT_EVENT_REPLAY_WINDOW": "600", "KVHINT_SUBSCRIBER_BUFFER": "
 RECOVERY_BOUND_S = 2.0
 
 
+POOL.register("small-ring", lambda: start_engine(default_model("tiny"), env=SMALL_RING), stop_engine, uses("small"))
+
+
 @pytest.fixture(scope="module")
-def small(tiny_model: str) -> Iterator[Engine]:
-    with running_engine(tiny_model, env=SMALL_RING) as eng:
+def small(engine_pool: EnginePool) -> Iterator[Engine]:
+    """The tiny model with a small replay window and subscriber buffer (stopped by whichever
+    ServedEngine it holds at the end: the restart test replaces it)."""
+    with engine_pool.engine("small-ring") as eng:
         yield eng
 
 

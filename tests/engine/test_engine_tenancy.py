@@ -10,36 +10,77 @@ import io
 import json
 import re
 import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from engine_pool import EnginePool, uses
+from shared_engines import POOL
 
 from conformance.runner import main as conformance
 from conformance.testing.vllm_ci import KNOWN_FAILING
-from engine_integration.served import EngineSpec, ServedEngine
+from engine_integration.served import EngineSpec, ServedEngine, default_model
 
 pytestmark = pytest.mark.engine
 
 TENANCY_CASES = 5  # conformance/cases/tenancy.py
 
 
-def test_tenancy_cases_pass_against_a_served_engine(tiny_model: str, tmp_path: Path) -> None:
+@dataclass
+class Tenanted:
+    """The tiny model served with a tenants file: an admin ("ops") and tenants A and B."""
+
+    served: ServedEngine
+    admin: str
+    token_a: str
+    token_b: str
+    directory: Path
+
+
+def start_tenanted() -> Tenanted:
     admin, token_a, token_b = (secrets.token_hex(16) for _ in range(3))
     tenants = {"tenants": [
         {"name": "ops", "role": "admin", "tokens": [admin]},
         {"name": "team-a", "session_prefix": "team-a/", "tokens": [token_a], "pin_budget_blocks": 40},
         {"name": "team-b", "session_prefix": "team-b/", "tokens": [token_b], "retention_budget_blocks": 60},
     ]}  # fmt: skip
-    path = tmp_path / "tenants.json"
+    directory = Path(tempfile.mkdtemp(prefix="kvhint-tenants-"))
+    path = directory / "tenants.json"
     path.write_text(json.dumps(tenants))
-    with ServedEngine(EngineSpec(model=tiny_model, env={"KVHINT_TENANTS_FILE": str(path)})) as engine:
-        out = io.StringIO()
-        rc = conformance([
-            "--target", engine.grpc_address, "--openai-url", engine.http_url, "--token", admin,
-            "--tenant-a-token", token_a, "--tenant-a-prefix", "team-a/",
-            "--tenant-b-token", token_b, "--tenant-b-prefix", "team-b/",
-            "--known-failing", str(KNOWN_FAILING), "-v",
-        ], out=out)  # fmt: skip
+    try:
+        served = ServedEngine(EngineSpec(model=default_model("tiny"), env={"KVHINT_TENANTS_FILE": str(path)})).start()
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return Tenanted(served, admin, token_a, token_b, directory)
+
+
+def stop_tenanted(t: Tenanted) -> None:
+    t.served.stop()
+    shutil.rmtree(t.directory, ignore_errors=True)
+
+
+POOL.register("tenancy", start_tenanted, stop_tenanted, uses("tenanted"))
+
+
+@pytest.fixture(scope="module")
+def tenanted(engine_pool: EnginePool) -> Iterator[Tenanted]:
+    with engine_pool.engine("tenancy") as t:
+        yield t
+
+
+def test_tenancy_cases_pass_against_a_served_engine(tenanted: Tenanted) -> None:
+    engine = tenanted.served
+    out = io.StringIO()
+    rc = conformance([
+        "--target", engine.grpc_address, "--openai-url", engine.http_url, "--token", tenanted.admin,
+        "--tenant-a-token", tenanted.token_a, "--tenant-a-prefix", "team-a/",
+        "--tenant-b-token", tenanted.token_b, "--tenant-b-prefix", "team-b/",
+        "--known-failing", str(KNOWN_FAILING), "-v",
+    ], out=out)  # fmt: skip
     text = out.getvalue()
     assert rc == 0, text[-3000:]
     tenancy = [c for c in re.findall(r"^PASSED\s+(\S+)", text, re.M) if "/tenancy/" in c]

@@ -17,8 +17,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from engine_support import Engine, conformance_passes, pin, release, resume_scenario, running_engine, tokens
+from engine_pool import EnginePool, uses
+from engine_support import Engine, conformance_passes, pin, release, resume_scenario, start_engine, stop_engine, tokens
 from events_support import latest_sequence
+from shared_engines import POOL
 
 from engine_integration.served import default_model
 from kvhint.v1 import kvhint_pb2 as pb
@@ -29,9 +31,12 @@ pytestmark = pytest.mark.engine
 ENGINE = "w"
 
 
+POOL.register("window", lambda: start_engine(default_model("window"), zmq=True), stop_engine, uses("window"))
+
+
 @pytest.fixture(scope="module")
-def window() -> Iterator[Engine]:
-    with running_engine(default_model("window"), zmq=True) as eng:
+def window(engine_pool: EnginePool) -> Iterator[Engine]:
+    with engine_pool.engine("window") as eng:
         yield eng
 
 
