@@ -11,6 +11,8 @@ with a report) and writes one table per measure, the runs side by side, in the o
     python -m bench.suite_time LABEL=RUN.xml [LABEL=RUN.xml ...] [--about LABEL=TEXT ...] [--out bench/results/suite_time.md]
 
 `--about` says what a run was (its commit, its command line); the table lists it under the runs.
+A run made of pytest runs one after the other (scripts/test.sh: the fast tier, then the engine
+tier) is `LABEL=FIRST.xml+SECOND.xml`: its wall time is theirs added up, and so is everything else.
 
 Runs made one after another on one machine compare only as far as the machine's speed held
 still; the table says so. Writes the tables (.md) and the per-module sums (.json, same name).
@@ -74,11 +76,27 @@ def summarize(report: Path, marked: tuple[set[str], set[tuple[str, str]]]) -> di
             "tiers": dict(tiers), "tier_tests": dict(counts), "modules": dict(modules)}
 
 
+def summarize_parts(reports: list[Path], marked: tuple[set[str], set[tuple[str, str]]]) -> dict[str, Any]:
+    """One run made of the given reports' pytest runs, one after the other: everything added up."""
+    parts = [summarize(r, marked) for r in reports]
+    run = {"report": "+".join(p["report"] for p in parts), "wall_s": sum(p["wall_s"] for p in parts),
+           "tests": sum(p["tests"] for p in parts), "failures": sum(p["failures"] for p in parts)}
+    for key in ("tiers", "tier_tests", "modules"):
+        total: Counter[str] = Counter()
+        for p in parts:
+            total.update(p[key])
+        run[key] = dict(total)
+    if len(parts) > 1:
+        run["parts_wall_s"] = [p["wall_s"] for p in parts]
+    return run
+
+
 def render(runs: list[tuple[str, dict[str, Any]]], about: dict[str, str] | None = None, top: int = 20) -> str:
     labels = [label for label, _ in runs]
     head = "| measure | " + " | ".join(labels) + " |"
     rule = "|---|" + "---|" * len(labels)
-    command = " ".join(f"{label}=bench/results/suite_time/{run['report']}" for label, run in runs)
+    command = " ".join(f"{label}=" + "+".join(f"bench/results/suite_time/{r}" for r in run["report"].split("+"))
+                       for label, run in runs)
     lines = [
         "# Where the test suite's time goes",
         "",
@@ -106,7 +124,8 @@ def render(runs: list[tuple[str, dict[str, Any]]], about: dict[str, str] | None 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.suite_time", description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", metavar="LABEL=RUN.xml", help="a label and a pytest JUnit XML report")
+    parser.add_argument("runs", nargs="+", metavar="LABEL=RUN.xml",
+                        help="a label and a pytest JUnit XML report (or reports joined with +: runs one after the other)")
     parser.add_argument("--about", action="append", default=[], metavar="LABEL=TEXT", help="what a run was")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "suite_time.md"))
     args = parser.parse_args(argv)
@@ -116,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         label, sep, path = item.partition("=")
         if not sep or not label or not path:
             parser.error(f"{item!r}: expected LABEL=RUN.xml")
-        runs.append((label, summarize(Path(path), marked)))
+        runs.append((label, summarize_parts([Path(p) for p in path.split("+")], marked)))
     about = {}
     for item in args.about:
         label, sep, text = item.partition("=")

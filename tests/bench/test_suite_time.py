@@ -59,3 +59,18 @@ def test_about_must_name_a_run(tmp_path: Path) -> None:
     a = _report(tmp_path / "a.xml", 1.0, [])
     with pytest.raises(SystemExit):
         main([f"run={a}", "--about", "other=text", "--out", str(tmp_path / "o.md")])
+
+
+def test_a_run_in_two_parts_adds_them_up(tmp_path: Path, monkeypatch) -> None:
+    _tree(tmp_path)
+    monkeypatch.setattr("bench.suite_time.ROOT", tmp_path)
+    whole = _report(tmp_path / "whole.xml", 100.0, [("tests.engine.test_served", "test_a", 90.0), ("tests.unit.test_x", "t", 4.0)])
+    fast = _report(tmp_path / "fast.xml", 3.0, [("tests.unit.test_x", "t", 5.0)])
+    engine = _report(tmp_path / "engine.xml", 70.0, [("tests.engine.test_served", "test_a", 65.0)], failures=1)
+    out = tmp_path / "suite_time.md"
+    assert main([f"one={whole}", f"split={fast}+{engine}", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| wall time (s) | 100 | 73 |" in text and "| tests (failed) | 2 (0) | 2 (1) |" in text
+    assert "| engine tier: tests, summed time (s) | 1, 90 | 1, 65 |" in text and "| fast tier: tests, summed time (s) | 1, 4 | 1, 5 |" in text
+    assert f"split={tmp_path.name}" not in text and "split=bench/results/suite_time/fast.xml+bench/results/suite_time/engine.xml" in text
+    assert json.loads(out.with_suffix(".json").read_text())["split"]["parts_wall_s"] == [3.0, 70.0]
