@@ -115,7 +115,10 @@ class EnginePool:
             return future.result()
         except BaseException:
             with self._lock:
-                entry.future, entry.taken = None, False
+                entry.taken = False
+                if future.done():  # the start failed: a later take starts it afresh
+                    entry.future = None
+                # else interrupted while it starts (Ctrl-C): close() stops it once it is up
             raise
 
     def give_back(self, name: str, engine: Any) -> None:
