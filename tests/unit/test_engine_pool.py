@@ -3,6 +3,7 @@ what is started ahead, when, and that everything started is stopped once."""
 
 from __future__ import annotations
 
+import signal
 import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -156,6 +157,35 @@ def test_misuse_is_a_clear_error() -> None:
     with pytest.raises(ValueError):
         EnginePool(0)
     assert pool.close() == []
+
+
+def test_a_take_interrupted_while_its_engine_starts_leaves_the_engine_to_close() -> None:
+    """Ctrl-C while a fixture waits for its engine: the start goes on, and close() stops the engine
+    once it is up, instead of leaving a `vllm serve` nobody owns."""
+    fakes, pool = Fakes(), EnginePool(2)
+    release = threading.Event()
+
+    def slow() -> Any:
+        release.wait(timeout=10)
+        return fakes.start("a")()
+
+    pool.register("a", slow, fakes.stop, uses("fa"))
+    pool.plan([item("fa")])
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)  # a real signal wakes the waiting take, as Ctrl-C does
+    try:
+        threading.Timer(0.2, signal.pthread_kill, args=(threading.main_thread().ident, signal.SIGUSR1)).start()
+        with pytest.raises(KeyboardInterrupt):
+            pool.take("a")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert pool.started() == ["a"]
+    release.set()
+    assert pool.close() == []
+    assert [e[0] for e in fakes.stopped] == ["a"]
 
 
 NAMES = ["a", "b", "c", "d"]
