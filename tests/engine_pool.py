@@ -105,7 +105,7 @@ class EnginePool:
                 raise RuntimeError(f"engine {name!r} is taken already (give it back first)")
             if entry.future is None:
                 entry.future = self._executor.submit(entry.start)
-                for ahead in self._ahead(self.side_by_side - 1, skip=name):
+                for ahead in self._ahead(self.side_by_side - 1):
                     ahead.future = self._executor.submit(ahead.start)
             entry.taken = True
             if name in self._plan:
@@ -151,8 +151,6 @@ class EnginePool:
         errors: list[BaseException] = []
         with self._lock:
             leftover = [e for e in self._entries.values() if e.future is not None and not e.taken]
-            for e in leftover:
-                self._plan = [n for n in self._plan if n != e.name]
         for e in leftover:
             assert e.future is not None
             try:
@@ -177,13 +175,13 @@ class EnginePool:
         except KeyError:
             raise KeyError(f"no engine {name!r} is registered (known: {', '.join(self._entries) or 'none'})") from None
 
-    def _ahead(self, count: int, skip: str) -> list[_Entry]:
+    def _ahead(self, count: int) -> list[_Entry]:
         """Up to `count` entries the plan needs next that are not started (lock held)."""
         out: list[_Entry] = []
         for name in self._plan:
             if len(out) >= count:
                 break
             e = self._entries[name]
-            if name != skip and e.future is None and not e.taken:
+            if e.future is None and not e.taken:
                 out.append(e)
         return out

@@ -10,9 +10,7 @@ can compare against it.
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import Iterator
 
 import grpc
 
@@ -118,15 +116,6 @@ def stop_engine(eng: Engine) -> None:
     eng.close()
     eng.served.stop()
 
-
-@contextlib.contextmanager
-def running_engine(model: str, **kw: object) -> Iterator[Engine]:
-    """`start_engine(model, **kw)` for the duration of a block (a fixture's lifetime)."""
-    eng = start_engine(model, **kw)  # type: ignore[arg-type]
-    try:
-        yield eng
-    finally:
-        stop_engine(eng)
 
 
 def conformance_passes(engine: Engine) -> tuple[str, dict[str, str]]:
