@@ -13,6 +13,9 @@ with a report) and writes one table per measure, the runs side by side, in the o
 `--about` says what a run was (its commit, its command line); the table lists it under the runs.
 A run made of pytest runs one after the other (scripts/test.sh: the fast tier, then the engine
 tier) is `LABEL=FIRST.xml+SECOND.xml`: its wall time is theirs added up, and so is everything else.
+Pytest runs at the same time (scripts/engine_lanes.py's two lanes) are joined with a comma, as in
+`LABEL=FAST.xml+POOL.xml,OWN.xml`: such a part's wall time is its longest report's; tests and
+seconds still add up.
 
 Runs made one after another on one machine compare only as far as the machine's speed held
 still; the table says so. Writes the tables (.md) and the per-module sums (.json, same name).
@@ -76,14 +79,20 @@ def summarize(report: Path, marked: tuple[set[str], set[tuple[str, str]]]) -> di
             "tiers": dict(tiers), "tier_tests": dict(counts), "modules": dict(modules)}
 
 
-def summarize_parts(reports: list[Path], marked: tuple[set[str], set[tuple[str, str]]]) -> dict[str, Any]:
-    """One run made of the given reports' pytest runs, one after the other: everything added up."""
-    parts = [summarize(r, marked) for r in reports]
+def summarize_parts(parts_given: list[Path] | list[list[Path]], marked: tuple[set[str], set[tuple[str, str]]]) -> dict[str, Any]:
+    """One run made of the given parts, one after the other, each part one report or reports of
+    pytest runs made at the same time: wall times of parts added up (a part's: its longest
+    report's), everything else added up."""
+    groups = [[g] if isinstance(g, Path) else list(g) for g in parts_given]
+    summaries = [[summarize(r, marked) for r in group] for group in groups]
+    parts = [{"report": ",".join(s["report"] for s in group), "wall_s": max(s["wall_s"] for s in group)}
+             for group in summaries]
+    flat = [s for group in summaries for s in group]
     run = {"report": "+".join(p["report"] for p in parts), "wall_s": sum(p["wall_s"] for p in parts),
-           "tests": sum(p["tests"] for p in parts), "failures": sum(p["failures"] for p in parts)}
+           "tests": sum(p["tests"] for p in flat), "failures": sum(p["failures"] for p in flat)}
     for key in ("tiers", "tier_tests", "modules"):
         total: Counter[str] = Counter()
-        for p in parts:
+        for p in flat:
             total.update(p[key])
         run[key] = dict(total)
     if len(parts) > 1:
@@ -95,7 +104,8 @@ def render(runs: list[tuple[str, dict[str, Any]]], about: dict[str, str] | None 
     labels = [label for label, _ in runs]
     head = "| measure | " + " | ".join(labels) + " |"
     rule = "|---|" + "---|" * len(labels)
-    command = " ".join(f"{label}=" + "+".join(f"bench/results/suite_time/{r}" for r in run["report"].split("+"))
+    command = " ".join(f"{label}=" + "+".join(",".join(f"bench/results/suite_time/{r}" for r in part.split(","))
+                                              for part in run["report"].split("+"))
                        for label, run in runs)
     lines = [
         "# Where the test suite's time goes",
@@ -125,7 +135,8 @@ def render(runs: list[tuple[str, dict[str, Any]]], about: dict[str, str] | None 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.suite_time", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="LABEL=RUN.xml",
-                        help="a label and a pytest JUnit XML report (or reports joined with +: runs one after the other)")
+                        help="a label and a pytest JUnit XML report (or reports joined with +: runs one after the "
+                             "other; with a comma: runs at the same time)")
     parser.add_argument("--about", action="append", default=[], metavar="LABEL=TEXT", help="what a run was")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "suite_time.md"))
     args = parser.parse_args(argv)
@@ -135,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         label, sep, path = item.partition("=")
         if not sep or not label or not path:
             parser.error(f"{item!r}: expected LABEL=RUN.xml")
-        runs.append((label, summarize_parts([Path(p) for p in path.split("+")], marked)))
+        runs.append((label, summarize_parts([[Path(r) for r in part.split(",")] for part in path.split("+")], marked)))
     about = {}
     for item in args.about:
         label, sep, text = item.partition("=")

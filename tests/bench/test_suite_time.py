@@ -74,3 +74,19 @@ def test_a_run_in_two_parts_adds_them_up(tmp_path: Path, monkeypatch) -> None:
     assert "| engine tier: tests, summed time (s) | 1, 90 | 1, 65 |" in text and "| fast tier: tests, summed time (s) | 1, 4 | 1, 5 |" in text
     assert f"split={tmp_path.name}" not in text and "split=bench/results/suite_time/fast.xml+bench/results/suite_time/engine.xml" in text
     assert json.loads(out.with_suffix(".json").read_text())["split"]["parts_wall_s"] == [3.0, 70.0]
+
+
+def test_runs_at_the_same_time_count_their_longest_wall_time(tmp_path: Path, monkeypatch) -> None:
+    """scripts/engine_lanes.py's two lanes run at once: the part's wall time is the longer lane's."""
+    _tree(tmp_path)
+    monkeypatch.setattr("bench.suite_time.ROOT", tmp_path)
+    fast = _report(tmp_path / "fast.xml", 3.0, [("tests.unit.test_x", "t", 5.0)])
+    pool = _report(tmp_path / "pool.xml", 70.0, [("tests.engine.test_served", "test_a", 65.0)])
+    own = _report(tmp_path / "own.xml", 50.0, [("tests.engine.test_served", "test_b", 45.0)], failures=1)
+    out = tmp_path / "suite_time.md"
+    assert main([f"lanes={fast}+{pool},{own}", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| wall time (s) | 73 |" in text and "| tests (failed) | 3 (1) |" in text
+    assert "| engine tier: tests, summed time (s) | 2, 110 |" in text
+    assert "lanes=bench/results/suite_time/fast.xml+bench/results/suite_time/pool.xml,bench/results/suite_time/own.xml" in text
+    assert json.loads(out.with_suffix(".json").read_text())["lanes"]["parts_wall_s"] == [3.0, 70.0]

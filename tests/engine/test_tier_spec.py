@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
+from offload_shm import left_behind
 
 pytestmark = pytest.mark.engine
 
@@ -177,10 +178,6 @@ def _child(*args: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), *args]
 
 
-def _shm() -> set[str]:
-    return set(glob.glob("/dev/shm/vllm_offload_*"))
-
-
 def _kill_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         try:
@@ -231,7 +228,7 @@ def test_tier_kv_transfer_config_shapes():
 @pytest.mark.engine
 def test_host_tier_round_trip(tier_model, tmp_path):
     out = tmp_path / "rt.json"
-    shm0 = _shm()
+    shm0 = left_behind()
     p = subprocess.run(_child("roundtrip", tier_model, str(out)), env=_env(), cwd=REPO,
                        capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -245,13 +242,13 @@ def test_host_tier_round_trip(tier_model, tmp_path):
     assert r["reset_g1"] is True
     assert r["garbage"]["cached"] == N_BLOCKS * 32
     assert r["garbage"]["logprobs"] != r["first"]["logprobs"], "loaded KV is not used"
-    assert _shm() <= shm0
+    assert left_behind() <= shm0
 
 
 @pytest.mark.engine
 def test_two_process_file_tier_share(tier_model, tmp_path):
     root, a_out, b_out, stop = (tmp_path / n for n in ("fs", "a.json", "b.json", "stop"))
-    shm0 = _shm()
+    shm0 = left_behind()
     writer = subprocess.Popen(_child("share-writer", tier_model, str(root), str(a_out), str(stop)),
                               env=_env(), cwd=REPO, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -283,7 +280,7 @@ def test_two_process_file_tier_share(tier_model, tmp_path):
     assert b["b"]["tokens"] == a["a"]["tokens"] and b["b"]["logprobs"] == a["a"]["logprobs"]
     assert b["host_after_request"] == N_BLOCKS
     assert b["events"].get("BlockStored/CPU", 0) >= N_BLOCKS  # promotions into the host tier
-    assert _shm() <= shm0
+    assert left_behind() <= shm0
 
 
 if __name__ == "__main__":

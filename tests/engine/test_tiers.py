@@ -18,7 +18,7 @@ The last test stops A and B and checks that a clean shutdown leaves nothing in
 
 from __future__ import annotations
 
-import glob
+import os
 import json
 import threading
 import time
@@ -30,6 +30,7 @@ import grpc
 import pytest
 from engine_support import Engine, release, retain, session_sel, tokens
 from events_support import Collector
+from offload_shm import left_behind, mapped_regions
 
 from engine_integration.served import EngineSpec, ServedEngine, free_port, reset_prefix_cache
 from kvhint.v1 import kvhint_pb2 as pb
@@ -125,10 +126,6 @@ class Pair:
             _stop_all([self.a, self.b])
 
 
-def _shm() -> set[str]:
-    return set(glob.glob("/dev/shm/vllm_offload_*"))
-
-
 @pytest.fixture(scope="module")
 def pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     root = tmp_path_factory.mktemp("kvtier") / "fs"
@@ -139,7 +136,7 @@ def pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         log = tmp_path_factory.getbasetemp() / f"engine-{name}.log"
         return ServedEngine(EngineSpec(model=tiny_model, grpc_port=port, env=env, extra_args=["--kvhint-tiers", tiers]), log)
 
-    shm_before = _shm()
+    shm_before = left_behind()
     sa = served(port_a, f"host=64,file={root},ephemeral,peer=b=127.0.0.1:{port_b},peer=down=127.0.0.1:{port_down},timeout=20"
                         ",host-eviction=kvhint", "a")
     sb = served(port_b, f"host=40,file={root},ephemeral,peer=a=127.0.0.1:{port_a}", "b")
@@ -520,9 +517,13 @@ def test_tier_failures_are_rejections_or_failed_operations_never_hangs(pair: Pai
 
 def test_clean_shutdown_leaves_no_shared_memory_or_tier_files(pair: Pair) -> None:
     assert any(pair.root.rglob("*.bin")), "the tests wrote no file-tier blocks"
+    groups = {e.served.proc.pid for e in (pair.a, pair.b) if e.served.proc is not None}
+    ours = mapped_regions(groups)
+    assert len(ours) == 2, f"each engine's host tier maps one shared memory file: {ours}"
     pair.stop()
     assert pair.a.served.proc is None and pair.b.served.proc is None
-    assert _shm() <= pair.shm_before
+    assert not [p for p in ours if os.path.exists(p)], ours
+    assert left_behind() <= pair.shm_before
     left = [p for p in pair.root.rglob("*") if p.is_file()]
     assert not left, left[:5]
     with grpc.insecure_channel(pair.a.grpc_address) as channel, pytest.raises(grpc.RpcError):
