@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (README): the fast tier, then the engine tier.
 #
-# Same tests as `python3 -m pytest -q`, in three pytest runs: the fast tier on two pytest-xdist
-# workers (tests/conftest.py gives `-m "not engine"` its workers), then the engine tier's two lanes
-# side by side (scripts/engine_lanes.py: the modules that take engines from the suite's engine
-# pool, and the others; each lane's output prefixed with its name). In one process the fast tier
-# takes twice its two-worker time, and one engine lane leaves a fifth of the two cores idle
-# (bench/results/suite_time.md; docs/testing.md). Both tiers run even if the first fails; the exit
-# status is the first failing tier's. No arguments: for a part of the suite, call pytest.
+# Same tests as `python3 -m pytest -q`, in two pytest runs: the fast tier on two pytest-xdist
+# workers (tests/conftest.py gives `-m "not engine"` its workers), then the engine tier in one
+# process, one engine's tests at a time. In one process the fast tier takes twice its two-worker
+# time (bench/results/suite_time.md; docs/testing.md). Both tiers run even if the first fails;
+# the exit status is the first failing tier's. No arguments: for a part of the suite, call pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "$#" -ne 0 ]; then
@@ -17,8 +15,8 @@ fi
 echo "test.sh: the fast tier (-m \"not engine\")"
 python3 -m pytest -q -m "not engine"
 fast=$?
-echo "test.sh: the engine tier (-m engine), its two lanes side by side"
-python3 scripts/engine_lanes.py
+echo "test.sh: the engine tier (-m engine)"
+python3 -m pytest -q -m engine
 engine=$?
 if [ "$fast" -ne 0 ]; then exit "$fast"; fi
 exit "$engine"

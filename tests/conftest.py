@@ -88,40 +88,6 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.numprocesses = workers
 
 
-# The engine tier (`-m engine`, exactly) imports only the test files whose source says
-# `mark.engine`: a test carries the marker only through its module's source (`pytestmark`, a
-# decorator, a `pytest.param` mark), so no other file holds an engine test, and importing them all
-# took about 30 s of each engine-tier run's collection. `pytest_collection_modifyitems` below keeps
-# the premise true: an engine test in a file that does not say so is a usage error in every run.
-ENGINE_TIER_MARKEXPR = "engine"
-ENGINE_MARK_TEXT = "mark.engine"
-
-
-@functools.lru_cache(maxsize=None)
-def says_engine(path: str) -> bool:
-    """The file's source names the engine marker."""
-    try:
-        return ENGINE_MARK_TEXT in open(path, encoding="utf-8").read()
-    except OSError:
-        return True  # unreadable: let pytest collect it and report
-
-
-def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
-    if " ".join(str(config.option.markexpr or "").split()) != ENGINE_TIER_MARKEXPR:
-        return None
-    name = collection_path.name
-    if collection_path.suffix == ".py" and name.startswith("test_") and not says_engine(str(collection_path)):
-        return True
-    return None
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    hidden = sorted({str(item.path) for item in items if item.get_closest_marker("engine") is not None and not says_engine(str(item.path))})
-    if hidden:
-        raise pytest.UsageError(f"engine tests in files whose source never says {ENGINE_MARK_TEXT!r} (the engine tier, "
-                                f"`-m engine`, does not import such files; tests/conftest.py): {', '.join(hidden)}")
-
-
 # module -> class whose construction starts (or is) an engine
 GUARDED = {
     "vllm.v1.engine.llm_engine": "LLMEngine",

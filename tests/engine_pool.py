@@ -93,12 +93,6 @@ class EnginePool:
             self._plan = order
         return list(order)
 
-    def needed_by(self, item: Any) -> list[str]:
-        """The registered engines test `item` uses, in registration order (empty: it takes none
-        from the pool)."""
-        with self._lock:
-            return [e.name for e in self._entries.values() if any(p(item) for p in e.needed_by)]
-
     # ------------------------------------------------------------------ use
 
     def take(self, name: str) -> Any:

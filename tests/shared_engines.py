@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,48 +68,9 @@ POOL.register("hybrid_engine",
               stop_engine, uses("hybrid_engine"))
 
 
-# The engine tier's two lanes (scripts/engine_lanes.py runs them side by side): "pool", the test
-# modules with a test that takes an engine from POOL, and "own", the other modules (their tests
-# start their engines themselves: gpu_check, the benchmarks' smoke runs, tier files, data
-# parallelism). A module is one lane's, whole, so a module-scoped engine starts in one lane; the
-# two lanes together are the tests the command selects, each once.
-LANES = ("pool", "own")
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--engine-lane", choices=LANES, default=None,
-        help="run one lane of the selected tests: 'pool', the modules with a test that takes an "
-             "engine from the suite's engine pool, or 'own', the others (scripts/engine_lanes.py "
-             "runs both at once)",
-    )
-
-
-def _module_of(item: Any) -> str:
-    return str(item.nodeid).split("::", 1)[0]
-
-
-def split_lane(items: list[Any], lane: str, uses_pool: Callable[[Any], bool]) -> tuple[list[Any], list[Any]]:
-    """(`items` in `lane`, the others), each in collection order: a module is in the "pool" lane
-    if `uses_pool` holds for one of its items in `items`, else in "own"."""
-    pooled = {_module_of(item) for item in items if uses_pool(item)}
-    kept, dropped = [], []
-    for item in items:
-        in_lane = (_module_of(item) in pooled) == (lane == "pool")
-        (kept if in_lane else dropped).append(item)
-    return kept, dropped
-
-
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """After -k, -m and the other plugins have chosen the tests: --engine-lane's share of them,
-    then the order they need engines in."""
-    lane = config.getoption("engine_lane", None)
-    if lane is not None:
-        kept, dropped = split_lane(items, lane, lambda item: bool(POOL.needed_by(item)))
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = kept
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """After -k, -m and the other plugins have chosen the tests: the order they need engines in."""
     POOL.plan(items)
 
 
