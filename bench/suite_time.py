@@ -13,7 +13,8 @@ with a report) and writes one table per measure, the runs side by side, in the o
 `--about` says what a run was (its commit, its command line); the table lists it under the runs.
 A run made of pytest runs one after the other (scripts/test.sh: the fast tier, then the engine
 tier) is `LABEL=FIRST.xml+SECOND.xml`: its wall time is theirs added up, and so is everything else.
-Pytest runs at the same time (scripts/engine_lanes.py's two lanes) are joined with a comma, as in
+Pytest runs at the same time (the engine tier's two lanes in bench/results/engine_lanes_ab.md) are
+joined with a comma, as in
 `LABEL=FAST.xml+POOL.xml,OWN.xml`: such a part's wall time is its longest report's; tests and
 seconds still add up.
 

@@ -77,7 +77,8 @@ def test_a_run_in_two_parts_adds_them_up(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_runs_at_the_same_time_count_their_longest_wall_time(tmp_path: Path, monkeypatch) -> None:
-    """scripts/engine_lanes.py's two lanes run at once: the part's wall time is the longer lane's."""
+    """Two pytest processes run at once (bench/results/engine_lanes_ab.md's lanes): the part's wall
+    time is the longer one's."""
     _tree(tmp_path)
     monkeypatch.setattr("bench.suite_time.ROOT", tmp_path)
     fast = _report(tmp_path / "fast.xml", 3.0, [("tests.unit.test_x", "t", 5.0)])

@@ -2,8 +2,9 @@
 
 vLLM's CPU offloading keeps its host tier in `/dev/shm/vllm_offload_<engine id>.mmap`, mapped by
 the engine's processes while it runs and removed at a clean shutdown. A file left behind is one
-that no live process maps: its engine is gone. Engines another pytest process runs meanwhile
-(scripts/engine_lanes.py runs two) map theirs, so they are not counted as left behind.
+that no live process maps: its engine is gone. Engines something else runs meanwhile (another
+pytest process, a benchmark) map theirs, so they are not counted as left behind, and a test names
+the files its own engines map (`mapped_regions(their process groups)`) to check those are gone.
 """
 
 from __future__ import annotations
