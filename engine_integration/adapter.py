@@ -129,6 +129,7 @@ class VllmAdapter:
         # group check before its grants are dropped.
         self._all_resident = set(self.groups.cacheable) <= set(self.groups.residency)
         self._hash_block_size = pool.hash_block_size
+        pool._kvh_unbooked = frozenset(self.groups.cacheable) - frozenset(self.groups.residency)
 
     # ------------------------------------------------------------ hashes
 
@@ -482,13 +483,15 @@ class VllmAdapter:
         engine thread that owns the retention ledger (KvHintCore.end_device_grants:
         retained grants of evicted blocks the host tier holds last when it honours
         retention), whichever thread books the rest."""
-        cache = vllm_private.cached_block_map(self.pool)
-        # Keep the keys no other copy in the same group still holds (the common case: all).
-        popped = keys if cache.keys().isdisjoint(keys) else [key for key in keys if key not in cache]
         if not self._all_resident:
             # Copies in groups that do not define residency are not booked (on_blocks_cached).
             residency = self._residency_suffixes
-            popped = [key for key in popped if key[-4:] in residency]
+            keys = [key for key in keys if key[-4:] in residency]
+            if not keys:
+                return
+        cache = vllm_private.cached_block_map(self.pool)
+        # Keep the keys no other copy in the same group still holds (the common case: all).
+        popped = keys if cache.keys().isdisjoint(keys) else [key for key in keys if key not in cache]
         if not popped:
             return
         # With int hashes and several residency groups, whether another residency group still

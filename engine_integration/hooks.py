@@ -102,6 +102,9 @@ class KvHintBlockPool(BlockPool):
         self._kvh_freed: list[tuple[Any, Any]] | None = None
         # vLLM's lazy CPU offloaders walking this pool's free queue (watch_lazy_offloaders).
         self._kvh_lazy: tuple[Any, ...] = ()
+        # KV-cache group ids whose copies KvHint does not book (a sliding-window tail beside full
+        # attention; VllmAdapter.attach_pool sets them): cache_full_blocks is vLLM's own for them.
+        self._kvh_unbooked: frozenset[int] = frozenset()
 
     def _kvh_init(self, adapter: VllmAdapter) -> None:
         self._kvh = adapter
@@ -111,6 +114,11 @@ class KvHintBlockPool(BlockPool):
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask=None):  # type: ignore[no-untyped-def]
         if num_cached_blocks >= num_full_blocks:
+            return
+        if kv_cache_group_id in self._kvh_unbooked:
+            # Nothing to report: on_blocks_cached books no copy of such a group, and
+            # on_keys_removed drops its keys whatever their cause.
+            _cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
             return
         self._kvh_cause = RemovalCause.REPLACED
         try:
