@@ -80,11 +80,10 @@ def summarize(report: Path, marked: tuple[set[str], set[tuple[str, str]]]) -> di
             "tiers": dict(tiers), "tier_tests": dict(counts), "modules": dict(modules)}
 
 
-def summarize_parts(parts_given: list[Path] | list[list[Path]], marked: tuple[set[str], set[tuple[str, str]]]) -> dict[str, Any]:
-    """One run made of the given parts, one after the other, each part one report or reports of
-    pytest runs made at the same time: wall times of parts added up (a part's: its longest
+def summarize_parts(groups: list[list[Path]], marked: tuple[set[str], set[tuple[str, str]]]) -> dict[str, Any]:
+    """One run made of the given parts, one after the other, each part the reports of pytest runs
+    made at the same time (usually one): wall times of parts added up (a part's: its longest
     report's), everything else added up."""
-    groups = [[g] if isinstance(g, Path) else list(g) for g in parts_given]
     summaries = [[summarize(r, marked) for r in group] for group in groups]
     parts = [{"report": ",".join(s["report"] for s in group), "wall_s": max(s["wall_s"] for s in group)}
              for group in summaries]

@@ -14,25 +14,22 @@ import os
 import time
 from collections.abc import Callable
 
+from bench.agentic_monitor import group_pids
+
 _PREFIX = "/dev/shm/vllm_offload_"
 
 
-def _pgid(proc: str, pid: str) -> int:
-    with open(f"{proc}/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[2])
-
-
-def mapped_regions(pgids: set[int] | None = None, prefix: str = _PREFIX, proc: str = "/proc") -> set[str]:
+def mapped_regions(pgids: set[int] | None = None, prefix: str = _PREFIX) -> set[str]:
     """The offload files live processes map now (/proc/<pid>/maps): every process's, or those of
     the processes in the groups `pgids` (a served engine's group is its API server's pid)."""
+    if pgids is None:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    else:
+        pids = [pid for pgid in pgids for pid in group_pids(pgid)]
     mapped: set[str] = set()
-    for pid in os.listdir(proc):
-        if not pid.isdigit():
-            continue
+    for pid in pids:
         try:
-            if pgids is not None and _pgid(proc, pid) not in pgids:
-                continue
-            with open(f"{proc}/{pid}/maps") as f:
+            with open(f"/proc/{pid}/maps") as f:
                 for line in f:
                     at = line.find(prefix)
                     if at >= 0:

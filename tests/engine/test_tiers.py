@@ -18,8 +18,8 @@ The last test stops A and B and checks that a clean shutdown leaves nothing in
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import threading
 import time
 import urllib.request

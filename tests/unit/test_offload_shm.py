@@ -35,7 +35,7 @@ def test_a_mapped_file_is_not_left_behind_and_an_unmapped_one_is() -> None:
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "mapped"
-        # Another process's engine (a lane beside this one) maps its file: not left behind.
+        # Another process's engine (another pytest run, a benchmark) maps its file: not left behind.
         assert left_behind(settle_s=0, prefix=prefix) == set()
         assert mapped_regions({holder.pid}, prefix=prefix) == {path}
         assert mapped_regions({os.getpid()}, prefix=prefix) == set()
