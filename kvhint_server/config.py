@@ -41,6 +41,7 @@ OTHER_VARIABLES = frozenset({
     "KVHINT_ENFORCE_EAGER",  # engine_integration.served: test engines and gpu_check --cpu skip torch.compile
     "KVHINT_ENGINE_DTYPE",  # engine_integration.served: test engines and gpu_check --cpu serve float32
     "KVHINT_ENGINE_EXECUTOR",  # engine_integration.served: test engines and gpu_check --cpu run the model in EngineCore
+    "KVHINT_ENGINE_CORE_START",  # engine_integration.launcher: test engines fork EngineCore instead of spawning it
     "KVHINT_TEST_ENGINE_STARTS",  # tests/shared_engines.py: how many engines the test fixtures start at once
     "KVHINT_BENCH_ENFORCE_EAGER",  # bench.step_overhead: both engines eager (scripts/gpu_bundle/run.sh)
     "KVHINT_GPU_BUNDLE_CACHE", "KVHINT_GPU_BUNDLE_STORE", "KVHINT_GPU_BUNDLE_PARTS",  # scripts/gpu_bundle/

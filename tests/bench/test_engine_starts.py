@@ -38,6 +38,13 @@ def test_the_summary_is_the_medians_and_their_ratio() -> None:
     assert s["two / one"] == {"start_s": 1.06, "stop_s": 0.9}
     text = render(s, rounds, "python -m bench.engine_starts", "2 cores")
     assert "| two / one | | 1.06x | 0.90x |" in text and "| one | 3 | 36.0 | 5.0 |" in text
+    assert "forked" not in text
+    forked = [{"shape": "forked", "start_s": 18.0, "stop_s": 5.0}, {"shape": "forked", "start_s": 20.0, "stop_s": 4.0}]
+    s = summarize(rounds + forked)
+    assert s["forked"] == {"rounds": 2, "start_s": 19.0, "stop_s": 4.5}
+    assert s["forked / one"] == {"start_s": 0.53, "stop_s": 0.9}
+    text = render(s, rounds + forked, "python -m bench.engine_starts", "2 cores")
+    assert "| forked / one | | 0.53x | 0.90x |" in text and "KVHINT_ENGINE_CORE_START=fork" in text
 
 
 def test_the_committed_table_is_the_scripts_output_from_the_committed_rounds() -> None:

@@ -173,7 +173,8 @@ def test_the_bearer_token_is_checked_in_constant_time(monkeypatch):
     assert (b"Bearer s3cres", b"Bearer s3cret") in compared and (b"Bearer s3cret", b"Bearer s3cret") in compared
 
 
-@pytest.mark.parametrize("environ", [{"KVHINT_MAX_TTL_S": "nan"}, {"KVHINT_TIER_OP_TIMEOUT_S": "inf"}])
+@pytest.mark.parametrize("environ", [{"KVHINT_MAX_TTL_S": "nan"}, {"KVHINT_TIER_OP_TIMEOUT_S": "inf"},
+                                     {"KVHINT_ENGINE_CORE_START": "forkserver"}])
 def test_launcher_serve_exits_at_once_naming_the_variable(environ):
     """`kvhint-vllm serve` refuses before importing vLLM (the engine test checks
     the installed script with a real model end to end)."""
