@@ -2,7 +2,11 @@
 KvHint's bookkeeping replaced by a no-op at a time.
 
     python -m bench.scale_ablation [--pool 16384] [--sessions 10000] [--steps 150] [--bookkeeping auto]
-                                   [--out bench/results/scale_ablation.md]
+                                   [--shape NAME] [--out bench/results/scale_ablation.md]
+
+--shape takes the Shape fields of one of bench.scale_ab's shapes (hybrid: two KV-cache groups
+sharing the pool; settler: the settler thread and a device wait); a field the shape names wins
+over --bookkeeping.
 
 A diagnostic, not a configuration anyone runs: a no-op'd callback leaves the index and the event
 stream wrong (e.g. without removals the index only grows). Each variant is a fresh stock/KvHint
@@ -42,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .report import write_results
+from .scale_ab import SHAPES
 from .scale_driver import Pair
 from .scale_probes import deep_stats
 from .scale_workload import Shape
@@ -193,6 +198,11 @@ def markdown(raw: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def build_shape(pool: int, sessions: int, steps: int, bookkeeping: str, shape: str | None = None) -> Shape:
+    """The measured Shape: bench.scale's workload, with `shape`'s fields (bench.scale_ab.SHAPES)."""
+    return Shape(pool, sessions, steps=steps, **{"bookkeeping": bookkeeping, **(SHAPES[shape] if shape else {})})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scale_ablation", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=10000)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--bookkeeping", default="auto", choices=("auto", "inline", "deferred"))
+    ap.add_argument("--shape", default=None, choices=[n for n in SHAPES if n != "aa"],
+                    help="one of bench.scale_ab's shapes (default: bench.scale's workload as --bookkeeping says)")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--repeat", type=int, default=1,
                     help="measure every variant on this many fresh pairs, the variants in turn in each round")
@@ -207,11 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.repeat < 1:
         ap.error("--repeat must be at least 1")
-    shape = Shape(a.pool, a.sessions, steps=a.steps, bookkeeping=a.bookkeeping)
+    shape = build_shape(a.pool, a.sessions, a.steps, a.bookkeeping, a.shape)
     command = "python -m bench.scale_ablation" + "".join(
         f" --{k} {v}" for k, v, d in (
             ("pool", a.pool, 16384), ("sessions", a.sessions, 10000), ("steps", a.steps, 150),
-            ("bookkeeping", a.bookkeeping, "auto"), ("repeat", a.repeat, 1),
+            ("bookkeeping", a.bookkeeping, "auto"), ("shape", a.shape, None), ("repeat", a.repeat, 1),
         ) if v != d
     ) + ("" if a.variants == list(VARIANTS) else " --variants " + " ".join(shlex.quote(v) for v in a.variants)) + (
         "" if a.out == "bench/results/scale_ablation.md" else f" --out {a.out}")

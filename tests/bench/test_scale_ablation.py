@@ -82,3 +82,13 @@ def test_repeat_below_one_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exc:
         scale_ablation.main(["--repeat", "0"])
     assert exc.value.code == 2
+
+
+def test_a_named_shape_brings_its_fields_and_wins_over_bookkeeping() -> None:
+    hybrid = scale_ablation.build_shape(2048, 50, 4, "inline", "hybrid")
+    assert hybrid.hybrid and hybrid.async_scheduling and hybrid.bookkeeping == "inline"
+    deferred = scale_ablation.build_shape(2048, 50, 4, "inline", "deferred")
+    assert deferred.bookkeeping == "deferred" and not deferred.hybrid
+    assert not scale_ablation.build_shape(2048, 50, 4, "auto").hybrid
+    with pytest.raises(SystemExit):
+        scale_ablation.main(["--shape", "aa"])  # the stock-vs-stock null is a variant here, not a shape
