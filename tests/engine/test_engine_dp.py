@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import io
 
 import pytest
+from engine_processes import aslr_on, forked_from, vllm_children
 
 from bench.dp_cpu import complete_on_rank
 from conformance.runner import main as conformance
@@ -19,7 +20,6 @@ from engine_integration.launcher import core_start_from_env
 from engine_integration.served import EngineSpec, ServedEngine
 from kvhint_client import KvHintClient, session
 from kvhint_client.fleet import FleetClient, data_parallel_endpoints
-from engine_processes import aslr_on, forked_from, vllm_children
 
 pytestmark = pytest.mark.engine
 
