@@ -74,6 +74,7 @@ def _callbacks(pair: Pair) -> None:
     adapter = pair.kv.sched.kvhint_adapter
     adapter.on_blocks_cached = _noop
     adapter.on_keys_removed = _noop
+    adapter.flush_removed = adapter._carried.clear  # the allocation fast path's carried keys, dropped
     adapter.on_prefix_hit = _noop
 
 

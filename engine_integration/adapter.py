@@ -114,6 +114,13 @@ class VllmAdapter:
         # dropped at the end of every schedule() (KvHintScheduler.schedule), so a request that
         # is never admitted (memory pressure, then aborted) leaves nothing behind.
         self.pending_hit: tuple[Any, int] | None = None
+        # Engine thread: pool keys the allocation fast path removed (hooks.KvHintBlockPool.
+        # get_new_blocks, cause EVICTED), in vLLM's order, not reported yet. The pool appends to
+        # this list in its loop; `flush_removed` reports them in one call before anything else
+        # is reported or booked, before a store, and at each step boundary (KvHintScheduler),
+        # so events keep vLLM's order and every engine-thread task sees them booked. Off with
+        # lower tiers attached (`attach_tiers`): their runtime books its own changes inline.
+        self._carried: list[bytes] = []
 
     def attach_pool(self, pool: Any) -> None:
         self.pool = pool
@@ -130,6 +137,15 @@ class VllmAdapter:
         self._all_resident = set(self.groups.cacheable) <= set(self.groups.residency)
         self._hash_block_size = pool.hash_block_size
         pool._kvh_unbooked = frozenset(self.groups.cacheable) - frozenset(self.groups.residency)
+        pool._kvh_carry = self._carried if self.tiers is None else None
+
+    def attach_tiers(self, tiers: Any) -> None:
+        """Lower KV tiers (a TierRuntime, or None): with them, the pool reports each allocation's
+        removals at once instead of carrying them (`flush_removed`)."""
+        self.flush_removed()
+        self.tiers = tiers
+        if self.pool is not None:
+            self.pool._kvh_carry = self._carried if tiers is None else None
 
     # ------------------------------------------------------------ hashes
 
@@ -438,6 +454,8 @@ class VllmAdapter:
         n = num_computed_tokens // self.scheduler.block_size
         if n <= 0:
             return
+        if self._carried:
+            self.flush_removed()
         hashes = request.block_hashes
         if self.scheduler.block_size != self._hash_block_size:
             hashes = resolve_block_hashes(hashes, self._hash_block_size, self.scheduler.block_size)
@@ -474,7 +492,23 @@ class VllmAdapter:
         node = self.core.index.node(ext)
         return node is not None and node.has_member(session)
 
+    def flush_removed(self) -> None:
+        """Engine thread: report the carried removals (`_carried`) now, as one
+        `on_keys_removed` call with cause EVICTED. Cheap when there are none."""
+        carried = self._carried
+        if carried:
+            keys = carried.copy()
+            carried.clear()
+            self._report_removed(keys, RemovalCause.EVICTED)
+
     def on_keys_removed(self, keys: list[bytes], cause: RemovalCause) -> None:
+        """Hash keys (digest + 4-byte group id) were popped from the pool's map (after the
+        carried ones, which are reported first)."""
+        if self._carried:
+            self.flush_removed()
+        self._report_removed(keys, cause)
+
+    def _report_removed(self, keys: list[bytes], cause: RemovalCause) -> None:
         """Hash keys (digest + 4-byte group id) were popped from the pool's map.
         Engine thread: keep the keys of residency groups that left with their group's
         last copy (and, with several residency groups, whether another one still
@@ -541,6 +575,8 @@ class VllmAdapter:
         blocks end. Returns the blocks' digests: the caller unprotects their other copies after
         the allocation (`unprotect_copies`); at the queue's head before it they would go ahead
         of ordinary blocks the allocation would otherwise take."""
+        if self._carried:
+            self.flush_removed()
         # One entry per logical block (a pinned block can have a copy per group).
         digests = list(dict.fromkeys(get_block_hash(b.block_hash) for b in blocks if b.block_hash is not None))
         hashes = [self.external(d) for d in digests]
@@ -568,6 +604,7 @@ class VllmAdapter:
             pool.free_block_queue.prepend_n(freed)
 
     def on_device_cleared(self) -> None:
+        self.flush_removed()
         self.core.clear_grants()  # engine thread, as drop_grants
         self.core.record(self._book_cleared)
 

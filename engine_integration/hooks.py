@@ -30,7 +30,10 @@ methods and add:
     kv_groups), with a cause (eviction, Evict hint, pin broken, replaced);
     `get_new_blocks` reports an allocation's removals in one call after it
     (with the retention order off it runs vLLM's own allocation with vLLM's
-    eviction step written into its loop: one Python frame fewer per block);
+    eviction step written into its loop: one Python frame fewer per block,
+    and adds the removed keys to the adapter's carry, reported together
+    before the step's next store or report and at the step boundary:
+    VllmAdapter.flush_removed);
   * retention order: free blocks that a hint protects are kept out of the free
     queue (`ProtectedFreeBlocks`) and counted as free; the queue (ordinary,
     LRU) is consumed first, then retained blocks by priority, then pins.
@@ -105,6 +108,10 @@ class KvHintBlockPool(BlockPool):
         # KV-cache group ids whose copies KvHint does not book (a sliding-window tail beside full
         # attention; VllmAdapter.attach_pool sets them): cache_full_blocks is vLLM's own for them.
         self._kvh_unbooked: frozenset[int] = frozenset()
+        # The adapter's carry (VllmAdapter.flush_removed): the allocation fast path adds the keys
+        # it removes here instead of reporting each allocation's; None: reported per allocation
+        # (no adapter yet, or lower tiers attached).
+        self._kvh_carry: list[Any] | None = None
 
     def _kvh_init(self, adapter: VllmAdapter) -> None:
         self._kvh = adapter
@@ -115,6 +122,8 @@ class KvHintBlockPool(BlockPool):
     def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask=None):  # type: ignore[no-untyped-def]
         if num_cached_blocks >= num_full_blocks:
             return
+        if self._kvh_carry:  # removals before this store are reported before it (the order vLLM made them)
+            self._kvh.flush_removed()
         if kv_cache_group_id in self._kvh_unbooked:
             # Nothing to report: on_blocks_cached books no copy of such a group, and
             # on_keys_removed drops its keys whatever their cause.
@@ -162,6 +171,8 @@ class KvHintBlockPool(BlockPool):
         return _maybe_evict(self, block)
 
     def reset_prefix_cache(self) -> bool:
+        if self._kvh_carry:
+            self._kvh.flush_removed()
         protected = self._kvh_protected
         if protected.count and self.num_gpu_blocks - self.get_num_free_blocks() == 1:
             blocks = protected.blocks()
@@ -181,6 +192,8 @@ class KvHintBlockPool(BlockPool):
 
     def get_new_blocks(self, num_blocks: int):  # type: ignore[no-untyped-def]
         if self._kvh_retaining:
+            if self._kvh_carry:
+                self._kvh.flush_removed()
             if self._kvh_protected.count:
                 self._kvh.core.expire_retention()  # may turn the retention order off
                 shortfall = num_blocks - self.free_block_queue.num_free_blocks
@@ -218,7 +231,12 @@ class KvHintBlockPool(BlockPool):
         ret = self.free_block_queue.popleft_n(num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(ret)
-        removed: list[Any] = []
+        # The removed keys go straight into the adapter's carry, reported with the next store,
+        # report or step boundary (VllmAdapter.flush_removed); without a carry, after the loop.
+        # The cause here is always EVICTED: the other causes are set only around vLLM calls that
+        # do not allocate.
+        carry = self._kvh_carry
+        removed: list[Any] = [] if carry is None else carry
         metrics = self.metrics_collector
         remove_hashes = self._remove_cached_block_hashes
         events = self.enable_kv_cache_events
@@ -236,7 +254,7 @@ class KvHintBlockPool(BlockPool):
                 if metrics:
                     metrics.on_block_allocated(block)
         finally:
-            if removed:
+            if carry is None and removed:
                 self._kvh.on_keys_removed(removed, self._kvh_cause)
         return ret
 

@@ -130,7 +130,7 @@ class KvHintScheduler(Scheduler):
             return
         from .tiers.runtime import TierRuntime
 
-        self.kvhint_adapter.tiers = TierRuntime.maybe_create(self, self.kvhint_adapter)
+        self.kvhint_adapter.attach_tiers(TierRuntime.maybe_create(self, self.kvhint_adapter))
 
     def _kvhint_bookkeeping(self, mode: str) -> None:
         """Start the journal's settler for deferred bookkeeping (kvhint_server/journal.py).
@@ -172,6 +172,7 @@ class KvHintScheduler(Scheduler):
             self.kvhint_adapter.pending_hit = None
             self._kvhint_in_step -= 1
             if not self._kvhint_in_step:
+                self.kvhint_adapter.flush_removed()  # the step's last allocations' removals
                 self.kvhint_core.journal.wake()  # the engine waits on the device now: settle
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
@@ -181,6 +182,7 @@ class KvHintScheduler(Scheduler):
         finally:
             self._kvhint_in_step -= 1
             if not self._kvhint_in_step:
+                self.kvhint_adapter.flush_removed()
                 self.kvhint_core.journal.wake()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:

@@ -145,8 +145,16 @@ class Cache:
 
     # ------------------------------------------------------------ observations
 
+    def boundary(self) -> None:
+        """A step boundary, where KvHintScheduler reports the allocations' carried removals
+        (VllmAdapter.flush_removed); the hooked cache's observations and hints come after one."""
+        if self.hooked:
+            self.adapter.flush_removed()
+
     def take_removed(self) -> list[bytes]:
-        """External hashes removed since the last call, in vLLM's event order."""
+        """External hashes removed since the last call, in vLLM's event order (at a step
+        boundary: KvHint's reports of them are in too)."""
+        self.boundary()
         for event in self.pool.take_events():
             if isinstance(event, BlockRemoved):
                 self.removed.extend(_external(h) for h in event.block_hashes)
@@ -180,6 +188,7 @@ class Cache:
 
     def apply(self, *hints: pb.Hint) -> list[HintResult]:
         """Validate and apply a batch on this (the engine) thread, as ApplyHints does."""
+        self.boundary()  # hints apply at a step boundary
         parsed = parse_apply_request(pb.ApplyHintsRequest(hints=list(hints)), self.core.config, self.core.info)
         results = self.executor.apply_batch(parsed).results
         return results
