@@ -196,10 +196,10 @@ class Side:
         self.cpu_ns += thread_ns() - t
         self.proc_ns += process_ns() - p
         self.wall_ns += wall_ns() - w
-        finished = self.inproc.step(self.sched).finished
-        if self.shape.gpu_wait_s:
-            time.sleep(self.shape.gpu_wait_s)  # the device's share of a step: the GIL is free
-        return finished
+        # The device's share of a step (the GIL free) where EngineCore waits for the model's
+        # output: between schedule() and update_from_output() (inproc.step).
+        wait = self.shape.gpu_wait_s
+        return self.inproc.step(self.sched, device_wait=(lambda: time.sleep(wait)) if wait else None).finished
 
     def running(self) -> int:
         return len(self.sched.running)

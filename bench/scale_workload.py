@@ -67,8 +67,9 @@ class Shape:
     # of by the driver after each unit (its CPU then is not in kv_settle_ns; waits for the GIL
     # show in the wall times).
     settler_thread: bool = False
-    # After each side's step, sleep this long with the GIL free: the device's share of a step on
-    # a GPU engine, in which a settler thread runs.
+    # In each side's step, sleep this long with the GIL free where EngineCore waits for the
+    # model's output (between schedule() and update_from_output(); inproc.step): the device's
+    # share of a step on a GPU engine, in which a settler thread runs.
     gpu_wait_s: float = 0.0
     # The pool's KV-cache layout: one full-attention group (a dense model), or a hybrid model's
     # two groups sharing it, full attention (group 0) and a sliding window of

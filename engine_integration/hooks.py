@@ -220,7 +220,8 @@ class KvHintBlockPool(BlockPool):
         # The retention order is off (nothing is protected, so the free count is the queue's):
         # vLLM 0.32's own get_new_blocks with its eviction step, vLLM's
         # _maybe_evict_cached_block, written into the loop, and the removed keys of the whole
-        # allocation reported in one call after it. That is one Python frame fewer per block
+        # allocation carried to the step's next report (VllmAdapter.flush_removed), or reported
+        # in one call after it without a carry. That is one Python frame fewer per block
         # taken than vLLM's own loop, and a hybrid model takes a copy per group.
         # tests/inproc/test_pool_hooks_stock.py compares both vLLM methods with the statements
         # repeated here (AST) and the results with stock vLLM's (Hypothesis).

@@ -322,13 +322,21 @@ def _in_flight(scheduler: Scheduler) -> deque[SchedulerOutput]:
     return getattr(scheduler, _IN_FLIGHT)
 
 
-def step(scheduler: Scheduler, *, sample: Callable[[Request, int], int] = default_sample) -> StepResult:
-    """One engine step, as EngineCore.step (sync) or EngineCore.step_with_batch_queue (async)."""
+def step(
+    scheduler: Scheduler, *, sample: Callable[[Request, int], int] = default_sample,
+    device_wait: Callable[[], None] | None = None,
+) -> StepResult:
+    """One engine step, as EngineCore.step (sync) or EngineCore.step_with_batch_queue (async).
+    `device_wait`: called where EngineCore blocks on the model's output (`future.result()`,
+    between schedule() and update_from_output() in both; vLLM 0.32 v1/engine/core.py), e.g.
+    a sleep with the GIL free standing in for a GPU's forward pass."""
     pending = _in_flight(scheduler)
     if not isinstance(scheduler, AsyncScheduler):
         if not scheduler.has_requests():
             return StepResult(None, None)
         out = scheduler.schedule()
+        if device_wait is not None:
+            device_wait()
         return StepResult(out if out.total_num_scheduled_tokens else None, out, _deliver(scheduler, out, sample))
     scheduled = None
     if scheduler.has_requests():
@@ -341,6 +349,8 @@ def step(scheduler: Scheduler, *, sample: Callable[[Request, int], int] = defaul
     elif not pending:
         return StepResult(None, None)
     delivered = pending.popleft()
+    if device_wait is not None:
+        device_wait()
     return StepResult(scheduled, delivered, _deliver(scheduler, delivered, sample))
 
 
