@@ -45,12 +45,12 @@ that crosses it runs on whichever thread allocates next: mostly the engine
 thread, in the middle of a step (a young collection there costs
 milliseconds, because vLLM's live requests are young too). So once new
 entries have been settled (by the settler or by an exclusive section) and
-the engine is not in a step, the settler runs the young collection itself
+the engine is not in a step, the settler runs CPython's collection itself
 once the count has reached a fifth of the threshold (`collect_young`):
 the garbage its own work made is collected off the engine thread, in
-smaller and cheaper collections. A collection
-that would reach the oldest generation is left to CPython's own trigger
-(its long-lived heuristic decides those), and a process that disabled the
+smaller and cheaper collections. It makes CPython's own trigger fire on
+its thread, so CPython still chooses the generation (its long-lived
+heuristic decides full collections), and a process that disabled the
 collector is left alone (bench.scale_gc_probe measures it, with and
 without; design-notes.md, "The settler collects its own garbage").
 
@@ -91,6 +91,11 @@ YOUNG_COLLECT_FRACTION = 0.2
 # Past this many pending entries the settler works even while the engine is busy (a gate that
 # never opens must not leave everything to back-pressure on the engine thread).
 BUSY_BACKLOG = 4_096
+
+
+def _collections() -> int:
+    """Collections CPython has run so far, every generation (gc.get_stats)."""
+    return sum(g["collections"] for g in gc.get_stats())
 
 
 class ResidencyJournal:
@@ -210,24 +215,34 @@ class ResidencyJournal:
         return n
 
     def collect_young(self) -> bool:
-        """Run the young generation's collection now if its count has reached
-        YOUNG_COLLECT_FRACTION of the threshold: generation 0, or 1 when that one
-        is due as well (as CPython's own trigger would). Nothing when the
-        collector is disabled, or when the collection would reach the oldest
-        generation. Returns whether it collected. The settler calls it once new
-        entries have been settled, outside the engine's steps (see "Garbage")."""
+        """Run CPython's own collection now, on this thread, if the young generation's count
+        has reached YOUNG_COLLECT_FRACTION of the threshold: this thread allocates empty
+        sets (a container type with no free list, so each allocation counts) until the count
+        passes the threshold, so CPython's trigger fires here and
+        chooses the generation itself (generation 1 with it when due, the oldest when its
+        long-lived heuristic says so, which Python code cannot read). Nothing when the
+        collector is disabled. Returns whether a collection ran. The settler calls it once
+        new entries have been settled, outside the engine's steps (see "Garbage").
+
+        Choosing the generation here instead (gc.collect(0) or (1), and nothing once the
+        oldest generation's count was due) stopped the settler's collections for good as soon
+        as that count passed its threshold and the heuristic declined the full collection:
+        from then on every young collection, generation 1's included, ran on the engine
+        thread (design-notes.md, "The settler collects its own garbage")."""
         if not gc.isenabled():
             return False
-        t0, t1, t2 = gc.get_threshold()
-        c0, c1, c2 = gc.get_count()
+        t0 = gc.get_threshold()[0]
+        c0 = gc.get_count()[0]
         if t0 <= 0 or c0 < max(1, int(t0 * YOUNG_COLLECT_FRACTION)):
             return False
-        generation = 1 if c1 + 1 > t1 else 0
-        if generation == 1 and c2 + 1 > t2:
-            return False  # a full collection would be due: CPython's heuristic decides
-        gc.collect(generation)
-        self.collections += 1
-        return True
+        before = _collections()
+        for _ in range(3):  # the count can drop while it allocates (objects freed): top it up again
+            filler = [set() for _ in range(t0 - gc.get_count()[0] + 1)]
+            del filler
+            if _collections() != before:
+                self.collections += 1
+                return True
+        return False
 
     # ------------------------------------------------------------ the settler thread
 

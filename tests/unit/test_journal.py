@@ -252,21 +252,62 @@ def test_collect_young_waits_for_a_fifth_of_the_threshold(collector) -> None:  #
     assert len(kept) == 2_500
 
 
-def test_collect_young_includes_generation_1_when_due_and_leaves_full_collections_to_cpython(collector) -> None:  # type: ignore[no-untyped-def]
+def test_collect_young_collects_generation_1_when_cpython_would(collector) -> None:  # type: ignore[no-untyped-def]
     gc, journal = collector, ResidencyJournal()
-    for _ in range(10):
-        gc.collect(0)  # generation 1 is now due at the next collection
+    for _ in range(11):
+        gc.collect(0)  # generation 1's count past its threshold: CPython's next collection includes it
     kept = _young(gc, 2_500)
     assert journal.collect_young()
-    assert gc.get_count()[1] == 0  # generation 1 was collected with it
-    for _ in range(10):
-        gc.collect(1)  # now a collection of generation 1 would make a full collection due
-    kept += _young(gc, 2_500)
-    for _ in range(10):
+    assert gc.get_count()[0] < 100 and gc.get_count()[1:] == (0, 1)
+    assert len(kept) == 2_500
+
+
+def test_collect_young_lets_cpython_choose_a_full_collection(collector) -> None:  # type: ignore[no-untyped-def]
+    """The oldest generation's count past its threshold, and few long-lived objects (the
+    fixture froze the heap): CPython's heuristic takes the full collection, on this thread."""
+    gc, journal = collector, ResidencyJournal()
+    for _ in range(11):
+        gc.collect(1)
+    for _ in range(11):
         gc.collect(0)
-    kept += _young(gc, 2_500)
-    assert not journal.collect_young() and journal.collections == 1
-    assert gc.get_count()[0] >= 2_000  # untouched
+    kept = _young(gc, 2_500)
+    threads: list[int] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            threads.append(info["generation"])
+
+    gc.callbacks.append(seen)
+    try:
+        assert journal.collect_young() and journal.collections == 1
+    finally:
+        gc.callbacks.remove(seen)
+    assert threads == [2] and gc.get_count()[1:] == (0, 0)
+    assert len(kept) == 2_500
+
+
+def test_collect_young_goes_on_when_cpython_declines_the_full_collection(collector) -> None:  # type: ignore[no-untyped-def]
+    """The oldest generation's count past its threshold, but many long-lived objects and few
+    new ones: CPython declines the full collection (its long-lived heuristic) and collects
+    generation 1. The settler's collections go on through that state, which can last for
+    the rest of a steady engine's life, instead of leaving every young collection to the
+    engine thread."""
+    gc, journal = collector, ResidencyJournal()
+    old = [[i] for i in range(200_000)]
+    gc.collect()  # a large oldest generation: the heuristic's yardstick
+    for _ in range(11):
+        gc.collect(1)
+    for _ in range(11):
+        gc.collect(0)
+    assert gc.get_count()[1:] == (11, 11)
+    kept: list[list[int]] = []
+    for round_ in range(3):
+        kept += _young(gc, 2_500)
+        assert journal.collect_young() and journal.collections == round_ + 1
+        assert gc.get_count()[:2] == (0, 0) and gc.get_count()[2] > 10  # generation 1, not a full one
+        for _ in range(11):
+            gc.collect(0)
+    assert len(old) == 200_000 and len(kept) == 7_500
 
 
 def test_collect_young_does_nothing_with_the_collector_disabled(collector) -> None:  # type: ignore[no-untyped-def]
