@@ -106,3 +106,23 @@ def test_carried_removals_keep_vllms_event_order(ops: list[tuple]) -> None:
     theirs = [(kind, _wire(h)) for kind, h, _ in residency_view(vllm_events, {0})]
     assert _ours(cache) == theirs
     assert not cache.adapter._carried
+
+
+def test_with_lower_tiers_each_allocation_reports_its_removals_at_once() -> None:
+    """With a host tier attached, the tier runtime books device and host changes in its own
+    order, so nothing is carried: an allocation's evictions are booked when it returns."""
+    import tier_support
+
+    from kvhint_server.events import BlocksRemoved as Removed
+
+    with tier_support.tiered(hybrid=False) as s:
+        for i in range(3):
+            tier_support.run(s, f"r{i}", tokens(i, 32), f"s{i}")
+        pool, core = s.kv_cache_manager.block_pool, s.kvhint_core
+        assert pool._kvh_carry is None
+        after = core.bus.last_sequence
+        cached = len(pool.cached_block_hash_to_block._cache)
+        pool.get_new_blocks(pool.get_num_free_blocks())  # every free block: the cached ones evicted
+        assert cached and not pool.cached_block_hash_to_block._cache
+        removed = [h for e in core.bus.read_after(after, 100_000) if isinstance(e.payload, Removed) for h in e.payload.block_hashes]
+        assert len(removed) == cached and not s.kvhint_adapter._carried
