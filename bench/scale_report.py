@@ -173,7 +173,8 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
             "## The engine thread's wall time with a device wait per step",
             "",
             "Each side sleeps the device's share of a step where EngineCore waits for the model's output, between "
-            "schedule() and update_from_output() (the GIL free, as while EngineCore waits on the GPU), and deferred bookkeeping is settled by the journal's own settler thread, as on an engine. Wall time "
+            "schedule() and update_from_output() (the GIL free, as while EngineCore waits on the GPU), and deferred "
+            "bookkeeping is settled by the journal's own settler thread, as on an engine. Wall time "
             "of the same timed regions as the CPU columns: a settler that held the GIL while the engine thread "
             "needed it would show here. The settler's own CPU is not in either column.",
             "",

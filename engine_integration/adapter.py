@@ -137,7 +137,7 @@ class VllmAdapter:
         self._all_resident = set(self.groups.cacheable) <= set(self.groups.residency)
         self._hash_block_size = pool.hash_block_size
         pool._kvh_unbooked = frozenset(self.groups.cacheable) - frozenset(self.groups.residency)
-        pool._kvh_carry = self._carried if self.tiers is None else None
+        self._bind_carry()
 
     def attach_tiers(self, tiers: Any) -> None:
         """Lower KV tiers (a TierRuntime, or None): with them, the pool reports each allocation's
@@ -145,7 +145,11 @@ class VllmAdapter:
         self.flush_removed()
         self.tiers = tiers
         if self.pool is not None:
-            self.pool._kvh_carry = self._carried if tiers is None else None
+            self._bind_carry()
+
+    def _bind_carry(self) -> None:
+        """The pool's fast path carries into `_carried` unless lower tiers are attached."""
+        self.pool._kvh_carry = self._carried if self.tiers is None else None
 
     # ------------------------------------------------------------ hashes
 
@@ -575,8 +579,7 @@ class VllmAdapter:
         blocks end. Returns the blocks' digests: the caller unprotects their other copies after
         the allocation (`unprotect_copies`); at the queue's head before it they would go ahead
         of ordinary blocks the allocation would otherwise take."""
-        if self._carried:
-            self.flush_removed()
+        self.flush_removed()
         # One entry per logical block (a pinned block can have a copy per group).
         digests = list(dict.fromkeys(get_block_hash(b.block_hash) for b in blocks if b.block_hash is not None))
         hashes = [self.external(d) for d in digests]

@@ -171,8 +171,6 @@ class KvHintBlockPool(BlockPool):
         return _maybe_evict(self, block)
 
     def reset_prefix_cache(self) -> bool:
-        if self._kvh_carry:
-            self._kvh.flush_removed()
         protected = self._kvh_protected
         if protected.count and self.num_gpu_blocks - self.get_num_free_blocks() == 1:
             blocks = protected.blocks()
@@ -192,8 +190,6 @@ class KvHintBlockPool(BlockPool):
 
     def get_new_blocks(self, num_blocks: int):  # type: ignore[no-untyped-def]
         if self._kvh_retaining:
-            if self._kvh_carry:
-                self._kvh.flush_removed()
             if self._kvh_protected.count:
                 self._kvh.core.expire_retention()  # may turn the retention order off
                 shortfall = num_blocks - self.free_block_queue.num_free_blocks

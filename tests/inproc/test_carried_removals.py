@@ -13,22 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
-from pool_support import BLOCK_SIZE, Cache, tokens
+from pool_support import BLOCK_SIZE, Cache, _external, tokens
 from test_pool_hooks_stock import operations, step
-from vllm.v1.core.kv_cache_utils import get_block_hash
 
 from engine_integration.kv_groups import residency_view
 from kvhint_server.events import BlocksRemoved, BlocksStored
 from kvhint_server.model import RemovalCause
 
 NUM_BLOCKS = 20
-
-
-def _wire(h: Any) -> bytes:
-    """vLLM's event hash in KvHint's wire form (int hashes: 8 bytes big-endian)."""
-    if isinstance(h, int):
-        return (h & (2**64 - 1)).to_bytes(8, "big")
-    return bytes(get_block_hash(h)) if not isinstance(h, bytes) else h
 
 
 def _ours(cache: Cache, after: int = 0) -> list[tuple[str, bytes]]:
@@ -103,7 +95,7 @@ def test_carried_removals_keep_vllms_event_order(ops: list[tuple]) -> None:
         step(cache, running, op, n)
         vllm_events += cache.pool.take_events()
     cache.boundary()
-    theirs = [(kind, _wire(h)) for kind, h, _ in residency_view(vllm_events, {0})]
+    theirs = [(kind, _external(h)) for kind, h, _ in residency_view(vllm_events, {0})]
     assert _ours(cache) == theirs
     assert not cache.adapter._carried
 
