@@ -25,6 +25,18 @@ the steady steps are measured. Variants:
     which is what hooks.install did before KvHint's classes were built by vLLM: CPython then
     keeps the objects' attributes in a plain dict, and every attribute access in vLLM's pool
     and manager code is slower (engine_integration/hooks.py, module doc);
+  * settled after the unit, settled inline after the unit, settler settles nothing, settler
+    settles nothing, collects after the unit: `--shape settler` only (each refuses another
+    shape). Where the settler's work lands: in the settler shape it settles during the
+    KvHint side's device wait, between its `schedule()` and `update_from_output()`, and after
+    the step. "settled after the unit": the settler is woken only where
+    `update_from_output()` ends and its periodic look is off, so it settles, and collects,
+    only after the unit, while the driver waits for it (a placement an engine, whose next
+    `schedule()` follows at once, does not have). "settled inline after the unit": no
+    settler thread; the driver settles after the unit on its own thread, as the async shape
+    does. "settler settles nothing": the settler wakes as shipped, but drops the entries
+    unsettled, and still runs its young collection. "... collects after the unit": the
+    same, with the young collection run by the driver after the unit instead;
   * A/A: both sides stock (the pairing's own noise);
   * A/A, ballast: both sides stock, and every admission of the second side's fill is followed
     by `BALLAST_PER_FILL` small unrelated Python objects kept alive, as KvHint's index is (the
@@ -37,6 +49,7 @@ of `bench.scale` (single figures move by about +-5%).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import shlex
 import statistics
@@ -84,6 +97,66 @@ def _reclassed(pair: Pair) -> None:
         obj.__class__ = type(obj)  # same class; CPython turns the attribute storage into a dict
 
 
+def _settler_journal(pair: Pair) -> Any:
+    """The KvHint side's journal, whose settler thread runs (the settler shape)."""
+    journal = pair.kv.core.journal
+    if not pair.shape.settler_thread or not journal.deferring:
+        raise ValueError("this variant moves the settler thread's work: it needs --shape settler")
+    return journal
+
+
+def _settled_after_unit(pair: Pair) -> None:
+    journal = _settler_journal(pair)
+    sched = pair.kv.sched
+    journal.stop()
+    sched.kvhint_start_settler(interval_s=3600.0)  # no periodic look during the run
+    wake = journal.wake
+    journal.wake = _noop  # not where schedule() ends...
+    cls = type(sched)
+    schedule, update = cls.schedule.__get__(sched), cls.update_from_output.__get__(sched)
+
+    def update_then_wake(*a: Any, **k: Any) -> Any:
+        try:
+            return update(*a, **k)
+        finally:
+            wake()  # ...only where update_from_output() ends
+
+    pair.kv.time_steps(schedule, update_then_wake)
+
+
+def _settled_inline(pair: Pair) -> None:
+    journal = _settler_journal(pair)
+    journal.stop()
+    journal.start(thread=False)
+    pair.kv.shape = dataclasses.replace(pair.kv.shape, settler_thread=False)  # Side.settle settles itself
+
+
+def _settles_nothing(pair: Pair) -> None:
+    journal = _settler_journal(pair)
+
+    def drop(limit: int | None = None, deadline: float | None = None) -> int:
+        with journal.lock:
+            n = journal.pending()
+            journal._entries.clear()
+            journal.settled = journal._recorded
+            return n
+
+    journal.settle = drop
+
+
+def _settles_nothing_collects_after(pair: Pair) -> None:
+    _settles_nothing(pair)
+    journal, side = pair.kv.core.journal, pair.kv
+    collect, settle = journal.collect_young, side.settle
+    journal.collect_young = lambda: False
+
+    def settle_then_collect() -> None:
+        settle()
+        collect()
+
+    side.settle = settle_then_collect  # type: ignore[method-assign]
+
+
 # name -> (what it changes, collector on, pair: "kvhint" | "aa" | "aa-ballast")
 VARIANTS: dict[str, tuple[Callable[[Pair], None] | None, bool, str]] = {
     "full": (None, True, "kvhint"),
@@ -93,9 +166,23 @@ VARIANTS: dict[str, tuple[Callable[[Pair], None] | None, bool, str]] = {
     "no index on removal": (_removed, True, "kvhint"),
     "hooks only": (_callbacks, True, "kvhint"),
     "re-classed": (_reclassed, True, "kvhint"),
+    "settled after the unit": (_settled_after_unit, True, "kvhint"),
+    "settled inline after the unit": (_settled_inline, True, "kvhint"),
+    "settler settles nothing": (_settles_nothing, True, "kvhint"),
+    "settler settles nothing, collects after the unit": (_settles_nothing_collects_after, True, "kvhint"),
     "A/A": (None, True, "aa"),
     "A/A, ballast": (None, True, "aa-ballast"),
 }
+
+
+# The variants that move the settler thread's work (--shape settler only).
+SETTLER_VARIANTS = ("settled after the unit", "settled inline after the unit", "settler settles nothing",
+                    "settler settles nothing, collects after the unit")
+
+
+def default_variants(shape: str | None) -> list[str]:
+    """Every variant that applies to `shape` (the settler's own only with the settler shape)."""
+    return [v for v in VARIANTS if shape == "settler" or v not in SETTLER_VARIANTS]
 
 
 def _add_ballast(pair: Pair, ballast: list[Any]) -> None:
@@ -213,20 +300,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bookkeeping", default="auto", choices=("auto", "inline", "deferred"))
     ap.add_argument("--shape", default=None, choices=[n for n in SHAPES if n != "aa"],
                     help="one of bench.scale_ab's shapes (default: bench.scale's workload as --bookkeeping says)")
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="*", default=None, choices=list(VARIANTS),
+                    help="default: every variant that applies to the shape")
     ap.add_argument("--repeat", type=int, default=1,
                     help="measure every variant on this many fresh pairs, the variants in turn in each round")
     ap.add_argument("--out", default="bench/results/scale_ablation.md")
     a = ap.parse_args(argv)
     if a.repeat < 1:
         ap.error("--repeat must be at least 1")
+    defaults = default_variants(a.shape)
+    if a.variants is None:
+        a.variants = defaults
+    wrong = [v for v in a.variants if v in SETTLER_VARIANTS and a.shape != "settler"]
+    if wrong:
+        ap.error(f"{', '.join(map(repr, wrong))}: each moves the settler thread's work, so it needs --shape settler")
     shape = build_shape(a.pool, a.sessions, a.steps, a.bookkeeping, a.shape)
     command = "python -m bench.scale_ablation" + "".join(
         f" --{k} {v}" for k, v, d in (
             ("pool", a.pool, 16384), ("sessions", a.sessions, 10000), ("steps", a.steps, 150),
             ("bookkeeping", a.bookkeeping, "auto"), ("shape", a.shape, None), ("repeat", a.repeat, 1),
         ) if v != d
-    ) + ("" if a.variants == list(VARIANTS) else " --variants " + " ".join(shlex.quote(v) for v in a.variants)) + (
+    ) + ("" if a.variants == defaults else " --variants " + " ".join(shlex.quote(v) for v in a.variants)) + (
         "" if a.out == "bench/results/scale_ablation.md" else f" --out {a.out}")
     raw: dict[str, Any] = {"command": command, "shape": shape.label, "bookkeeping": a.bookkeeping, "repeat": a.repeat,
                            "rows": []}

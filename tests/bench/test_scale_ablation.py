@@ -92,3 +92,87 @@ def test_a_named_shape_brings_its_fields_and_wins_over_bookkeeping() -> None:
     assert not scale_ablation.build_shape(2048, 50, 4, "auto").hybrid
     with pytest.raises(SystemExit):
         scale_ablation.main(["--shape", "aa"])  # the stock-vs-stock null is a variant here, not a shape
+
+
+# ---------------------------------------------------------------- where the settler's work lands
+
+SETTLER = Shape(2048, 50, steps=4, warmup_steps=2, system_tokens=256, first_context_tokens=64, max_tokens=16,
+                arrivals_per_step=4, max_model_len=1024, max_num_seqs=64, async_scheduling=True,
+                settler_thread=True, gpu_wait_s=0.02)
+
+
+def _pending_at_update(pair: Pair) -> list[int]:
+    """The journal's pending entries each time the KvHint side's update_from_output() starts."""
+    seen: list[int] = []
+    sched, journal = pair.kv.sched, pair.kv.core.journal
+    update = sched.update_from_output
+
+    def watched(*a: object, **k: object) -> object:
+        seen.append(journal.pending())
+        return update(*a, **k)
+
+    sched.update_from_output = watched
+    return seen
+
+
+def test_settled_after_the_unit_leaves_the_device_wait_to_the_engine() -> None:
+    """As shipped, the settler books what schedule() journaled during the device wait (woken
+    where schedule() ends); with the variant, nothing wakes it there, so those entries are still
+    pending when update_from_output() starts, and are booked after the unit all the same."""
+    pair = Pair(SETTLER)
+    try:
+        pair.fill_and_freeze()
+        scale_ablation.VARIANTS["settled after the unit"][0](pair)
+        seen = _pending_at_update(pair)
+        last = pair.kv.core.bus.last_sequence
+        pair.steps(6, "steady")
+        assert pair.kv.core.journal.pending() == 0 and pair.kv.core.bus.last_sequence > last
+        assert any(seen), seen
+    finally:
+        pair.close()
+
+
+def test_settled_inline_stops_the_settler_and_the_driver_settles() -> None:
+    pair = Pair(SETTLER)
+    try:
+        pair.fill_and_freeze()
+        journal = pair.kv.core.journal
+        scale_ablation.VARIANTS["settled inline after the unit"][0](pair)
+        last = pair.kv.core.bus.last_sequence
+        pair.steps(3, "steady")
+        assert journal._thread is None and journal.deferring  # deferred, no thread
+        assert journal.pending() == 0 and pair.kv.core.bus.last_sequence > last
+        assert sum(u.kv_settle_ns for u in pair.units[-3:]) > 0  # the driver's own settle, timed apart
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("variant", ["settler settles nothing", "settler settles nothing, collects after the unit"])
+def test_a_settler_that_settles_nothing_leaves_the_index_alone(variant: str) -> None:
+    pair = Pair(SETTLER)
+    try:
+        pair.fill_and_freeze()
+        core = pair.kv.core
+        scale_ablation.VARIANTS[variant][0](pair)
+        last = core.bus.last_sequence
+        pair.steps(3, "steady")
+        assert core.journal.pending() == 0 and core.bus.last_sequence == last  # dropped, not booked
+        assert core.journal._thread is not None  # the settler still runs
+        if variant.endswith("after the unit"):
+            assert core.journal.collect_young() is False  # the settler's own collection is off
+    finally:
+        pair.close()
+
+
+def test_the_settler_variants_need_the_settler_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    assert all(v not in scale_ablation.default_variants("async") for v in scale_ablation.SETTLER_VARIANTS)
+    assert all(v in scale_ablation.default_variants("settler") for v in scale_ablation.SETTLER_VARIANTS)
+    with pytest.raises(SystemExit):
+        scale_ablation.main(["--shape", "async", "--variants", "settler settles nothing"])
+    assert "it needs --shape settler" in capsys.readouterr().err
+    pair = Pair(SMALL)
+    try:
+        with pytest.raises(ValueError, match="needs --shape settler"):
+            scale_ablation.VARIANTS["settled after the unit"][0](pair)
+    finally:
+        pair.close()
