@@ -29,11 +29,11 @@ methods and add:
     stops being resident (its last copy in a residency group is gone; see
     kv_groups), with a cause (eviction, Evict hint, pin broken, replaced);
     `get_new_blocks` reports an allocation's removals in one call after it
-    (with the retention order off it runs vLLM's own allocation with vLLM's
-    eviction step written into its loop: one Python frame fewer per block,
-    and adds the removed keys to the adapter's carry, reported together
-    before the step's next store or report and at the step boundary:
-    VllmAdapter.flush_removed);
+    (unless a pin is being broken it runs vLLM's own allocation with vLLM's
+    eviction step written into its loop: one Python frame fewer per block;
+    with the retention order off it adds the removed keys to the adapter's
+    carry, reported together before the step's next store or report and at
+    the step boundary: VllmAdapter.flush_removed);
   * retention order: free blocks that a hint protects are kept out of the free
     queue (`ProtectedFreeBlocks`) and counted as free; the queue (ordinary,
     LRU) is consumed first, then retained blocks by priority, then pins.
@@ -189,16 +189,19 @@ class KvHintBlockPool(BlockPool):
         return self.free_block_queue.num_free_blocks + self._kvh_protected.count
 
     def get_new_blocks(self, num_blocks: int):  # type: ignore[no-untyped-def]
-        if self._kvh_retaining:
+        retaining = self._kvh_retaining
+        if retaining:
             if self._kvh_protected.count:
                 self._kvh.core.expire_retention()  # may turn the retention order off
                 shortfall = num_blocks - self.free_block_queue.num_free_blocks
                 if shortfall > 0:
                     self._kvh_reclaim(shortfall)
-            if self._kvh_retaining:
-                # vLLM's own allocation, which calls `_maybe_evict_cached_block` per block (a
-                # broken pin's blocks are evicted with their cause); the removals inside it are
-                # reported together after it (one journal entry per run of the same cause).
+            retaining = self._kvh_retaining
+            if retaining and self._kvh_broken:
+                # A pin is being broken: vLLM's own allocation, which calls
+                # `_maybe_evict_cached_block` per block, so that the broken pin's blocks are
+                # evicted with their own cause; the removals inside it are reported together
+                # after it (one journal entry per run of the same cause).
                 self._kvh_pending = pending = []
                 self._kvh_runs = runs = []
                 try:
@@ -213,14 +216,16 @@ class KvHintBlockPool(BlockPool):
                     if self._kvh_unprotect:  # copies of blocks whose pins broke (_kvh_reclaim)
                         digests, self._kvh_unprotect = self._kvh_unprotect, []
                         self._kvh.unprotect_copies(digests)
-        # The retention order is off (nothing is protected, so the free count is the queue's):
-        # vLLM 0.32's own get_new_blocks with its eviction step, vLLM's
-        # _maybe_evict_cached_block, written into the loop, and the removed keys of the whole
-        # allocation carried to the step's next report (VllmAdapter.flush_removed), or reported
-        # in one call after it without a carry. That is one Python frame fewer per block
-        # taken than vLLM's own loop, and a hybrid model takes a copy per group.
-        # tests/inproc/test_pool_hooks_stock.py compares both vLLM methods with the statements
-        # repeated here (AST) and the results with stock vLLM's (Hypothesis).
+        # No pin is being broken (the retention order on or off; with it on, the queue holds no
+        # protected block, so vLLM's eviction step is all the per-block work): vLLM 0.32's own
+        # get_new_blocks with its eviction step, vLLM's _maybe_evict_cached_block, written into
+        # the loop, and the removed keys of the whole allocation carried to the step's next report
+        # (VllmAdapter.flush_removed) with the retention order off, or reported in one call after
+        # it with it on (the report ends the removed blocks' grants, which the rest of the step
+        # must see) or without a carry. That is one Python frame fewer per block taken than
+        # vLLM's own loop (two with the retention order on), and a hybrid model takes a copy per
+        # group. tests/inproc/test_pool_hooks_stock.py compares both vLLM methods with the
+        # statements repeated here (AST) and the results with stock vLLM's (Hypothesis).
         if not self.enable_caching:  # nothing to evict (KvHintScheduler refuses such an engine)
             return _get_new_blocks(self, num_blocks)
         if num_blocks > self.free_block_queue.num_free_blocks:
@@ -228,11 +233,9 @@ class KvHintBlockPool(BlockPool):
         ret = self.free_block_queue.popleft_n(num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(ret)
-        # The removed keys go straight into the adapter's carry, reported with the next store,
-        # report or step boundary (VllmAdapter.flush_removed); without a carry, after the loop.
         # The cause here is always EVICTED: the other causes are set only around vLLM calls that
-        # do not allocate.
-        carry = self._kvh_carry
+        # do not allocate, and a broken pin's blocks take the path above.
+        carry = None if retaining else self._kvh_carry
         removed: list[Any] = [] if carry is None else carry
         metrics = self.metrics_collector
         remove_hashes = self._remove_cached_block_hashes

@@ -236,3 +236,34 @@ def test_an_allocation_that_expires_the_last_grant_reports_its_evictions():
     published = [e.payload for e in cache.core.bus.read_after(after, 100_000) if isinstance(e.payload, BlocksRemoved)]
     assert [h for p in published for h in p.block_hashes] == vllm_removed
     assert {p.cause for p in published} == {RemovalCause.EVICTED}
+
+
+def test_with_a_grant_in_effect_an_allocation_evicts_in_its_own_loop_and_reports_at_once(monkeypatch):
+    """The retention order on and no pin being broken: the queue holds no protected block, so
+    the allocation runs vLLM's eviction step written into its loop (vLLM's per-block
+    `_maybe_evict_cached_block` is not called) and reports its removals in one call right after
+    it, not carried to the step's next report (the report ends the removed blocks' grants), in
+    the order vLLM's own events list them; the retained blocks stay cached."""
+    from pool_support import _external
+
+    from kvhint_server.model import RemovalCause
+
+    cache = Cache(NUM_BLOCKS)
+    kept = cache.run("kept", tokens(0, 3 * BLOCK_SIZE), "keep")
+    other = cache.run("other", tokens(1, 4 * BLOCK_SIZE), "other")
+    [granted] = cache.apply(retain(session("keep"), ttl_s=60.0))
+    assert granted.affected and not runs_stock_methods(cache)
+    cache.take_removed()
+    per_block: list[object] = []
+    monkeypatch.setattr(cache.pool, "_maybe_evict_cached_block", per_block.append)
+    reports: list[tuple[list[bytes], RemovalCause]] = []
+    report = cache.adapter.on_keys_removed
+    monkeypatch.setattr(cache.adapter, "on_keys_removed", lambda keys, cause: (reports.append((list(keys), cause)), report(keys, cause)))
+    taken = cache.allocate(cache.pool.free_block_queue.num_free_blocks)  # the whole queue: every ordinary cached block
+    assert taken and not per_block
+    assert len(reports) == 1 and reports[0][1] is RemovalCause.EVICTED  # one report, before the step goes on
+    assert not cache.adapter._carried
+    vllm_removed = cache.take_removed()
+    assert set(cache.chain(other)) <= set(vllm_removed)
+    assert [_external(key[:-4]) for key in reports[0][0]] == vllm_removed  # keys: digest + group id
+    assert all(cache.is_cached(h) for h in cache.chain(kept)) and len(cache.filed()) == 3
