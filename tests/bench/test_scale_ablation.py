@@ -3,6 +3,8 @@ and the no-op'd piece really is out of the KvHint side's path. Timings are not a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from bench import scale_ablation
@@ -115,53 +117,52 @@ def _pending_at_update(pair: Pair) -> list[int]:
     return seen
 
 
-def test_settled_after_the_unit_leaves_the_device_wait_to_the_engine() -> None:
+@pytest.fixture
+def settler_pair() -> Iterator[Pair]:
+    """A filled pair of the settler shape (its settler thread running), closed afterwards."""
+    pair = Pair(SETTLER)
+    try:
+        pair.fill_and_freeze()
+        yield pair
+    finally:
+        pair.close()
+
+
+def test_settled_after_the_unit_leaves_the_device_wait_to_the_engine(settler_pair: Pair) -> None:
     """As shipped, the settler books what schedule() journaled during the device wait (woken
     where schedule() ends); with the variant, nothing wakes it there, so those entries are still
     pending when update_from_output() starts, and are booked after the unit all the same."""
-    pair = Pair(SETTLER)
-    try:
-        pair.fill_and_freeze()
-        scale_ablation.VARIANTS["settled after the unit"][0](pair)
-        seen = _pending_at_update(pair)
-        last = pair.kv.core.bus.last_sequence
-        pair.steps(6, "steady")
-        assert pair.kv.core.journal.pending() == 0 and pair.kv.core.bus.last_sequence > last
-        assert any(seen), seen
-    finally:
-        pair.close()
+    pair = settler_pair
+    scale_ablation.VARIANTS["settled after the unit"][0](pair)
+    seen = _pending_at_update(pair)
+    last = pair.kv.core.bus.last_sequence
+    pair.steps(6, "steady")
+    assert pair.kv.core.journal.pending() == 0 and pair.kv.core.bus.last_sequence > last
+    assert any(seen), seen
 
 
-def test_settled_inline_stops_the_settler_and_the_driver_settles() -> None:
-    pair = Pair(SETTLER)
-    try:
-        pair.fill_and_freeze()
-        journal = pair.kv.core.journal
-        scale_ablation.VARIANTS["settled inline after the unit"][0](pair)
-        last = pair.kv.core.bus.last_sequence
-        pair.steps(3, "steady")
-        assert journal._thread is None and journal.deferring  # deferred, no thread
-        assert journal.pending() == 0 and pair.kv.core.bus.last_sequence > last
-        assert sum(u.kv_settle_ns for u in pair.units[-3:]) > 0  # the driver's own settle, timed apart
-    finally:
-        pair.close()
+def test_settled_inline_stops_the_settler_and_the_driver_settles(settler_pair: Pair) -> None:
+    pair = settler_pair
+    journal = pair.kv.core.journal
+    scale_ablation.VARIANTS["settled inline after the unit"][0](pair)
+    last = pair.kv.core.bus.last_sequence
+    pair.steps(3, "steady")
+    assert journal._thread is None and journal.deferring  # deferred, no thread
+    assert journal.pending() == 0 and pair.kv.core.bus.last_sequence > last
+    assert sum(u.kv_settle_ns for u in pair.units[-3:]) > 0  # the driver's own settle, timed apart
 
 
 @pytest.mark.parametrize("variant", ["settler settles nothing", "settler settles nothing, collects after the unit"])
-def test_a_settler_that_settles_nothing_leaves_the_index_alone(variant: str) -> None:
-    pair = Pair(SETTLER)
-    try:
-        pair.fill_and_freeze()
-        core = pair.kv.core
-        scale_ablation.VARIANTS[variant][0](pair)
-        last = core.bus.last_sequence
-        pair.steps(3, "steady")
-        assert core.journal.pending() == 0 and core.bus.last_sequence == last  # dropped, not booked
-        assert core.journal._thread is not None  # the settler still runs
-        if variant.endswith("after the unit"):
-            assert core.journal.collect_young() is False  # the settler's own collection is off
-    finally:
-        pair.close()
+def test_a_settler_that_settles_nothing_leaves_the_index_alone(settler_pair: Pair, variant: str) -> None:
+    pair = settler_pair
+    core = pair.kv.core
+    scale_ablation.VARIANTS[variant][0](pair)
+    last = core.bus.last_sequence
+    pair.steps(3, "steady")
+    assert core.journal.pending() == 0 and core.bus.last_sequence == last  # dropped, not booked
+    assert core.journal._thread is not None  # the settler still runs
+    if variant.endswith("after the unit"):
+        assert core.journal.collect_young() is False  # the settler's own collection is off
 
 
 def test_the_settler_variants_need_the_settler_shape(capsys: pytest.CaptureFixture[str]) -> None:
