@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pool_support import BLOCK_SIZE, Cache, pin, release, retain, session, tokens
+from pool_support import BLOCK_SIZE, Cache, _external, pin, release, retain, session, tokens
 from vllm.v1.core.block_pool import BlockPool
 
 from engine_integration.hooks import KvHintBlockPool
@@ -244,8 +244,6 @@ def test_with_a_grant_in_effect_an_allocation_evicts_in_its_own_loop_and_reports
     `_maybe_evict_cached_block` is not called) and reports its removals in one call right after
     it, not carried to the step's next report (the report ends the removed blocks' grants), in
     the order vLLM's own events list them; the retained blocks stay cached."""
-    from pool_support import _external
-
     from kvhint_server.model import RemovalCause
 
     cache = Cache(NUM_BLOCKS)
