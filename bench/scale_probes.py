@@ -20,6 +20,7 @@ from typing import Any
 from kvhint.v1 import kvhint_pb2 as pb
 
 from .scale_driver import HintSender, Pair, Side, thread_ns
+from .scale_report import REMOVAL_CALLBACKS
 from .scale_workload import HintPlan, Turn, tokens
 
 # ---------------------------------------------------------------- memory
@@ -117,7 +118,10 @@ def _adapter_maps(adapter: Any) -> list[Any]:
 
 CALLBACKS = {  # adapter callback -> blocks it handles, from its arguments
     "on_blocks_cached": lambda a: a[3] - a[2],  # (request, blocks, num_cached, num_full, ...)
-    "on_keys_removed": lambda a: len(a[0]),  # (keys, cause)
+    # Every removal report: `on_keys_removed`'s, and the carried removals of allocations that
+    # `flush_removed` reports at a step boundary, which do not go through `on_keys_removed`.
+    # Raw data written before the carry has "on_keys_removed" instead (scale_report.REMOVAL_CALLBACKS).
+    REMOVAL_CALLBACKS[0]: lambda a: len(a[0]),  # (keys, cause)
     "on_prefix_hit": lambda a: 0,
 }
 

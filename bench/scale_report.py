@@ -7,7 +7,9 @@ Costs per block, three ways:
     admissions through the KVCacheManager: the per-call costs are spread over many blocks);
   * callbacks: the adapter's residency callbacks timed per call in steady steps (raw.json
     "attribution"): us per admitted block (on_blocks_cached) and per evicted block
-    (on_keys_removed); the hook wrappers around vLLM's methods come on top.
+    (`_report_removed`, through which every removal report goes; raw data written before the
+    allocations' removals were carried to the step's next report timed `on_keys_removed`, which
+    those reports no longer pass); the hook wrappers around vLLM's methods come on top.
 """
 
 from __future__ import annotations
@@ -106,6 +108,17 @@ def analyse(run: dict[str, Any], units: Sequence[dict[str, Any]]) -> dict[str, A
 # ---------------------------------------------------------------- tables
 
 
+# The removal callback timed by scale_probes.attribution, by its name in raw data, newest first:
+# `_report_removed` (every removal report), then `on_keys_removed` (raw data written before the
+# allocations' removals were carried to the step's next report).
+REMOVAL_CALLBACKS = ("_report_removed", "on_keys_removed")
+
+
+def _removal(attribution: dict[str, Any]) -> str:
+    """The removal callback's name in one run's attribution (the newest name when it has none)."""
+    return next((name for name in REMOVAL_CALLBACKS if name in attribution), REMOVAL_CALLBACKS[0])
+
+
 def _f(x: float, digits: int = 2) -> str:
     return "-" if x != x else f"{x:.{digits}f}"
 
@@ -197,7 +210,7 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         "the fill admissions that evicted nothing (whole prompts at once; KvHint also records the session's membership of the "
         "prefix-hit blocks there, which are not counted as admitted, so runs with many sessions on shared prompts cost more "
         "per admitted block). Callbacks: the adapter's "
-        "`on_blocks_cached` / `on_keys_removed` timed per call over steady steps of the KvHint side (index, retention "
+        "`on_blocks_cached` / `_report_removed` (every removal report, the carried ones included) timed per call over steady steps of the KvHint side (index, retention "
         "and event bookkeeping; the hook wrappers come on top). Quiet steps: 32 resumed sessions decode inside one "
         "block each (no block stored or evicted, no hint). KvHint lines per strictly quiet step: one more quiet round, "
         "untimed, with `sys.settrace` counting the lines of kvhint_server/ and engine_integration/ that the KvHint side "
@@ -210,7 +223,7 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         a = analyses[r["name"]]
         c, q, at = a.get("costs"), a["quiet"], r.get("attribution", {})
         cells = [f"{_f(c['churn_us'])}", f"{_f(c['bulk_admit_us'])} ({_f(c['stock_bulk_admit_us'])})"] if c else ["-", "-"]
-        for name in ("on_blocks_cached", "on_keys_removed"):
+        for name in ("on_blocks_cached", _removal(at)):
             x = at.get(name)
             cells.append(f"{x['us_per_block']:.1f} ({x['us_per_call']:.0f}, {x['blocks'] / max(1, x['calls']):.1f})" if x else "-")
         lines.append(
@@ -228,7 +241,7 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         ]
         for r, at in fits:
             cells = []
-            for name in ("on_blocks_cached", "on_keys_removed"):
+            for name in ("on_blocks_cached", _removal(at)):
                 x = at.get(name, {})
                 cells.append(f"{x['fit_us_fixed']:.1f} + {x['fit_us_per_block']:.2f} x blocks" if "fit_us_fixed" in x else "-")
             lines.append(f"| {r['label']} | {' | '.join(cells)} |")
@@ -469,7 +482,7 @@ def plot(raw: dict[str, Any], analyses: dict[str, dict[str, Any]], path: Path) -
     series = (
         ("KvHint - stock us per churned block", lambda r, a: a["costs"]["churn_us"]),
         ("admission callback us per block", callback("on_blocks_cached")),
-        ("removal callback us per block", callback("on_keys_removed")),
+        ("removal callback us per block", lambda r, a: callback(_removal(r.get("attribution", {})))(r, a)),
         ("KvHint - stock us per bulk-admitted block", lambda r, a: a["costs"]["bulk_admit_us"]),
         ("KvHint - stock us per quiet step", lambda r, a: a["quiet_overhead_us"]),
         ("stock us per quiet step", lambda r, a: a["quiet"]["stock_median_ms"] * 1e3),

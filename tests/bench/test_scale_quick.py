@@ -11,7 +11,7 @@ import pytest
 
 from bench import scale
 from bench.scale_driver import Side
-from bench.scale_report import read_units
+from bench.scale_report import _removal, read_units
 from bench.scale_workload import Shape, Turn, tokens
 
 RUNS = ("p1024_s200", "p4096_s200", "p4096_s50", "p4096_s200_hints", "p1024_s200_hints", "p4096_s200_vs_events", "p4096_s200_deferred",
@@ -112,6 +112,21 @@ def test_the_workload_churns_a_full_pool_and_quiet_steps_change_nothing(out: Pat
             assert mem["kvhint_gc_objects"] < mem["gc_objects"] and mem["gc_full_ms"] > 0
         else:
             assert "gc_full_ms" not in mem
+
+
+def test_the_callback_attribution_times_admissions_and_removals(out: Path) -> None:
+    """The per-call costs of the residency callbacks cover every admission and every removal
+    report: an allocation's removals are carried to the step's next report (`flush_removed`),
+    which does not pass `on_keys_removed`, so timing that method alone saw no removal at all."""
+    raw = json.loads((out / "raw.json").read_text())
+    timed = [run for run in raw["runs"] if "attribution" in run]
+    assert timed
+    for run in timed:
+        at = run["attribution"]
+        admitted, removed = at["on_blocks_cached"], at[_removal(at)]
+        assert admitted["calls"] > 0 and admitted["blocks"] > 0, run["name"]
+        assert removed["calls"] > 0 and removed["blocks"] > 0, run["name"]
+        assert removed["us_per_block"] > 0, run["name"]
 
 
 def test_hints_are_applied_at_the_configured_rate(out: Path) -> None:
