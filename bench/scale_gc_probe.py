@@ -3,7 +3,8 @@ steps, per generation, on one stock/KvHint pair (16384 blocks, 10000 sessions by
 what each side's steps leave in the collector's young generation.
 
     python -m bench.scale_gc_probe [--pool 16384] [--sessions 10000] [--steps 150] [--bookkeeping deferred]
-                                   [--no-settler-gc] [--out bench/results/scale_gc_probe.md]
+                                   [--no-settler-gc] [--aa] [--freeze-before-fill]
+                                   [--out bench/results/scale_gc_probe.md]
 
 The pair is filled and warmed as in bench.scale (`scale_driver.Pair.fill_and_freeze`: the heap is
 frozen after the fill, as EngineCore freezes its start-up heap). Then two passes of `--steps`
@@ -20,6 +21,15 @@ steps each:
 With deferred bookkeeping the driver settles the journal between steps as the settler thread
 does, including its young collection (`ResidencyJournal.collect_young`); `--no-settler-gc`
 leaves that collection out, so the collections land where CPython's own trigger puts them.
+
+`--aa` runs the same passes on a stock/stock pair (the second side, "stock-b", in KvHint's place):
+the process's own collections without KvHint, the baseline for the KvHint pair's. By default the
+heap is frozen after the fill, so the index KvHint built during the fill is frozen with vLLM's
+pool and no full collection traverses it. `--freeze-before-fill` freezes first, as EngineCore
+freezes its start-up heap before it serves: the fill stands in for the serving history, and what
+it builds (KvHint's index, the sessions' state) stays in the collector's generations, as it does
+in an engine that has served for a while. That is the setting for the full (generation 2)
+collections' frequency and cost.
 
 Both sides live in one process, so a young collection that KvHint's allocations trigger also
 traverses the young objects of the stock side: what lands on KvHint here is an upper bound of what
@@ -110,9 +120,9 @@ def markdown(raw: dict[str, Any]) -> str:
         "",
         f"`{raw['command']}` on commit {raw['commit']}; {raw['shape']}.",
         "",
-        f"Pass 1, {c['steps']} steps: KvHint / stock scheduler CPU per step, median of per-step ratios "
+        f"Pass 1, {c['steps']} steps: {'stock-b' if raw.get('aa') else 'KvHint'} / stock scheduler CPU per step, median of per-step ratios "
         f"{c['median_ratio']:.3f}x, ratio of totals {c['totals_ratio']:.3f}x "
-        f"(KvHint - stock: {c['kv_minus_stock_us_per_step']} us per step).",
+        f"({'stock-b' if raw.get('aa') else 'KvHint'} - stock: {c['kv_minus_stock_us_per_step']} us per step).",
         "",
         "| during | generation | collections | ms each | us per step |",
         "|---|---|---|---|---|",
@@ -143,21 +153,32 @@ def main(argv: list[str] | None = None) -> int:
                     help="KvHint's residency bookkeeping (deferred: settled between steps, outside the timing)")
     ap.add_argument("--no-settler-gc", action="store_true",
                     help="deferred: settle without the settler's young collection (ResidencyJournal.collect_young)")
+    ap.add_argument("--aa", action="store_true", help="a stock/stock pair instead (the process without KvHint)")
+    ap.add_argument("--freeze-before-fill", action="store_true",
+                    help="freeze the heap before the fill, as EngineCore before it serves (default: after the fill)")
     ap.add_argument("--out", default=None, help="write the table here (markdown) and the raw figures next to it (.json)")
     a = ap.parse_args(argv)
+    if a.aa and a.no_settler_gc:
+        ap.error("--no-settler-gc changes KvHint's settler: a --aa pair has none")
     shape = Shape(a.pool, a.sessions, steps=a.steps, bookkeeping=a.bookkeeping)
     command = "python -m bench.scale_gc_probe" + "".join(
         f" --{k} {v}" for k, v, d in (("pool", a.pool, 16384), ("sessions", a.sessions, 10000), ("steps", a.steps, 150),
                                       ("bookkeeping", a.bookkeeping, "auto")) if v != d)
-    command += " --no-settler-gc" if a.no_settler_gc else ""
+    command += "".join(f" --{flag}" for flag, on in (("no-settler-gc", a.no_settler_gc), ("aa", a.aa),
+                                                    ("freeze-before-fill", a.freeze_before_fill)) if on)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    pair = Pair(shape)
+    pair = Pair(shape, aa=a.aa)
     if a.no_settler_gc and pair.kv.core is not None:
         pair.kv.core.journal.collect_young = lambda: False  # type: ignore[method-assign]
     try:
-        pair.fill_and_freeze()
+        if a.freeze_before_fill:
+            gc.collect()
+            gc.freeze()
+            pair.fill()
+        else:
+            pair.fill_and_freeze()
         pair.steps(shape.warmup_steps, "warmup")
-        raw = {"command": command, "commit": commit or "unknown", "shape": shape.label, "steps": a.steps,
+        raw = {"command": command, "commit": commit or "unknown", "shape": shape.label, "steps": a.steps, "aa": a.aa,
                "collections": collections_pass(pair, a.steps), "young": young_pass(pair, a.steps)}
     finally:
         pair.close()

@@ -3,6 +3,11 @@ settle, and the table lists what they measured. Timings and counts are not asser
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
+import pytest
+
 from bench import scale_gc_probe
 from bench.scale_driver import Pair
 from bench.scale_workload import Shape
@@ -27,3 +32,49 @@ def test_both_passes_measure_every_region_and_restore_the_pair() -> None:
            "collections": collections, "young": young}
     text = scale_gc_probe.markdown(raw)
     assert "| settle |" in text and "| kvhint |" in text and "| stock |" in text
+
+
+def test_an_aa_pair_measures_the_process_without_kvhint() -> None:
+    pair = Pair(SMALL, aa=True)
+    try:
+        pair.fill()
+        assert pair.kv.core is None  # the second side is stock too
+        collections = scale_gc_probe.collections_pass(pair, 4)
+        young = scale_gc_probe.young_pass(pair, 4)
+    finally:
+        pair.close()
+    assert set(young) == {"stock", "stock-b", "settle"}
+    assert young["settle"]["max"] == 0  # nothing to settle without KvHint
+    raw = {"command": "python -m bench.scale_gc_probe --aa", "commit": "abc", "shape": SMALL.label, "steps": 4, "aa": True,
+           "collections": collections, "young": young}
+    assert "stock-b / stock scheduler CPU" in scale_gc_probe.markdown(raw)
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_freeze_before_fill_freezes_the_heap_before_the_history_is_built(
+    before: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    order: list[str] = []
+    freeze, fill = gc.freeze, Pair.fill
+
+    def freeze_and_note() -> None:
+        order.append("freeze")
+        freeze()
+
+    def fill_and_note(self: Pair) -> dict[str, int]:
+        order.append("fill")
+        return fill(self)
+
+    monkeypatch.setattr(gc, "freeze", freeze_and_note)
+    monkeypatch.setattr(Pair, "fill", fill_and_note)
+    monkeypatch.setattr(scale_gc_probe, "Shape", lambda *a, **k: SMALL)
+    out = tmp_path / "probe.md"
+    argv = ["--steps", "2", "--out", str(out)] + (["--freeze-before-fill"] if before else [])
+    assert scale_gc_probe.main(argv) == 0
+    assert order == (["freeze", "fill"] if before else ["fill", "freeze"])
+    assert ("--freeze-before-fill" in out.read_text()) is before
+
+
+def test_no_settler_gc_is_refused_for_an_aa_pair() -> None:
+    with pytest.raises(SystemExit):
+        scale_gc_probe.main(["--aa", "--no-settler-gc"])
