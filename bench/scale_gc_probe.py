@@ -8,7 +8,7 @@ what each side's steps leave in the collector's young generation.
 
 The pair is filled and warmed as in bench.scale (`scale_driver.Pair.fill_and_freeze`: the heap is
 frozen after the fill, as EngineCore freezes its start-up heap). Then two passes of `--steps`
-steps each:
+steps each, and with deferred bookkeeping a third of at most 100:
 
 * **Where collections land.** Every collection is timed (`gc.callbacks`) and charged to the side
   whose step was running (or to neither: the driver between steps, and deferred settling).
@@ -17,6 +17,9 @@ steps each:
   across the KvHint side's settle. A young collection runs when that count passes its threshold
   (700), so a side whose steps leave objects alive raises the chance that the crossing, and the
   collection's cost, lands in its steps.
+* **What the settle leaves alive** (`census_pass`): the tracked objects each deferred settle
+  made and still references, by type. Such objects outlive the young collections, so they are
+  what reaches the oldest generation and drives full collections.
 
 With deferred bookkeeping the driver settles the journal between steps as the settler thread
 does, including its young collection (`ResidencyJournal.collect_young`); `--no-settler-gc`
@@ -52,6 +55,9 @@ from typing import Any
 
 from .scale_driver import Pair
 from .scale_workload import Shape
+
+
+CENSUS_STEPS = 100  # pass 3's steps at most (each settle lists the young generation)
 
 
 def collections_pass(pair: Pair, steps: int) -> dict[str, Any]:
@@ -113,6 +119,41 @@ def young_pass(pair: Pair, steps: int) -> dict[str, dict[str, float]]:
             for region, d in sorted(deltas.items())}
 
 
+def census_pass(pair: Pair, steps: int) -> dict[str, float]:
+    """What the KvHint side's deferred settle leaves alive, by type, per settle: before each
+    settle a young collection empties the young generation, and with the collector off for the
+    settle, what the young generation then holds was made by the settle and is still referenced
+    (tracked objects only: the collector's own view). These are what later collections
+    traverse and promote, and, once they reach the oldest generation, what counts toward
+    CPython's long-lived heuristic for full collections. The settle's own young collection is
+    skipped here (it would move them out of view). Empty for a pair without deferred
+    bookkeeping."""
+    kv = pair.kv
+    if kv.core is None or not kv.core.journal.deferring:
+        return {}
+    made: dict[str, int] = {}
+    journal = kv.core.journal
+
+    def around(region: str, call: Callable[[], Any]) -> Any:
+        if region != "settle":
+            return call()
+        gc.collect(0)
+        gc.disable()
+        collect, journal.collect_young = journal.collect_young, lambda: False  # type: ignore[method-assign]
+        try:
+            return call()
+        finally:
+            journal.collect_young = collect  # type: ignore[method-assign]
+            for obj in gc.get_objects(0):
+                name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+                made[name] = made.get(name, 0) + 1
+            gc.enable()
+
+    with pair.around_steps(around):
+        pair.steps(steps, "steady")
+    return {name: round(n / steps, 1) for name, n in sorted(made.items(), key=lambda kv_: -kv_[1])}
+
+
 def markdown(raw: dict[str, Any]) -> str:
     c = raw["collections"]
     lines = [
@@ -139,6 +180,18 @@ def markdown(raw: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     lines += [f"| {region} | {d['mean']:+.1f} | {d['median']:+g} | {d['max']:+d} |" for region, d in raw["young"].items()]
+    census = raw.get("census")
+    if census:
+        lines += [
+            "",
+            f"Pass 3, {raw['census_steps']} more steps: the tracked objects each deferred settle leaves alive, by type "
+            "(the young generation emptied before the settle, the collector off during it; the settle's own young "
+            "collection skipped), per settle:",
+            "",
+            "| type | per settle |",
+            "|---|---|",
+        ]
+        lines += [f"| `{name}` | {n:.1f} |" for name, n in census.items()]
     lines += ["", "One run, single pair: a diagnostic, not a ratio to quote as the overhead (bench.scale is that).", ""]
     return "\n".join(lines)
 
@@ -180,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         pair.steps(shape.warmup_steps, "warmup")
         raw = {"command": command, "commit": commit or "unknown", "shape": shape.label, "steps": a.steps, "aa": a.aa,
                "collections": collections_pass(pair, a.steps), "young": young_pass(pair, a.steps)}
+        raw["census_steps"] = min(a.steps, CENSUS_STEPS)
+        raw["census"] = census_pass(pair, raw["census_steps"])
     finally:
         pair.close()
     text = markdown(raw)

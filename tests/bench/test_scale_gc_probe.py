@@ -78,3 +78,31 @@ def test_freeze_before_fill_freezes_the_heap_before_the_history_is_built(
 def test_no_settler_gc_is_refused_for_an_aa_pair() -> None:
     with pytest.raises(SystemExit):
         scale_gc_probe.main(["--aa", "--no-settler-gc"])
+
+
+def test_the_census_lists_what_each_settle_leaves_alive_and_restores_the_settle() -> None:
+    pair = Pair(SMALL)
+    try:
+        pair.fill()
+        settle, collect = pair.kv.settle, pair.kv.core.journal.collect_young
+        census = scale_gc_probe.census_pass(pair, 4)
+        assert (pair.kv.settle, pair.kv.core.journal.collect_young) == (settle, collect)
+    finally:
+        pair.close()
+    # Each step stores blocks of sessions: the settle books index nodes and their events.
+    assert census["kvhint_server.index.Node"] > 0
+    assert census["kvhint_server.events.Event"] > 0
+    raw = {"command": "python -m bench.scale_gc_probe", "commit": "abc", "shape": SMALL.label, "steps": 4, "aa": False,
+           "collections": {"steps": 4, "median_ratio": 1.0, "totals_ratio": 1.0, "kv_minus_stock_us_per_step": 0,
+                           "collections": []},
+           "young": {}, "census_steps": 4, "census": census}
+    assert "| `kvhint_server.index.Node` |" in scale_gc_probe.markdown(raw)
+
+
+def test_an_aa_pair_has_no_census() -> None:
+    pair = Pair(SMALL, aa=True)
+    try:
+        pair.fill()
+        assert scale_gc_probe.census_pass(pair, 2) == {}
+    finally:
+        pair.close()
