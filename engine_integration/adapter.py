@@ -493,8 +493,7 @@ class VllmAdapter:
         self._record_runs(hashes, positions, wire, coords, prefix_hit=True)
 
     def _is_member(self, ext: bytes, session: str) -> bool:
-        node = self.core.index.node(ext)
-        return node is not None and node.has_member(session)
+        return self.core.index.has_member(ext, session)
 
     def flush_removed(self) -> None:
         """Engine thread: report the carried removals (`_carried`) now, as one

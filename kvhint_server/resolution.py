@@ -30,8 +30,8 @@ def resolve(core: KvHintCore, selector: Selector) -> list[bytes]:
         return _chain_ordered(core, selector.block_hashes)
     if selector.has_range:
         end = selector.range_end if selector.range_end is not None else 1 << 62
-        nodes = index.nodes
-        hashes = [h for h in hashes if selector.range_start <= nodes[h].position < end]
+        position_of = index.position_of
+        hashes = [h for h in hashes if selector.range_start <= position_of(h) < end]  # type: ignore[operator]
     return hashes
 
 
@@ -45,9 +45,9 @@ def _chain_ordered(core: KvHintCore, hashes: Sequence[bytes]) -> list[bytes]:
     positions: dict[bytes, int] = {}
     unknown: list[bytes] = []
     for h in hashes:
-        node = index.node(h)
-        if node is not None:
-            positions[h] = node.position
+        position = index.position_of(h)
+        if position is not None:
+            positions[h] = position
         else:
             unknown.append(h)
     if unknown:
@@ -65,11 +65,10 @@ def tiers_of(core: KvHintCore, hashes: Sequence[bytes]) -> dict[bytes, int]:
     out: dict[bytes, int] = {}
     unknown: list[bytes] = []
     for h in hashes:
-        node = index.node(h)
-        if node is None:
-            unknown.append(h)
+        if index.tracks(h):
+            out[h] = index.tier_bits(h)
         else:
-            out[h] = node.tiers
+            unknown.append(h)
     if unknown:
         for h, state in core.adapter.lookup(unknown).items():
             out[h] = state.tiers
