@@ -21,11 +21,7 @@ bookkeeping is settled after each step outside the timed region, as bench.scale 
   * grants: as async, with retention grants in effect (1000 hints/s during the warm-up, TTLs
     past the run): the retention order's own engine-thread work;
   * hybrid: as async, on a hybrid model's layout (full attention and a 128-token sliding window,
-    two KV-cache groups sharing the pool);
-  * inline: the synchronous scheduler with inline bookkeeping (the default on vLLM's CPU
-    platform): the index and event work inside the step;
-  * settler, aa: bench.scale_target's (the settler thread with a 20 ms device wait; stock vs
-    stock).
+    two KV-cache groups sharing the pool).
 
 The child process imports bench.scale_driver / bench.scale_workload of the tree it measures,
 so REV must have them (commit 2b63181 or later).
@@ -53,8 +49,6 @@ SHAPES: dict[str, dict[str, Any]] = {
     # bench.scale_target's: the settler thread with a device wait, and the stock-vs-stock null.
     "settler": {"async_scheduling": True, "settler_thread": True, "gpu_wait_s": 0.02},
     "aa": {"aa": True},
-    # Inline bookkeeping (the default on vLLM's CPU platform): the index and event work in the step.
-    "inline": {"bookkeeping": "inline"},
     # The async shape on a hybrid model's layout (two KV-cache groups share the pool).
     "hybrid": {"async_scheduling": True, "hybrid": True},
 }

@@ -84,14 +84,15 @@ def memory(side: Side, gc_repeats: int = 3) -> dict[str, int]:
     index = core.index
     sessions = len(index.sessions)
     owners = (core, adapter, pool, sched)
-    index_bytes, index_gc = deep_stats(index.storage(), stop=owners)
+    index_bytes, index_gc = deep_stats([index.nodes, index.sessions, index.children_of, index.continuations,
+                                        index._continuations_at], stop=owners)
     map_bytes, map_gc = deep_stats(_adapter_maps(adapter), exclude=(KVCacheBlock,), stop=owners)
     retention_bytes, retention_gc = deep_stats([core.ledger, pool._kvh_protected], exclude=(KVCacheBlock,), stop=owners)
     bus_bytes, bus_gc = deep_stats([core.bus._ring])
     return {
         "cached_blocks": len(pool.cached_block_hash_to_block),
         "index_nodes": len(index.nodes),
-        "index_resident_nodes": sum(1 for h in index.nodes if index.tier_bits(h)),
+        "index_resident_nodes": sum(1 for n in index.nodes.values() if n.tiers),
         "sessions": sessions,
         "memberships": sum(len(s.blocks) for s in index.sessions.values()),
         "retained_blocks": len(core.ledger.grants),

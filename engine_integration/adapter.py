@@ -493,7 +493,8 @@ class VllmAdapter:
         self._record_runs(hashes, positions, wire, coords, prefix_hit=True)
 
     def _is_member(self, ext: bytes, session: str) -> bool:
-        return self.core.index.has_member(ext, session)
+        node = self.core.index.node(ext)
+        return node is not None and node.has_member(session)
 
     def flush_removed(self) -> None:
         """Engine thread: report the carried removals (`_carried`) now, as one

@@ -55,7 +55,7 @@ from .events import (
     TierTransferCompleted,
 )
 from .executor import HintExecutor
-from .index import MAX_MEMBERS_REPORTED, LeaveCause, Members, Removal, SessionPrefixIndex
+from .index import MAX_MEMBERS_REPORTED, LeaveCause, Node, Removal, SessionPrefixIndex
 from .journal import ResidencyJournal
 from .model import EngineInfo, RemovalCause, RequestCoords, RetentionView, Tier, session_of_owner
 from .operations import OperationRegistry
@@ -482,7 +482,7 @@ class KvHintCore:
                 h for h in hashes if h in grants and not (remaining_tiers(h) & mask if remaining_tiers else 0)
             ])
         block_size = self.info.block_size
-        members_of = self.index.members_of
+        nodes = self.index.nodes
         mark_removed = self.index.mark_removed
         router = self.router
         resident = self.resident[tier]
@@ -495,8 +495,9 @@ class KvHintCore:
         run_hashes: list[bytes] = []
         run_tokens: list[int] = []
         for h in hashes:
-            extra = None if router is None else self._removal_tenants(h, members_of(h))
-            removal = mark_removed(h, tier)  # None for a block the index does not track
+            node = nodes.get(h)
+            extra = None if router is None else self._removal_tenants(h, node)
+            removal = None if node is None else mark_removed(h, tier)
             if removal is None:
                 base: object = remaining_tiers(h) == 0 if remaining_tiers else True
                 tokens = 0
@@ -530,7 +531,7 @@ class KvHintCore:
                 tenants=None if extra is None or router is None else extra | router.tenants_of(sessions),
             )
 
-    def _removal_tenants(self, h: bytes, members: Members) -> frozenset[str] | None:
+    def _removal_tenants(self, h: bytes, node: Node | None) -> frozenset[str] | None:
         """With tenancy, before a copy of `h` is marked removed: the tenants its removal must
         reach besides those of the sessions the event names (at most MAX_MEMBERS_REPORTED
         members): every member's when it has more, and those whose sessions left it while it
@@ -538,6 +539,7 @@ class KvHintCore:
         alone. O(members) for a block with more."""
         assert self.router is not None
         extra = self._shown_tenants.get(h)
+        members = node.members if node is not None else None
         if members.__class__ is set and len(members) > MAX_MEMBERS_REPORTED:  # type: ignore[arg-type]
             wide = self.router.tenants_of(members)  # type: ignore[arg-type]
             extra = wide if extra is None else extra | wide
@@ -637,9 +639,10 @@ class KvHintCore:
         rest = tenants - {own} if own in tenants else tenants
         if not rest:
             return  # the usual store: one tenant's session, now a member of every block
-        members_of = self.index.members_of
+        nodes = self.index.nodes
         for h in hashes:
-            members = members_of(h)
+            node = nodes.get(h)
+            members = None if node is None else node.members
             missing = rest if members is None else router.absent(rest, (members,) if members.__class__ is str else members)  # type: ignore[arg-type]
             if missing:
                 self._add_shown(h, missing)

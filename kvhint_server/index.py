@@ -39,7 +39,7 @@ from __future__ import annotations
 import itertools
 
 import enum
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
@@ -74,9 +74,6 @@ Members = str | set[str] | None
 
 @dataclass(slots=True)
 class Node:
-    """One tracked block's fields, as `SessionPrefixIndex.node` reports them: a snapshot for
-    readers, not the index's storage (changing it changes nothing in the index)."""
-
     parent: bytes | None
     position: int
     tiers: int = 0
@@ -141,50 +138,9 @@ def _reported(members: Members, first: str | None, limit: int) -> tuple[str, ...
     return (first, *islice((s for s in members if s != first), limit - 1))
 
 
-class _NodesView(Mapping[bytes, Node]):
-    """The tracked blocks as a read-only mapping, block hash -> Node snapshot (built per access:
-    readers outside the hot paths; those read the index's columns through its methods)."""
-
-    __slots__ = ("_index",)
-
-    def __init__(self, index: SessionPrefixIndex) -> None:
-        self._index = index
-
-    def __getitem__(self, h: bytes) -> Node:
-        node = self._index.node(h)
-        if node is None:
-            raise KeyError(h)
-        return node
-
-    def __contains__(self, h: object) -> bool:
-        return h in self._index._fixed
-
-    def __iter__(self) -> Iterator[bytes]:
-        return iter(self._index._fixed)
-
-    def __len__(self) -> int:
-        return len(self._index._fixed)
-
-
 class SessionPrefixIndex:
-    """Storage: a node's fields are kept in columns keyed by block hash, not in an object per
-    node. Its fixed fields (parent, position, the admitting session and continuation) are one
-    tuple of atomic values in `_fixed`, which CPython's cyclic collector stops tracking at its
-    first look; its tier bits and child count are ints in `_tiers` / `_children`; its members, when
-    it has any, are in `_members`. So a tracked block costs the collector no object of its own:
-    the index is built while the engine serves, after vLLM froze its start-up heap, and an object
-    per node, made and kept for hundreds of steps, reached the oldest generation at the engine's
-    block churn rate and brought full collections (docs/design-notes.md, "Full garbage
-    collections"). `node(h)` / `nodes` give readers Node snapshots."""
-
     def __init__(self) -> None:
-        # block hash -> (parent, position, admit_session, admit_continuation); a key here is a
-        # tracked block (a node).
-        self._fixed: dict[bytes, tuple[bytes | None, int, str | None, str | None]] = {}
-        self._tiers: dict[bytes, int] = {}  # resident tiers (bitmask), every node
-        self._children: dict[bytes, int] = {}  # tracked nodes naming it as parent, every node
-        self._members: dict[bytes, str | set[str]] = {}  # nodes with members only (Members, not None)
-        self.nodes: Mapping[bytes, Node] = _NodesView(self)
+        self.nodes: dict[bytes, Node] = {}
         self.sessions: dict[str, SessionState] = {}
         self.children_of: dict[str, set[str]] = {}
         self.continuations: dict[str, bytes] = {}
@@ -227,33 +183,34 @@ class SessionPrefixIndex:
         state = self._session(session, coords.parent_session_id, now) if session else None
         prev = parent
         bit = 1 << tier
-        fixed, tiers, children, members = self._fixed, self._tiers, self._children, self._members
+        nodes = self.nodes
         continuation = coords.continuation_id
         for offset, h in enumerate(hashes):
-            if h not in fixed:
+            node = nodes.get(h)
+            if node is None:
                 existing = other_tiers(h) if other_tiers is not None else 0
                 orphans = self._orphans
-                fixed[h] = (prev, first_position + offset, session, continuation)
-                tiers[h] = existing | bit
-                children[h] = orphans.pop(h, 0) if orphans else 0
+                children = orphans.pop(h, 0) if orphans else 0
+                node = Node(prev, first_position + offset, existing | bit, children, None, session, continuation)
+                nodes[h] = node
                 if prev is not None:
-                    if prev in fixed:
-                        children[prev] += 1
+                    if (parent_node := nodes.get(prev)) is not None:
+                        parent_node.children += 1
                     else:
                         orphans[prev] = orphans.get(prev, 0) + 1
             else:
-                tiers[h] |= bit
+                node.tiers |= bit
             if state is not None:
-                m = members.get(h)
+                m = node.members
                 if m is None:
-                    members[h] = session
+                    node.members = session
                     state.blocks.add(h)
                 elif m.__class__ is str:
                     if m != session:
-                        members[h] = {m, session}  # type: ignore[set-item]
+                        node.members = {m, session}  # type: ignore[set-item]
                         state.blocks.add(h)
-                elif session not in m:
-                    m.add(session)  # type: ignore[union-attr]
+                elif session not in m:  # type: ignore[operator]
+                    m.add(session)  # type: ignore[union-attr, arg-type]
                     state.blocks.add(h)
             prev = h
         last = hashes[-1]
@@ -268,31 +225,31 @@ class SessionPrefixIndex:
         """A copy of a known block appeared on `tier` (a connector store, or a
         request without a session re-storing it). Returns False for blocks the
         index does not track."""
-        tiers = self._tiers
-        if h not in tiers:
+        node = self.nodes.get(h)
+        if node is None:
             return False
-        tiers[h] |= 1 << tier  # membership is unchanged: a parent-only node has none
+        node.tiers |= 1 << tier  # membership is unchanged: a parent-only node has none
         return True
 
     def mark_removed(self, h: bytes, tier: Tier) -> Removal | None:
         """The copy of `h` on `tier` is gone. None for untracked blocks. The
         last copy takes the block's members with it (O(1) per member); a
         session left with no block expires."""
-        fixed = self._fixed.get(h)
-        if fixed is None:
+        node = self.nodes.get(h)
+        if node is None:
             return None
         bit = 1 << tier
-        tiers = self._tiers[h]
+        tiers = node.tiers
         had_copy = tiers & bit
-        self._tiers[h] = tiers = tiers & ~bit
-        members = self._members.get(h)
-        admit = fixed[2]
+        node.tiers = tiers = tiers & ~bit
+        members = node.members
+        admit = node.admit_session
         removal = Removal(
             h,
-            fixed[1],
+            node.position,
             tiers == 0,
             admit,
-            fixed[3],
+            node.admit_continuation,
             # = self.members(h, first=admit), with the common one-member case inlined
             (members,) if members.__class__ is str else _reported(members, admit, MAX_MEMBERS_REPORTED),  # type: ignore[arg-type]
         )
@@ -300,14 +257,14 @@ class SessionPrefixIndex:
             return removal  # another copy remains, or there was none to lose
         expired = []
         if members is not None:
-            del self._members[h]  # the last copy takes the members with it
+            node.members = None  # the last copy takes the members with it
             sessions = self.sessions
             for member in _iter(members):
                 blocks = sessions[member].blocks
                 blocks.discard(h)
                 if not blocks:
                     expired.append(member)
-        if self._children[h] == 0:
+        if node.children == 0:
             self._delete_upwards(h)
         for member in expired:
             self.forget_session(member)
@@ -318,9 +275,10 @@ class SessionPrefixIndex:
         the sessions that held any of those blocks."""
         bit = 1 << tier
         affected: set[str] = set()
-        for h in [h for h, t in self._tiers.items() if t & bit]:
-            if h in self._fixed:
-                affected.update(_iter(self._members.get(h)))
+        for h in [h for h, n in self.nodes.items() if n.tiers & bit]:
+            node = self.nodes.get(h)
+            if node is not None:
+                affected.update(_iter(node.members))
                 self.mark_removed(h, tier)
         return affected
 
@@ -333,11 +291,13 @@ class SessionPrefixIndex:
             return False
         if state.blocks and self.listener is not None:
             self.listener(session, tuple(self._chain_order(state.blocks)), cause)
-        members = self._members
         for h in state.blocks:
-            m = members.get(h)
+            node = self.nodes.get(h)
+            if node is None:
+                continue
+            m = node.members
             if m == session:
-                del members[h]
+                node.members = None
             elif m is not None and m.__class__ is not str:
                 m.discard(session)  # type: ignore[union-attr]
         holders = self._continuation_holders
@@ -349,9 +309,9 @@ class SessionPrefixIndex:
             holders.pop(c, None)
             if c in self.continuations:
                 self._unpoint_continuation(c)
-        children = self._children
         for h in state.blocks:
-            if h in children and not _held_by_member(members.get(h)) and children[h] == 0:
+            node = self.nodes.get(h)
+            if node is not None and not _held_by_member(node.members) and node.children == 0:
                 self._delete_upwards(h)
         if state.parent is not None:
             siblings = self.children_of.get(state.parent)
@@ -363,45 +323,8 @@ class SessionPrefixIndex:
 
     # ------------------------------------------------------------------ queries
 
-    def storage(self) -> list[object]:
-        """Every container the index keeps (memory and collector measurements)."""
-        return [self._fixed, self._tiers, self._children, self._members, self.sessions, self.children_of,
-                self.continuations, self._continuations_at, self._continuation_holders, self._orphans]
-
     def node(self, h: bytes) -> Node | None:
-        """A snapshot of `h`'s fields (None for untracked blocks)."""
-        fixed = self._fixed.get(h)
-        if fixed is None:
-            return None
-        parent, position, admit_session, admit_continuation = fixed
-        return Node(parent, position, self._tiers[h], self._children[h], self._members.get(h),
-                    admit_session, admit_continuation)
-
-    def tracks(self, h: bytes) -> bool:
-        """Whether `h` is a tracked block (a node)."""
-        return h in self._fixed
-
-    def position_of(self, h: bytes) -> int | None:
-        """`h`'s chain position (None for untracked blocks)."""
-        fixed = self._fixed.get(h)
-        return None if fixed is None else fixed[1]
-
-    def parent_of(self, h: bytes) -> bytes | None:
-        """`h`'s parent (None for a chain's first block and for untracked blocks)."""
-        fixed = self._fixed.get(h)
-        return None if fixed is None else fixed[0]
-
-    def tier_bits(self, h: bytes) -> int:
-        """`h`'s resident tiers as a bitmask (0 for untracked blocks)."""
-        return self._tiers.get(h, 0)
-
-    def members_of(self, h: bytes) -> Members:
-        """`h`'s members as stored (None, one id or a set: do not change it)."""
-        return self._members.get(h)
-
-    def has_member(self, h: bytes, session: str) -> bool:
-        m = self._members.get(h)
-        return m == session if m.__class__ is str else (m is not None and session in m)
+        return self.nodes.get(h)
 
     def session_tree(self, session: str, include_children: bool) -> list[str]:
         """The session and (optionally) its descendants that the index knows."""
@@ -430,13 +353,12 @@ class SessionPrefixIndex:
         """The prefix chain ending at the continuation's block, root first."""
         h = self.continuations.get(continuation)
         chain: list[bytes] = []
-        fixed = self._fixed
         while h is not None:
-            f = fixed.get(h)
-            if f is None:
+            node = self.nodes.get(h)
+            if node is None:
                 break
             chain.append(h)
-            h = f[0]
+            h = node.parent
         chain.reverse()
         return chain
 
@@ -446,15 +368,15 @@ class SessionPrefixIndex:
         state = self.sessions.get(session)
         if state is None:
             return set()
-        fixed, tiers = self._fixed, self._tiers
-        resident = {h for h in state.blocks if tiers[h]}
+        nodes = self.nodes
+        resident = {h for h in state.blocks if nodes[h].tiers}
         ancestors: set[bytes] = set()
         for h in resident:
-            p = fixed[h][0]
+            p = nodes[h].parent
             while p is not None and p not in ancestors:
                 ancestors.add(p)
-                f = fixed.get(p)
-                p = f[0] if f is not None else None
+                parent_node = nodes.get(p)
+                p = parent_node.parent if parent_node is not None else None
         return resident - ancestors
 
     def iter_sessions(self) -> Iterator[tuple[str, SessionState]]:
@@ -462,23 +384,26 @@ class SessionPrefixIndex:
 
     def tier_counts(self, hashes: Iterable[bytes]) -> dict[Tier, int]:
         counts: dict[Tier, int] = {}
-        tiers = self._tiers
         for h in hashes:
-            bits = tiers.get(h)
-            if bits is None:
+            node = self.nodes.get(h)
+            if node is None:
                 continue
-            for t in tiers_of(bits):
+            for t in tiers_of(node.tiers):
                 counts[t] = counts.get(t, 0) + 1
         return counts
 
     def resident_sessions_of(self, h: bytes) -> tuple[str, ...]:
         """Every member of `h` (O(members): for hints, not for per-event paths)."""
-        return tuple(_iter(self._members.get(h)))
+        node = self.nodes.get(h)
+        return tuple(_iter(node.members)) if node is not None else ()
 
     def members(self, h: bytes, limit: int = MAX_MEMBERS_REPORTED, first: str | None = None) -> tuple[str, ...]:
         """At most `limit` members of `h`, in O(limit), whatever the member
         count; `first` leads the list when it is a member."""
-        return _reported(self._members.get(h), first, limit)
+        node = self.nodes.get(h)
+        if node is None:
+            return ()
+        return _reported(node.members, first, limit)
 
     # ------------------------------------------------------------------ internals
 
@@ -496,35 +421,33 @@ class SessionPrefixIndex:
         return state
 
     def _chain_order(self, blocks: Iterable[bytes]) -> list[bytes]:
-        fixed = self._fixed
-        keyed = [((f[1], h) if (f := fixed.get(h)) is not None else (1 << 62, h)) for h in blocks]
+        nodes = self.nodes
+        keyed = [((n.position, h) if (n := nodes.get(h)) is not None else (1 << 62, h)) for h in blocks]
         keyed.sort()
         return [h for _, h in keyed]
 
     def _delete_upwards(self, h: bytes | None) -> None:
         """Delete `h` unless it has children or is held, then its parent likewise."""
-        fixed, tiers, children, members = self._fixed, self._tiers, self._children, self._members
-        continuations_at = self._continuations_at
+        nodes, continuations_at = self.nodes, self._continuations_at
         while h is not None:
-            f = fixed.get(h)
+            node = nodes.get(h)
             # A resident node stays while a session or a continuation holds it.
-            if f is None or children[h] > 0 or (tiers[h] and (_held_by_member(members.get(h)) or h in continuations_at)):
+            if node is None or node.children > 0 or (node.tiers and (_held_by_member(node.members) or h in continuations_at)):
                 return
-            del fixed[h], tiers[h], children[h]
-            m = members.pop(h, None)
-            for member in _iter(m):  # none: an unheld node has no members
+            del nodes[h]
+            for member in _iter(node.members):  # none: an unheld node has no members
                 state = self.sessions.get(member)
                 if state is not None:
                     state.blocks.discard(h)
-            parent = f[0]
-            for c in continuations_at.pop(h, ()):
-                if parent is not None and parent in fixed:
+            parent = node.parent
+            for c in self._continuations_at.pop(h, ()):
+                if parent is not None and parent in self.nodes:
                     self._point_continuation(c, parent)
                 else:
                     self.continuations.pop(c, None)
             if parent is not None:
-                if parent in fixed:
-                    children[parent] -= 1
+                if (parent_node := self.nodes.get(parent)) is not None:
+                    parent_node.children -= 1
                 else:  # recorded before its parent, which is still untracked
                     orphans = self._orphans
                     left = orphans.get(parent, 0) - 1

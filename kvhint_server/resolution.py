@@ -30,8 +30,8 @@ def resolve(core: KvHintCore, selector: Selector) -> list[bytes]:
         return _chain_ordered(core, selector.block_hashes)
     if selector.has_range:
         end = selector.range_end if selector.range_end is not None else 1 << 62
-        position_of = index.position_of
-        hashes = [h for h in hashes if selector.range_start <= position_of(h) < end]  # type: ignore[operator]
+        nodes = index.nodes
+        hashes = [h for h in hashes if selector.range_start <= nodes[h].position < end]
     return hashes
 
 
@@ -45,9 +45,9 @@ def _chain_ordered(core: KvHintCore, hashes: Sequence[bytes]) -> list[bytes]:
     positions: dict[bytes, int] = {}
     unknown: list[bytes] = []
     for h in hashes:
-        position = index.position_of(h)
-        if position is not None:
-            positions[h] = position
+        node = index.node(h)
+        if node is not None:
+            positions[h] = node.position
         else:
             unknown.append(h)
     if unknown:
@@ -65,10 +65,11 @@ def tiers_of(core: KvHintCore, hashes: Sequence[bytes]) -> dict[bytes, int]:
     out: dict[bytes, int] = {}
     unknown: list[bytes] = []
     for h in hashes:
-        if index.tracks(h):
-            out[h] = index.tier_bits(h)
-        else:
+        node = index.node(h)
+        if node is None:
             unknown.append(h)
+        else:
+            out[h] = node.tiers
     if unknown:
         for h, state in core.adapter.lookup(unknown).items():
             out[h] = state.tiers

@@ -50,8 +50,7 @@ def resumable(core: KvHintCore, kept: list[bytes], tiers: Mapping[bytes, int]) -
     groups = window_blocks(core.info)
     if not groups or not kept or any(not tiers.get(h, 0) & Tier.DEVICE.bit for h in kept):
         return kept
-    index = core.index
-    parent_of, position_of = index.parent_of, index.position_of
+    nodes = core.index.nodes
     depth = max(n for _, n in groups)
     # The kept blocks and the ancestors whose window copies a hit ending at one of them reads.
     asked: set[bytes] = set()
@@ -61,21 +60,22 @@ def resumable(core: KvHintCore, kept: list[bytes], tiers: Mapping[bytes, int]) -
             if b is None:
                 break
             asked.add(b)
-            b = parent_of(b)
+            node = nodes.get(b)
+            b = node.parent if node is not None else None
     held = core.adapter.device_groups(list(asked))
 
     def hit_end(e: bytes) -> bool:
         for bit, n in groups:
             b: bytes | None = e
             for _ in range(n):
-                position = position_of(b) if b is not None else None
-                if position is None:
+                node = nodes.get(b) if b is not None else None
+                if node is None:
                     return True  # the chain above is unknown here: not judged
                 if not held.get(b, 0) & bit:  # type: ignore[arg-type]
                     return False
-                if position == 0:
+                if node.position == 0:
                     break  # the chain's first block: a shorter window is the whole chain
-                b = parent_of(b)  # type: ignore[arg-type]
+                b = node.parent
         return True
 
     keep = set(kept)
@@ -86,5 +86,6 @@ def resumable(core: KvHintCore, kept: list[bytes], tiers: Mapping[bytes, int]) -
         b = e
         while b is not None and b in keep and b not in useful:
             useful.add(b)
-            b = parent_of(b)
+            node = nodes.get(b)
+            b = node.parent if node is not None else None
     return [h for h in kept if h in useful]

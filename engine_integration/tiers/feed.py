@@ -151,21 +151,20 @@ class ResidencyFeed:
     def publish_stored(self, exts: list[bytes], tier: Tier, medium: str) -> None:
         """BlocksStored per chain run for blocks the index tracks (chain order,
         real positions); one event for the rest (position unknown: 0)."""
-        index = self.core.index
-        tracks, position_of, parent_of = index.tracks, index.position_of, index.parent_of
-        tracked = sorted((h for h in dict.fromkeys(exts) if tracks(h)), key=position_of)  # type: ignore[arg-type]
-        untracked = [h for h in dict.fromkeys(exts) if not tracks(h)]
+        nodes = self.core.index.nodes
+        tracked = sorted((h for h in dict.fromkeys(exts) if h in nodes), key=lambda h: nodes[h].position)
+        untracked = [h for h in dict.fromkeys(exts) if h not in nodes]
         run: list[bytes] = []
 
         def flush() -> None:
             if run:
-                first = run[0]
-                self.core.on_stored(list(run), first_position=position_of(first), parent=parent_of(first),  # type: ignore[arg-type]
+                first = nodes[run[0]]
+                self.core.on_stored(list(run), first_position=first.position, parent=first.parent,
                                     tier=tier, medium=medium, coords=None)
                 run.clear()
 
         for h in tracked:
-            if run and parent_of(h) != run[-1]:
+            if run and nodes[h].parent != run[-1]:
                 flush()
             run.append(h)
         flush()
