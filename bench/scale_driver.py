@@ -419,9 +419,16 @@ class Pair:
                 self._both(lambda side: side.step([]))
                 self._record("quiet")
 
-    def fill_and_freeze(self) -> dict[str, int]:
+    def fill_and_freeze(self, freeze_first: bool = False) -> dict[str, int]:
         """`fill()`, then freeze the heap as EngineCore does after start-up: the pool's objects
-        leave the GC's young generations. Returns what was admitted."""
+        leave the GC's young generations. `freeze_first`: freeze before the fill instead, as
+        EngineCore freezes before it serves, so what the fill builds (standing in for a serving
+        history: KvHint's index, the sessions' state) stays in the collector's generations.
+        Returns what was admitted."""
+        if freeze_first:
+            gc.collect()
+            gc.freeze()
+            return self.fill()
         fill = self.fill()
         if self.collect:
             gc.collect()

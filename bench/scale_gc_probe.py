@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -131,7 +132,7 @@ def census_pass(pair: Pair, steps: int) -> dict[str, float]:
     kv = pair.kv
     if kv.core is None or not kv.core.journal.deferring:
         return {}
-    made: dict[str, int] = {}
+    made: Counter[str] = Counter()
     journal = kv.core.journal
 
     def around(region: str, call: Callable[[], Any]) -> Any:
@@ -144,26 +145,25 @@ def census_pass(pair: Pair, steps: int) -> dict[str, float]:
             return call()
         finally:
             journal.collect_young = collect  # type: ignore[method-assign]
-            for obj in gc.get_objects(0):
-                name = f"{type(obj).__module__}.{type(obj).__qualname__}"
-                made[name] = made.get(name, 0) + 1
+            made.update(f"{type(obj).__module__}.{type(obj).__qualname__}" for obj in gc.get_objects(0))
             gc.enable()
 
     with pair.around_steps(around):
         pair.steps(steps, "steady")
-    return {name: round(n / steps, 1) for name, n in sorted(made.items(), key=lambda kv_: -kv_[1])}
+    return {name: round(n / steps, 1) for name, n in made.most_common()}
 
 
 def markdown(raw: dict[str, Any]) -> str:
     c = raw["collections"]
+    second = "stock-b" if raw.get("aa") else "KvHint"
     lines = [
         "# Where bench.scale's collections land",
         "",
         f"`{raw['command']}` on commit {raw['commit']}; {raw['shape']}.",
         "",
-        f"Pass 1, {c['steps']} steps: {'stock-b' if raw.get('aa') else 'KvHint'} / stock scheduler CPU per step, median of per-step ratios "
+        f"Pass 1, {c['steps']} steps: {second} / stock scheduler CPU per step, median of per-step ratios "
         f"{c['median_ratio']:.3f}x, ratio of totals {c['totals_ratio']:.3f}x "
-        f"({'stock-b' if raw.get('aa') else 'KvHint'} - stock: {c['kv_minus_stock_us_per_step']} us per step).",
+        f"({second} - stock: {c['kv_minus_stock_us_per_step']} us per step).",
         "",
         "| during | generation | collections | ms each | us per step |",
         "|---|---|---|---|---|",
@@ -224,12 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.no_settler_gc and pair.kv.core is not None:
         pair.kv.core.journal.collect_young = lambda: False  # type: ignore[method-assign]
     try:
-        if a.freeze_before_fill:
-            gc.collect()
-            gc.freeze()
-            pair.fill()
-        else:
-            pair.fill_and_freeze()
+        pair.fill_and_freeze(freeze_first=a.freeze_before_fill)
         pair.steps(shape.warmup_steps, "warmup")
         raw = {"command": command, "commit": commit or "unknown", "shape": shape.label, "steps": a.steps, "aa": a.aa,
                "collections": collections_pass(pair, a.steps), "young": young_pass(pair, a.steps)}

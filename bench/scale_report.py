@@ -114,7 +114,7 @@ def analyse(run: dict[str, Any], units: Sequence[dict[str, Any]]) -> dict[str, A
 REMOVAL_CALLBACKS = ("_report_removed", "on_keys_removed")
 
 
-def _removal(attribution: dict[str, Any]) -> str:
+def removal_callback(attribution: dict[str, Any]) -> str:
     """The removal callback's name in one run's attribution (the newest name when it has none)."""
     return next((name for name in REMOVAL_CALLBACKS if name in attribution), REMOVAL_CALLBACKS[0])
 
@@ -223,7 +223,7 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         a = analyses[r["name"]]
         c, q, at = a.get("costs"), a["quiet"], r.get("attribution", {})
         cells = [f"{_f(c['churn_us'])}", f"{_f(c['bulk_admit_us'])} ({_f(c['stock_bulk_admit_us'])})"] if c else ["-", "-"]
-        for name in ("on_blocks_cached", _removal(at)):
+        for name in ("on_blocks_cached", removal_callback(at)):
             x = at.get(name)
             cells.append(f"{x['us_per_block']:.1f} ({x['us_per_call']:.0f}, {x['blocks'] / max(1, x['calls']):.1f})" if x else "-")
         lines.append(
@@ -241,7 +241,7 @@ def tables(raw: dict[str, Any], analyses: dict[str, dict[str, Any]]) -> list[str
         ]
         for r, at in fits:
             cells = []
-            for name in ("on_blocks_cached", _removal(at)):
+            for name in ("on_blocks_cached", removal_callback(at)):
                 x = at.get(name, {})
                 cells.append(f"{x['fit_us_fixed']:.1f} + {x['fit_us_per_block']:.2f} x blocks" if "fit_us_fixed" in x else "-")
             lines.append(f"| {r['label']} | {' | '.join(cells)} |")
@@ -476,13 +476,17 @@ def plot(raw: dict[str, Any], analyses: dict[str, dict[str, Any]], path: Path) -
     pools = sorted({r["shape"]["pool_blocks"] for r in runs})
     mid = pools[len(pools) // 2]
     by_sessions = sorted((r for r in runs if r["shape"]["pool_blocks"] == mid), key=lambda r: r["shape"]["sessions"])
-    def callback(name: str) -> Any:
-        return lambda r, a: r.get("attribution", {}).get(name, {}).get("us_per_block", float("nan"))
+    def callback(*names: str) -> Any:
+        """us per block of the first of `names` a run's attribution has (its name changed once)."""
+        def per_block(r: dict[str, Any], a: Any) -> float:
+            at = r.get("attribution", {})
+            return next((at[n] for n in names if n in at), {}).get("us_per_block", float("nan"))
+        return per_block
 
     series = (
         ("KvHint - stock us per churned block", lambda r, a: a["costs"]["churn_us"]),
         ("admission callback us per block", callback("on_blocks_cached")),
-        ("removal callback us per block", lambda r, a: callback(_removal(r.get("attribution", {})))(r, a)),
+        ("removal callback us per block", callback(*REMOVAL_CALLBACKS)),
         ("KvHint - stock us per bulk-admitted block", lambda r, a: a["costs"]["bulk_admit_us"]),
         ("KvHint - stock us per quiet step", lambda r, a: a["quiet_overhead_us"]),
         ("stock us per quiet step", lambda r, a: a["quiet"]["stock_median_ms"] * 1e3),

@@ -11,7 +11,7 @@ import pytest
 
 from bench import scale
 from bench.scale_driver import Side
-from bench.scale_report import _removal, read_units
+from bench.scale_report import read_units, removal_callback
 from bench.scale_workload import Shape, Turn, tokens
 
 RUNS = ("p1024_s200", "p4096_s200", "p4096_s50", "p4096_s200_hints", "p1024_s200_hints", "p4096_s200_vs_events", "p4096_s200_deferred",
@@ -123,7 +123,7 @@ def test_the_callback_attribution_times_admissions_and_removals(out: Path) -> No
     assert timed
     for run in timed:
         at = run["attribution"]
-        admitted, removed = at["on_blocks_cached"], at[_removal(at)]
+        admitted, removed = at["on_blocks_cached"], at[removal_callback(at)]
         assert admitted["calls"] > 0 and admitted["blocks"] > 0, run["name"]
         assert removed["calls"] > 0 and removed["blocks"] > 0, run["name"]
         assert removed["us_per_block"] > 0, run["name"]
