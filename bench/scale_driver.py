@@ -113,6 +113,7 @@ class Side:
                 self.sched.kvhint_start_settler()  # as an engine runs it: gated on steps, woken at their ends
             elif shape.deferred:
                 journal.start(thread=False)
+                journal.own_young_collections()  # the driver's settle runs collect_young (settle)
         self.time_steps(self.sched.schedule, self.sched.update_from_output)
 
     def time_steps(self, schedule_fn: Callable[..., Any], update_fn: Callable[..., Any]) -> None:

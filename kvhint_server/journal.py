@@ -54,6 +54,16 @@ heuristic decides full collections), and a process that disabled the
 collector is left alone (bench.scale_gc_probe measures it, with and
 without; design-notes.md, "The settler collects its own garbage").
 
+Collecting at a fifth of the threshold runs young collections up to five
+times as often as CPython would, and CPython runs generation 1 every
+`threshold1` (10) young collections: each promotes what is alive, vLLM's
+request state included, to the oldest generation, whose growth brings full
+collections. So while the settler owns the young collections
+(`own_young_collections`) generation 1's threshold is scaled by
+GENERATION1_SCALE, and generation 1 runs about as often as under CPython's
+own trigger (bench.engine_gc, design-notes.md, "Generation 1 as often as
+without the settler").
+
 Storage: one flat deque of `fn, len(args), *args` per entry, extended in
 one call (atomic for the settler, which pops whole entries). An entry
 therefore leaves no container of its own alive until it is settled: a
@@ -70,6 +80,7 @@ from __future__ import annotations
 import gc
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -88,6 +99,10 @@ MAX_ENTRIES = 65_536
 # The settler's young collection runs once the young generation's count reaches this fraction
 # of CPython's threshold (gc.get_threshold()[0]).
 YOUNG_COLLECT_FRACTION = 0.2
+# While the settler owns the young collections, generation 1's threshold (gc.get_threshold()[1],
+# counted in young collections) is this many times what it was: young collections run up to
+# 1 / YOUNG_COLLECT_FRACTION times as often as CPython's own trigger would run them.
+GENERATION1_SCALE = round(1 / YOUNG_COLLECT_FRACTION)
 # Past this many pending entries the settler works even while the engine is busy (a gate that
 # never opens must not leave everything to back-pressure on the engine thread).
 BUSY_BACKLOG = 4_096
@@ -96,6 +111,46 @@ BUSY_BACKLOG = 4_096
 def _collections() -> int:
     """Collections CPython has run so far, every generation (gc.get_stats)."""
     return sum(g["collections"] for g in gc.get_stats())
+
+
+class _Generation1:
+    """Generation 1's threshold, scaled while any journal owns the young collections. The
+    collector is the process's, so this is too: the first owner scales it, the last one gone
+    restores it, unless someone else set the thresholds in between (theirs then stay)."""
+
+    lock = threading.Lock()
+    owners = 0
+    before: tuple[int, ...] | None = None  # the thresholds when the first owner came
+    scaled: tuple[int, ...] | None = None  # what it set them to (None: left them alone)
+
+    @classmethod
+    def own(cls) -> None:
+        with cls.lock:
+            cls.owners += 1
+            if cls.owners > 1:
+                return
+            t = gc.get_threshold()
+            # Nothing to scale with the collector off (disabled, or a zero young threshold),
+            # nor from CPython 3.14 on, where threshold1 no longer counts young collections.
+            if not gc.isenabled() or t[0] <= 0 or t[1] <= 0 or sys.version_info >= (3, 14):
+                cls.before = cls.scaled = None
+                return
+            cls.before, cls.scaled = t, (t[0], t[1] * GENERATION1_SCALE, *t[2:])
+            gc.set_threshold(*cls.scaled)
+            log.info("kvhint: the settler runs the young collections; generation 1's threshold %d -> %d "
+                     "(kvhint_server/journal.py, 'Garbage')", t[1], cls.scaled[1])
+
+    @classmethod
+    def release(cls) -> None:
+        with cls.lock:
+            if cls.owners == 0:
+                return
+            cls.owners -= 1
+            if cls.owners:
+                return
+            if cls.scaled is not None and cls.before is not None and gc.get_threshold() == cls.scaled:
+                gc.set_threshold(*cls.before)
+            cls.before = cls.scaled = None
 
 
 class ResidencyJournal:
@@ -125,6 +180,7 @@ class ResidencyJournal:
         self.errors = 0
         self.backpressure = 0  # times the engine thread settled a full journal itself
         self.collections = 0  # young collections run by collect_young
+        self._owns_generation1 = False  # own_young_collections() in effect
 
     @property
     def deferring(self) -> bool:
@@ -214,6 +270,16 @@ class ResidencyJournal:
         self.settled += n
         return n
 
+    def own_young_collections(self) -> None:
+        """From now until `stop`, this journal's owner calls `collect_young` whenever entries
+        were settled (the settler thread; a benchmark's driver settling in its place):
+        generation 1's threshold is scaled by GENERATION1_SCALE, process-wide, so that those
+        earlier young collections do not run generation 1 more often than CPython's own
+        trigger would (see "Garbage"). Idempotent per journal."""
+        if not self._owns_generation1:
+            self._owns_generation1 = True
+            _Generation1.own()
+
     def collect_young(self) -> bool:
         """Run CPython's own collection now, on this thread, if the young generation's count
         has reached YOUNG_COLLECT_FRACTION of the threshold: this thread allocates empty
@@ -272,6 +338,7 @@ class ResidencyJournal:
         self._direct = self._holds > 0
         if not thread:
             return
+        self.own_young_collections()
         self._stop.clear()
 
         def loop() -> None:
@@ -304,6 +371,9 @@ class ResidencyJournal:
         """Stop the settler and apply what is left; later records run inline."""
         self._deferring = False
         self._direct = True
+        if self._owns_generation1:
+            self._owns_generation1 = False
+            _Generation1.release()
         thread, self._thread = self._thread, None
         if thread is not None:
             self._stop.set()
