@@ -164,6 +164,7 @@ def markdown(raw: dict[str, Any]) -> str:
         f"Pass 1, {c['steps']} steps: {second} / stock scheduler CPU per step, median of per-step ratios "
         f"{c['median_ratio']:.3f}x, ratio of totals {c['totals_ratio']:.3f}x "
         f"({second} - stock: {c['kv_minus_stock_us_per_step']} us per step).",
+        *([f"Collector thresholds while the steps ran: {tuple(raw['thresholds'])}."] if raw.get("thresholds") else []),
         "",
         "| during | generation | collections | ms each | us per step |",
         "|---|---|---|---|---|",
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         pair.fill_and_freeze(freeze_first=a.freeze_before_fill)
         pair.steps(shape.warmup_steps, "warmup")
         raw = {"command": command, "commit": commit or "unknown", "shape": shape.label, "steps": a.steps, "aa": a.aa,
+               "thresholds": list(gc.get_threshold()),
                "collections": collections_pass(pair, a.steps), "young": young_pass(pair, a.steps)}
         raw["census_steps"] = min(a.steps, CENSUS_STEPS)
         raw["census"] = census_pass(pair, raw["census_steps"])

@@ -371,3 +371,105 @@ def test_the_settler_collects_after_a_drain_it_did_not_do(collector) -> None:  #
     finally:
         journal.stop()
     assert len(kept) == 6_000
+
+
+# ---------------------------------------------------------------- generation 1 while the settler collects
+
+
+def _gen1_collections(gc, journal: ResidencyJournal, chunks: int, chunk: int) -> int:  # type: ignore[no-untyped-def]
+    """Allocate `chunks` x `chunk` young objects, kept alive, calling collect_young after each
+    chunk as the settler does after each settle; count the generation-1 collections (full ones
+    included) that ran meanwhile."""
+    seen: list[int] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] >= 1:
+            seen.append(info["generation"])
+
+    kept: list[list[int]] = []
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in range(chunks):
+            kept += _young(gc, chunk)
+            journal.collect_young()
+    finally:
+        gc.callbacks.remove(on_gc)
+    assert len(kept) == chunks * chunk
+    return len(seen)
+
+
+def test_young_collections_at_a_fifth_run_generation_1_as_often_as_cpythons_trigger(collector) -> None:  # type: ignore[no-untyped-def]
+    """200 000 allocations: CPython's own trigger (threshold 10 000) would run 20 young
+    collections and 2 of generation 1. The settler collects at a fifth of the threshold, 100
+    young collections; owning them scales generation 1's threshold, so generation 1 still runs
+    about twice, not ten times (each time moving what is alive to the oldest generation)."""
+    gc = collector
+    unscaled = ResidencyJournal()
+    assert _gen1_collections(gc, unscaled, 100, 2_100) >= 8  # what the settler did before the scaling
+    gc.collect()
+    journal = ResidencyJournal()
+    journal.start(thread=False)
+    journal.own_young_collections()
+    try:
+        assert gc.get_threshold() == (10_000, 50, 10)
+        assert _gen1_collections(gc, journal, 100, 2_100) <= 3
+        assert journal.collections >= 90  # the young collections themselves still ran, here
+    finally:
+        journal.stop()
+    assert gc.get_threshold() == (10_000, 10, 10)
+
+
+def test_the_settler_thread_scales_generation_1_until_it_stops(collector) -> None:  # type: ignore[no-untyped-def]
+    gc = collector
+    journal = ResidencyJournal()
+    journal.start()
+    try:
+        assert gc.get_threshold() == (10_000, 50, 10)
+    finally:
+        journal.stop()
+    assert gc.get_threshold() == (10_000, 10, 10)
+    journal.stop()  # a second stop releases nothing more
+    assert gc.get_threshold() == (10_000, 10, 10)
+
+
+def test_journals_in_one_process_share_one_scaling(collector) -> None:  # type: ignore[no-untyped-def]
+    """The collector is the process's: two settlers (two engines, a benchmark's pair) scale it
+    once, and it is restored when the last one stops."""
+    gc = collector
+    first, second = ResidencyJournal(), ResidencyJournal()
+    first.start()
+    second.start()
+    second.own_young_collections()  # idempotent per journal
+    try:
+        assert gc.get_threshold() == (10_000, 50, 10)
+        first.stop()
+        assert gc.get_threshold() == (10_000, 50, 10)
+    finally:
+        first.stop()
+        second.stop()
+    assert gc.get_threshold() == (10_000, 10, 10)
+
+
+def test_thresholds_set_while_the_settler_ran_are_kept(collector) -> None:  # type: ignore[no-untyped-def]
+    gc = collector
+    journal = ResidencyJournal()
+    journal.start()
+    try:
+        gc.set_threshold(5_000, 7, 10)  # the operator's own tuning, after the settler started
+    finally:
+        journal.stop()
+    assert gc.get_threshold() == (5_000, 7, 10)
+
+
+def test_nothing_is_scaled_with_the_collector_disabled(collector) -> None:  # type: ignore[no-untyped-def]
+    gc = collector
+    gc.disable()
+    journal = ResidencyJournal()
+    try:
+        journal.start()
+        assert gc.get_threshold() == (10_000, 10, 10)
+        gc.enable()
+    finally:
+        journal.stop()
+        gc.enable()
+    assert gc.get_threshold() == (10_000, 10, 10)
