@@ -116,7 +116,8 @@ def _collections() -> int:
 class _Generation1:
     """Generation 1's threshold, scaled while any journal owns the young collections. The
     collector is the process's, so this is too: the first owner scales it, the last one gone
-    restores it, unless someone else set the thresholds in between (theirs then stay)."""
+    restores it, unless someone else set the thresholds in between (theirs then stay, and an
+    owner that comes after them scales theirs)."""
 
     lock = threading.Lock()
     owners = 0
@@ -127,9 +128,10 @@ class _Generation1:
     def own(cls) -> None:
         with cls.lock:
             cls.owners += 1
-            if cls.owners > 1:
-                return
             t = gc.get_threshold()
+            if cls.owners > 1 and (cls.scaled is None or t == cls.scaled):
+                return  # scaled already (or left alone, and still as it was)
+            # The first owner, or thresholds set since the scaling: those are the base now.
             # Nothing to scale with the collector off (disabled, or a zero young threshold),
             # nor from CPython 3.14 on, where threshold1 no longer counts young collections.
             if not gc.isenabled() or t[0] <= 0 or t[1] <= 0 or sys.version_info >= (3, 14):

@@ -461,6 +461,22 @@ def test_thresholds_set_while_the_settler_ran_are_kept(collector) -> None:  # ty
     assert gc.get_threshold() == (5_000, 7, 10)
 
 
+def test_a_settler_that_starts_after_new_thresholds_scales_those(collector) -> None:  # type: ignore[no-untyped-def]
+    gc = collector
+    first, second = ResidencyJournal(), ResidencyJournal()
+    first.start()
+    try:
+        gc.set_threshold(5_000, 7, 10)
+        second.start()
+        assert gc.get_threshold() == (5_000, 35, 10)
+        second.stop()
+        assert gc.get_threshold() == (5_000, 35, 10)  # the first settler still collects
+    finally:
+        second.stop()
+        first.stop()
+    assert gc.get_threshold() == (5_000, 7, 10)
+
+
 def test_nothing_is_scaled_with_the_collector_disabled(collector) -> None:  # type: ignore[no-untyped-def]
     gc = collector
     gc.disable()
