@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .report import write_results
+
 MODES = ("stock", "inline", "deferred", "deferred-unscaled")
 SESSIONS = 400
 IN_FLIGHT = 48
@@ -228,11 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode}: done", file=sys.stderr, flush=True)
     raw = {"command": command, "commit": commit or "unknown", "steps": a.steps, "runs": runs}
     text = markdown(raw)
-    print(text)
     if a.out:
-        out = Path(a.out)
-        out.write_text(text)
-        out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
+        write_results(a.out, raw, text)
+    else:
+        print(text)
     return 0
 
 

@@ -44,16 +44,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from .report import write_results
 from .scale_driver import Pair
 from .scale_workload import Shape
 
@@ -235,11 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         pair.close()
     text = markdown(raw)
-    print(text)
     if a.out:
-        out = Path(a.out)
-        out.write_text(text)
-        out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
+        write_results(a.out, raw, text)
+    else:
+        print(text)
     return 0
 
 

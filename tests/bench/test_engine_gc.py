@@ -39,18 +39,10 @@ def test_the_table_counts_each_generation_and_the_engine_threads_share() -> None
     assert "| stock | (700, 10, 10) | 0 | 0 | 0 | 0 / 0 / 0 | - | - | 0 |" in text
 
 
-def _vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 @pytest.mark.engine
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not _vllm_available(), reason="needs vllm (pip install 'kvhint[vllm]')")
 def test_a_deferred_engine_collects_on_the_settler_with_generation_1_scaled() -> None:
+    pytest.importorskip("vllm", reason="needs vllm (pip install 'kvhint[vllm]')")
     proc = subprocess.run(
         [sys.executable, "-m", "bench.engine_gc", "--child", "deferred", "--steps", "40"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")},
