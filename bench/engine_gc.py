@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ WARMUP_STEPS = 200
 NUM_BLOCKS = 2048
 BLOCK_SIZE = 32
 RESULT_PREFIX = "ENGINE_GC_RESULT "
+TOP_TYPES = 12  # the types listed per mode, of what the generation-1 collections looked at
 
 
 class Workload:
@@ -104,6 +106,7 @@ def child(mode: str, steps: int, model: str) -> dict[str, Any]:
     spent: dict[tuple[int, str], list[float]] = {}
     started = [0, 0]
     moved = [0]  # objects a generation-1 collection moved to the oldest generation, summed
+    kinds: Counter[str] = Counter()  # what those collections looked at, by type
 
     def on_gc(phase: str, info: dict[str, Any]) -> None:
         generation = info["generation"]
@@ -111,7 +114,12 @@ def child(mode: str, steps: int, model: str) -> dict[str, Any]:
             # What a generation-1 collection looks at (vLLM's GC debugger lists a generation
             # the same way); its survivors move to the oldest generation. Counted before the
             # clock starts.
-            started[1] = len(gc.get_objects(0)) + len(gc.get_objects(1)) if generation == 1 else 0
+            started[1] = 0
+            if generation == 1:
+                looked = gc.get_objects(0) + gc.get_objects(1)
+                started[1] = len(looked)
+                kinds.update(f"{type(o).__module__}.{type(o).__qualname__}" for o in looked)
+                del looked
             started[0] = time.perf_counter_ns()
         else:
             key = (generation, threading.current_thread().name)
@@ -136,6 +144,7 @@ def child(mode: str, steps: int, model: str) -> dict[str, Any]:
     return {
         "mode": mode, "steps": steps, "requests": work.submitted, "thresholds": list(thresholds),
         "bookkeeping": bookkeeping, "ms_per_step": round(wall / steps * 1e3, 1), "moved_to_oldest": moved[0],
+        "looked_at_by_type": dict(kinds.most_common(TOP_TYPES)),
         "collections": [
             {"generation": g, "thread": name, "count": len(ms), "ms_mean": round(sum(ms) / len(ms), 2),
              "ms_max": round(max(ms), 1), "ms_total": round(sum(ms), 1)}
@@ -199,6 +208,18 @@ def markdown(raw: dict[str, Any]) -> str:
         "Per thread, in the .json next to this file.",
         "",
     ]
+    typed = [run for run in raw["runs"] if run.get("looked_at_by_type")]
+    if typed:
+        lines += [
+            "What the generation-1 collections looked at, by type, per 1000 steps (the objects in generations 0 and 1 "
+            f"when each started; the {TOP_TYPES} most common per mode, garbage it then collected included):",
+            "",
+            "| mode | type | per 1000 steps |",
+            "|---|---|---|",
+        ]
+        for run in typed:
+            lines += [f"| {run['mode']} | `{name}` | {n / steps * 1000:,.0f} |" for name, n in run["looked_at_by_type"].items()]
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -37,6 +37,14 @@ def test_the_table_counts_each_generation_and_the_engine_threads_share() -> None
     # young, gen 1, full; on the engine thread; gen 1 and full ms each; GC ms per 1000 steps; moved per 1000
     assert "| 10 | 2 | 1 | 3 / 0 / 1 | 5.0 | 80.0 | 100 | 5,000 |" in row
     assert "| stock | (700, 10, 10) | 0 | 0 | 0 | 0 / 0 / 0 | - | - | 0 |" in text
+    assert "by type" not in text  # no run listed types
+
+
+def test_the_types_table_lists_each_modes_types_per_1000_steps() -> None:
+    run = _run("deferred", []) | {"looked_at_by_type": {"builtins.list": 4000, "kvhint_server.index.Node": 1500}}
+    text = engine_gc.markdown({"command": "c", "commit": "abc1234", "steps": 2000, "runs": [run, _run("stock", [])]})
+    assert "| deferred | `builtins.list` | 2,000 |" in text and "| deferred | `kvhint_server.index.Node` | 750 |" in text
+    assert "| stock | `" not in text
 
 
 @pytest.mark.engine
