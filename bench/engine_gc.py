@@ -250,11 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run_mode(mode, a.steps, a.model))
         print(f"{mode}: done", file=sys.stderr, flush=True)
     raw = {"command": command, "commit": commit or "unknown", "steps": a.steps, "runs": runs}
-    text = markdown(raw)
-    if a.out:
-        write_results(a.out, raw, text)
-    else:
-        print(text)
+    write_results(a.out, raw, markdown(raw))
     return 0
 
 

@@ -41,8 +41,12 @@ def write_markdown(out: str | Path, title: str, module: str, argv: list[str] | N
     return text
 
 
-def write_results(out: str | Path, raw: dict[str, Any], text: str) -> None:
-    """Write `raw` as JSON next to `out` (same name, .json) and `text` to `out`; print the text."""
+def write_results(out: str | Path | None, raw: dict[str, Any], text: str) -> None:
+    """Write `raw` as JSON next to `out` (same name, .json) and `text` to `out`; print the text.
+    With no `out`, print it only."""
+    if out is None:
+        print(text)
+        return
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")

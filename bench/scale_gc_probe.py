@@ -233,11 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         raw["census"] = census_pass(pair, raw["census_steps"])
     finally:
         pair.close()
-    text = markdown(raw)
-    if a.out:
-        write_results(a.out, raw, text)
-    else:
-        print(text)
+    write_results(a.out, raw, markdown(raw))
     return 0
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -476,17 +476,17 @@ def plot(raw: dict[str, Any], analyses: dict[str, dict[str, Any]], path: Path) -
     pools = sorted({r["shape"]["pool_blocks"] for r in runs})
     mid = pools[len(pools) // 2]
     by_sessions = sorted((r for r in runs if r["shape"]["pool_blocks"] == mid), key=lambda r: r["shape"]["sessions"])
-    def callback(*names: str) -> Any:
-        """us per block of the first of `names` a run's attribution has (its name changed once)."""
+    def callback(name_in: Callable[[dict[str, Any]], str]) -> Any:
+        """us per block of the callback `name_in(attribution)` names in a run's attribution."""
         def per_block(r: dict[str, Any], a: Any) -> float:
             at = r.get("attribution", {})
-            return next((at[n] for n in names if n in at), {}).get("us_per_block", float("nan"))
+            return at.get(name_in(at), {}).get("us_per_block", float("nan"))
         return per_block
 
     series = (
         ("KvHint - stock us per churned block", lambda r, a: a["costs"]["churn_us"]),
-        ("admission callback us per block", callback("on_blocks_cached")),
-        ("removal callback us per block", callback(*REMOVAL_CALLBACKS)),
+        ("admission callback us per block", callback(lambda at: "on_blocks_cached")),
+        ("removal callback us per block", callback(removal_callback)),
         ("KvHint - stock us per bulk-admitted block", lambda r, a: a["costs"]["bulk_admit_us"]),
         ("KvHint - stock us per quiet step", lambda r, a: a["quiet_overhead_us"]),
         ("stock us per quiet step", lambda r, a: a["quiet"]["stock_median_ms"] * 1e3),
