@@ -399,7 +399,7 @@ def _gen1_collections(gc, journal: ResidencyJournal, chunks: int, chunk: int) ->
 
 
 def test_young_collections_at_a_fifth_run_generation_1_as_often_as_cpythons_trigger(collector) -> None:  # type: ignore[no-untyped-def]
-    """200 000 allocations: CPython's own trigger (threshold 10 000) would run 20 young
+    """210 000 allocations: CPython's own trigger (threshold 10 000) would run 21 young
     collections and 2 of generation 1. The settler collects at a fifth of the threshold, 100
     young collections; owning them scales generation 1's threshold, so generation 1 still runs
     about twice, not ten times (each time moving what is alive to the oldest generation)."""
