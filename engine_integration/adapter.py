@@ -291,27 +291,30 @@ class VllmAdapter:
                     refile_block(block, view, refresh=True)
         self.pool.kvh_sync_mode()  # the retention order on while anything is retained
 
+    def granted_since(self, mark: Any) -> list[tuple[Any, Any]]:
+        """Engine thread, right after vLLM's `free_blocks`: the cached blocks it put at the free
+        queue's tail since `vllm_private.queue_tail` returned `mark`, oldest first, with their
+        pool keys, those only whose logical block holds a grant (what `refile_freed` files)."""
+        return vllm_private.appended_since(self.pool, mark, self.core.ledger.grants, self._key_to_external)
+
     def refile_freed(self, freed: list[tuple[Any, Any]]) -> None:
         """Engine thread, after vLLM freed blocks with a grant in effect: `freed` holds the
-        cached ones it put at the free queue's tail, with their pool keys
-        (`vllm_private.appended_since`). File those a grant covers by their class. They were in
-        use until now, so none is filed as protected yet, and a block without a grant on its
-        logical block stays where vLLM put it (what re-filing it would do, without the
-        retention view)."""
-        grants, cut = self.core.ledger.grants, self._key_to_external
+        cached ones it put at the free queue's tail whose logical block holds a grant, with
+        their pool keys (`granted_since`). Files them by their class. They were in use until
+        now, so none is filed as protected yet; a freed block without a grant on its logical
+        block stays where vLLM put it (what re-filing it would do, without the retention view)."""
+        cut = self._key_to_external
         refile_block = self.pool.kvh_refile_block
         if self._all_resident:  # one copy per block, freed by vLLM tail first: its order
-            for block, key in freed:
-                if key[cut] in grants:
-                    refile_block(block)
+            for block, _key in freed:
+                refile_block(block)
             return
         # Several groups: vLLM frees a request's blocks group after group, and frees window
         # copies that leave the window while the request runs (filed then, ahead of the rest).
         # File by logical block instead, the deepest first, each with every free copy it has
         # (those filed earlier again): the chain's tail goes first, a block's copies together,
         # and the window tail a resume at the chain's end reads is not the first victim.
-        granted = [(block, key) for block, key in freed if key[cut] in grants]
-        granted.sort(key=lambda bk: -(bk[0].block_hash_num_tokens or 0))
+        granted = sorted(freed, key=lambda bk: -(bk[0].block_hash_num_tokens or 0))
         cache, seen = vllm_private.cached_block_map(self.pool), set()
         for _, key in granted:
             digest = key[:-4]
@@ -538,11 +541,18 @@ class VllmAdapter:
         if self._int_hashes and self._multi_residency:
             others = self._other_residency
             anywhere = [any(key[:-4] + suffix in cache for suffix in others[key[-4:]]) for key in popped]
-        if self.core.ledger.grants:
-            tiers = self.tiers  # a host tier that honours retention keeps evicted blocks' retained grants
-            lower = tiers.held_for_retention if tiers is not None else None
-            self.core.end_device_grants([key[self._key_to_external] for key in popped], cause, lower)
-            self.unprotect_copies([key[:-4] for key in popped])
+        grants = self.core.ledger.grants
+        if grants:
+            # Only blocks with a grant have grants to end and copies filed as protected (a grant
+            # that ends otherwise, by expiry, release or a broken pin, re-files or unprotects its
+            # copies there): most evicted blocks hold none, so the rest is skipped for them.
+            cut = self._key_to_external
+            granted = [key for key in popped if key[cut] in grants]
+            if granted:
+                tiers = self.tiers  # a host tier that honours retention keeps evicted blocks' retained grants
+                lower = tiers.held_for_retention if tiers is not None else None
+                self.core.end_device_grants([key[cut] for key in granted], cause, lower)
+                self.unprotect_copies([key[:-4] for key in granted])
         # The keys go into the journal entry itself (see on_blocks_cached).
         self.core.record(VllmAdapter._book_removed, self, anywhere, cause, *popped)
 

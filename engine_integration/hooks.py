@@ -293,7 +293,7 @@ class KvHintBlockPool(BlockPool):
             return
         mark = vllm_private.queue_tail(self)
         _free_blocks(self, ordered_blocks)
-        freed = vllm_private.appended_since(self, mark)
+        freed = self._kvh.granted_since(mark)
         if self._kvh_freed is not None:  # one request's groups, one after the other: filed together
             self._kvh_freed += freed
         else:

@@ -33,7 +33,7 @@ otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 
@@ -52,7 +52,7 @@ def queue_tail(pool: Any) -> Any:
     return pool.free_block_queue.fake_free_list_tail.prev_free_block
 
 
-def appended_since(pool: Any, mark: Any) -> list[tuple[Any, Any]]:
+def appended_since(pool: Any, mark: Any, among: Container[Any] | None = None, cut: slice = slice(None)) -> list[tuple[Any, Any]]:
     """The cached blocks put at the tail of `pool`'s free queue since `queue_tail(pool)` returned
     `mark`, oldest first, each with its pool key (`KVCacheBlock._block_hash`, what the
     `block_hash` property returns: hash + group id).
@@ -62,12 +62,15 @@ def appended_since(pool: Any, mark: Any) -> list[tuple[Any, Any]]:
     to `mark` visits exactly the freed cached blocks (when the queue was empty, the walk runs on
     through the prepended blocks to the fake head, and the key check drops them). The walk
     visits those blocks only, not every block of the freed requests, most of which are shared
-    prefixes still in use (bench/results/scan_cost.md)."""
+    prefixes still in use (bench/results/scan_cost.md).
+
+    `among`: only the blocks whose `key[cut]` is in it (the caller's filter, applied in the walk
+    so that the blocks it drops cost no pair: most freed blocks hold no grant)."""
     out = []
     block = queue_tail(pool)
     while block is not mark and block is not None:
         key = block._block_hash
-        if key is not None:
+        if key is not None and (among is None or key[cut] in among):
             out.append((block, key))
         block = block.prev_free_block
     out.reverse()

@@ -1,6 +1,7 @@
 """`vllm_private.appended_since` over vLLM's real BlockPool: walked back from the free queue's
 tail around `BlockPool.free_blocks`, it finds exactly the freed blocks that are cached, in the
-order vLLM freed them (what `VllmAdapter.refile_freed` files by their retention class)."""
+order vLLM freed them (those of them with a grant are what `VllmAdapter.refile_freed` files by
+their retention class)."""
 
 from __future__ import annotations
 
@@ -48,10 +49,15 @@ def test_the_walk_finds_the_freed_cached_blocks_in_freeing_order(scenario: tuple
     mark = vllm_private.queue_tail(pool)
     pool.free_blocks(chosen)
     found = vllm_private.appended_since(pool, mark)
+    # The walk with a filter (VllmAdapter.granted_since passes the grant map and the slice of
+    # the key it is keyed by): the same blocks, those only whose key slice is in it.
+    among = {key[:1] for key in (b.block_hash for b in chosen[::2]) if key is not None}
+    filtered = vllm_private.appended_since(pool, mark, among, slice(0, 1))
 
     expected = [b for b in chosen if b.ref_cnt == 0 and b.block_hash is not None]
     assert [b for b, _ in found] == expected
     assert all(key == b.block_hash for b, key in found)
+    assert filtered == [(b, key) for b, key in found if key[:1] in among]
     # Nothing else moved: what was free before is still queued, ahead of what was just appended.
     queue = pool.free_block_queue.get_all_free_blocks()
     assert set(map(id, before_free)) <= set(map(id, queue))
