@@ -12,6 +12,19 @@ time (tottime) grew most on the KvHint side, with their calls per step on each s
 profiler inflates call-heavy code, so the times are for ranking, not for the overhead: the
 ratio of the two sides' totals is printed next to bench.scale's unprofiled ratio for that.
 Calls per step are exact.
+
+    python -m bench.scale_profile --method entry-timers [--shape async] [--steps 300]
+                                  [--out bench/results/scale_entry_timers_<shape>.md]
+
+Without a profiler: the same pair, with the same timer wrapped around each vLLM method on both
+sides that KvHint's hooks override or that vLLM's scheduler calls around them (ENTRY_POINTS:
+the BlockPool's, the KVCacheManager's). Each side pays the same wrappers, so per method the
+KvHint - stock difference is what KvHint adds inside that call, its callbacks included, without
+cProfile's per-call inflation. The timers nest (allocate_slots contains cache_blocks, which
+contains cache_full_blocks): a row's time includes the rows inside it. The wrappers are instance
+attributes added after construction on both sides, so both sides' pools and managers lose
+CPython's compact attribute storage alike (engine_integration/hooks.py's module doc), and the
+totals, wrappers included, read higher than bench.scale's.
 """
 
 from __future__ import annotations
@@ -71,6 +84,95 @@ def profile(shape_name: str, steps: int, pool: int = POOL, sessions: int = SESSI
     return {"shape": shape_name, "label": shape.label, "steps": steps, "totals": totals, "rows": rows}
 
 
+# (owner, method): the vLLM entry points timed on both sides (module doc); "pool" is the
+# KVCacheManager's BlockPool, "manager" the KVCacheManager. Outer ones first.
+ENTRY_POINTS: tuple[tuple[str, str], ...] = (
+    ("manager", "get_computed_blocks"),
+    ("manager", "allocate_slots"),
+    ("manager", "cache_blocks"),
+    ("manager", "free"),
+    ("manager", "record_prefix_cache_stats"),
+    ("pool", "cache_full_blocks"),
+    ("pool", "get_new_blocks"),
+    ("pool", "free_blocks"),
+    ("pool", "touch"),
+    ("pool", "get_num_free_blocks"),
+)
+
+
+def entry_timers(shape_name: str, steps: int, pool: int = POOL, sessions: int = SESSIONS,
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Time ENTRY_POINTS on both sides of one pair of `shape_name` (`extra`: more Shape fields,
+    for small test runs): per side and method, calls and nanoseconds over `steps` steady steps."""
+    from time import perf_counter_ns
+
+    from .scale_driver import Pair
+    from .scale_workload import Shape
+
+    shape = Shape(pool, sessions, steps=steps, **{**SHAPES[shape_name], **(extra or {})})
+    pair = Pair(shape)
+    calls: dict[str, dict[str, int]] = {"stock": {}, "kvhint": {}}
+    spent: dict[str, dict[str, int]] = {"stock": {}, "kvhint": {}}
+
+    def timed(side: str, obj: Any, name: str) -> None:
+        method, n, ns = getattr(obj, name), calls[side], spent[side]
+        n[name] = ns[name] = 0
+
+        def call(*a: Any, **k: Any) -> Any:
+            t = perf_counter_ns()
+            try:
+                return method(*a, **k)
+            finally:
+                ns[name] += perf_counter_ns() - t
+                n[name] += 1
+
+        setattr(obj, name, call)
+
+    try:
+        pair.fill_and_freeze()
+        pair.steps(shape.warmup_steps, "warmup")
+        for side, s in (("stock", pair.stock), ("kvhint", pair.kv)):
+            manager = s.sched.kv_cache_manager
+            owners = {"manager": manager, "pool": manager.block_pool}
+            for owner, name in ENTRY_POINTS:
+                timed(side, owners[owner], name)
+        pair.units.clear()
+        pair.steps(steps, "steady")
+        units = pair.units
+        totals = {"stock": sum(u.stock_ns for u in units), "kvhint": sum(u.kv_ns for u in units)}
+    finally:
+        pair.close()
+    rows = [{"owner": owner, "method": name, "stock_calls": calls["stock"][name], "kvhint_calls": calls["kvhint"][name],
+             "stock_ns": spent["stock"][name], "kvhint_ns": spent["kvhint"][name]} for owner, name in ENTRY_POINTS]
+    return {"shape": shape_name, "label": shape.label, "steps": steps, "totals_ns": totals, "rows": rows}
+
+
+def entry_markdown(result: dict[str, Any], command: str) -> str:
+    steps, totals = result["steps"], result["totals_ns"]
+    per = steps * 1e3  # ns over the run -> us per step
+    out = [
+        f"# Where the engine thread's extra time goes, by vLLM entry point: {result['label']}",
+        "",
+        f"Command: `{command}`. The same timer around each entry point on both sides of one pair, over {steps} steady "
+        "steps (module doc of bench/scale_profile.py, `--method entry-timers`): per method, the KvHint side's time "
+        "minus the stock side's is what KvHint adds inside that call. Rows nest (allocate_slots contains "
+        "cache_blocks, which contains cache_full_blocks). Engine-thread totals with the timers on: stock "
+        f"{totals['stock'] / per:.1f} us per step, KvHint {totals['kvhint'] / per:.1f} "
+        f"({totals['kvhint'] / totals['stock']:.3f}x, +{(totals['kvhint'] - totals['stock']) / per:.1f} us per step; "
+        "bench.scale_target gives the untimed ratio).",
+        "",
+        "| entry point | calls per step, stock | calls per step, KvHint | us per step, stock | us per step, KvHint "
+        "| KvHint - stock us per step |",
+        "|---|---|---|---|---|---|",
+    ]
+    cls = {"manager": "KVCacheManager", "pool": "BlockPool"}
+    for r in result["rows"]:
+        out.append(f"| `{cls[r['owner']]}.{r['method']}` | {r['stock_calls'] / steps:.1f} | {r['kvhint_calls'] / steps:.1f} "
+                   f"| {r['stock_ns'] / per:.1f} | {r['kvhint_ns'] / per:.1f} | {(r['kvhint_ns'] - r['stock_ns']) / per:+.1f} |")
+    out.append("")
+    return "\n".join(out)
+
+
 def markdown(result: dict[str, Any], command: str, top: int) -> str:
     steps, totals = result["steps"], result["totals"]
     out = [
@@ -103,14 +205,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scale_profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="deferred", choices=list(SHAPES))
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--method", default="cprofile", choices=("cprofile", "entry-timers"))
+    ap.add_argument("--steps", type=int, default=None, help="default: 150 (cprofile), 300 (entry-timers)")
+    ap.add_argument("--top", type=int, default=30, help="cprofile: the rows of each table")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    out = Path(a.out or f"bench/results/scale_profile_{a.shape}.md")
-    result = profile(a.shape, a.steps)
+    command = command_line("bench.scale_profile", argv)
+    if a.method == "entry-timers":
+        out = Path(a.out or f"bench/results/scale_entry_timers_{a.shape}.md")
+        text = entry_markdown(entry_timers(a.shape, a.steps or 300), command)
+    else:
+        out = Path(a.out or f"bench/results/scale_profile_{a.shape}.md")
+        text = markdown(profile(a.shape, a.steps or 150), command, a.top)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(result, command_line("bench.scale_profile", argv), a.top))
+    out.write_text(text)
     print(out.read_text())
     return 0
 

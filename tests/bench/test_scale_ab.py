@@ -46,6 +46,27 @@ def test_the_profile_counts_kvhint_frames_on_the_kvhint_side_only() -> None:
     assert all(float(line.rsplit("|", 2)[1]) < 0 for line in shrank.splitlines() if line.startswith("| `"))
 
 
+def test_the_entry_timers_time_the_same_vllm_calls_on_both_sides() -> None:
+    from bench import scale_profile
+
+    result = scale_profile.entry_timers("deferred", steps=3, pool=2048, sessions=50, extra=SMALL)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == [name for _, name in scale_profile.ENTRY_POINTS]
+    # Without grants KvHint evicts as stock vLLM does, so the same workload reaches vLLM's entry
+    # points as often on both sides: the timers wrap vLLM's calls into the pool and the manager,
+    # not KvHint's own calls to the stock methods.
+    # (But get_num_free_blocks: vLLM's get_new_blocks calls it once per allocation, KvHint's reads
+    # the queue's count itself.)
+    same = {name: r for name, r in rows.items() if name != "get_num_free_blocks"}
+    assert all(r["kvhint_calls"] == r["stock_calls"] for r in same.values()), same
+    assert rows["get_num_free_blocks"]["stock_calls"] - rows["get_num_free_blocks"]["kvhint_calls"] == rows["get_new_blocks"]["stock_calls"]
+    for name in ("allocate_slots", "cache_full_blocks", "get_new_blocks", "get_computed_blocks"):
+        assert rows[name]["stock_calls"] > 0 and rows[name]["kvhint_ns"] > 0 and rows[name]["stock_ns"] > 0, name
+    text = scale_profile.entry_markdown(result, "python -m bench.scale_profile --method entry-timers")
+    assert text.count("\n| `") == len(scale_profile.ENTRY_POINTS)
+    assert "| `BlockPool.cache_full_blocks` |" in text and "| `KVCacheManager.allocate_slots` |" in text
+
+
 def test_the_hybrid_shape_runs_both_sides_on_two_kv_cache_groups_and_reports_logical_blocks() -> None:
     from bench.scale_driver import Pair
     from bench.scale_workload import Shape
