@@ -132,6 +132,20 @@ MUTANTS = (
         "the allocation fast path drops vLLM's own BlockRemoved events (vLLM's ZMQ stream misses evictions)",
     ),
     Mutant(
+        "eviction-keeps-grants",
+        "engine_integration/adapter.py",
+        r"granted = \[key for key in popped if key\[cut\] in grants\]",
+        "granted = []",
+        "an eviction ends no grant and unprotects no other copy (grants outlive their blocks)",
+    ),
+    Mutant(
+        "eviction-keeps-copies-protected",
+        "engine_integration/adapter.py",
+        r"self\.unprotect_copies\(\[key\[:-4\] for key in granted\]\)",
+        "pass",
+        "an eviction ends its blocks' grants but leaves their other groups' copies protected",
+    ),
+    Mutant(
         "bucket-lifo",
         "engine_integration/protected.py",
         r"plain_id = next\(iter\(self\.plain\), None\)",

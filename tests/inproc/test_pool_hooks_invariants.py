@@ -5,7 +5,8 @@ After every step (and a step boundary, `run_pending`), whatever the hints did:
     among the blocks the hooks protect, never both, never lost;
   * every free cached block is filed by its current retention class and
     priority (what QueryResidency reports for it): ordinary blocks in the
-    queue, retained and pinned ones protected;
+    queue, retained and pinned ones protected, and no grant outlives its
+    block's residency;
   * protected blocks still count as free: an allocation of every free block
     is served (protection never makes the pool smaller);
   * Evict never drops a block a running request uses, nor one another session
@@ -49,6 +50,8 @@ def check_filing(cache: Cache) -> None:
     assert not queued & kept.keys(), "a block both queued and protected"
     assert queued | kept.keys() == free, "free blocks lost or in-use blocks counted free"
     assert pool.get_num_free_blocks() == len(free) == protected.count + pool.free_block_queue.num_free_blocks
+    # A grant ends with its block's last device copy (evicted, reclaimed, invalidated).
+    assert set(cache.core.ledger.grants) <= cache.adapter._resident, "a grant outlived its block"
     for block in pool.blocks:
         if block.ref_cnt or block.is_null or block.block_hash is None:
             assert block.block_id not in kept, "an in-use or uncached block is protected"
