@@ -291,6 +291,14 @@ class VllmAdapter:
                     refile_block(block, view, refresh=True)
         self.pool.kvh_sync_mode()  # the retention order on while anything is retained
 
+    def holds_grant(self, keys: list[Any]) -> bool:
+        """Engine thread: a grant is in effect on the logical block of any of these pool keys."""
+        grants = self.core.ledger.grants
+        if not grants:
+            return False
+        cut = self._key_to_external
+        return not grants.keys().isdisjoint([key[cut] for key in keys])
+
     def granted_since(self, mark: Any) -> list[tuple[Any, Any]]:
         """Engine thread, right after vLLM's `free_blocks`: the cached blocks it put at the free
         queue's tail since `vllm_private.queue_tail` returned `mark`, oldest first, with their

@@ -220,9 +220,9 @@ class KvHintBlockPool(BlockPool):
         # protected block, so vLLM's eviction step is all the per-block work): vLLM 0.32's own
         # get_new_blocks with its eviction step, vLLM's _maybe_evict_cached_block, written into
         # the loop, and the removed keys of the whole allocation carried to the step's next report
-        # (VllmAdapter.flush_removed) with the retention order off, or reported in one call after
-        # it with it on (the report ends the removed blocks' grants, which the rest of the step
-        # must see) or without a carry. That is one Python frame fewer per block taken than
+        # (VllmAdapter.flush_removed), or reported in one call after it when one of them holds a
+        # grant (the report ends the removed blocks' grants, which the rest of the step must see)
+        # or without a carry. That is one Python frame fewer per block taken than
         # vLLM's own loop (two with the retention order on), and a hybrid model takes a copy per
         # group. tests/inproc/test_pool_hooks_stock.py compares both vLLM methods with the
         # statements repeated here (AST) and the results with stock vLLM's (Hypothesis).
@@ -235,8 +235,8 @@ class KvHintBlockPool(BlockPool):
             self._notify_reuse(ret)
         # The cause here is always EVICTED: the other causes are set only around vLLM calls that
         # do not allocate, and a broken pin's blocks take the path above.
-        carry = None if retaining else self._kvh_carry
-        removed: list[Any] = [] if carry is None else carry
+        carry = self._kvh_carry
+        removed: list[Any] = carry if carry is not None and not retaining else []
         metrics = self.metrics_collector
         remove_hashes = self._remove_cached_block_hashes
         events = self.enable_kv_cache_events
@@ -254,8 +254,11 @@ class KvHintBlockPool(BlockPool):
                 if metrics:
                     metrics.on_block_allocated(block)
         finally:
-            if carry is None and removed:
-                self._kvh.on_keys_removed(removed, self._kvh_cause)
+            if removed and removed is not carry:
+                if carry is not None and not self._kvh.holds_grant(removed):
+                    carry += removed  # no grant to end now: reported with the step's other removals
+                else:
+                    self._kvh.on_keys_removed(removed, self._kvh_cause)
         return ret
 
     def _kvh_flush_removed(self, pending: list[Any], runs: list[tuple[int, RemovalCause]]) -> None:

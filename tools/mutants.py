@@ -146,6 +146,13 @@ MUTANTS = (
         "an eviction ends its blocks' grants but leaves their other groups' copies protected",
     ),
     Mutant(
+        "granted-removal-carried",
+        "engine_integration/hooks.py",
+        r"if carry is not None and not self\._kvh\.holds_grant\(removed\):",
+        "if carry is not None:",
+        "an allocation that evicts granted blocks carries their removal to the step's next report (their grants outlive them until then)",
+    ),
+    Mutant(
         "bucket-lifo",
         "engine_integration/protected.py",
         r"plain_id = next\(iter\(self\.plain\), None\)",

@@ -238,12 +238,14 @@ def test_an_allocation_that_expires_the_last_grant_reports_its_evictions():
     assert {p.cause for p in published} == {RemovalCause.EVICTED}
 
 
-def test_with_a_grant_in_effect_an_allocation_evicts_in_its_own_loop_and_reports_at_once(monkeypatch):
+def test_with_a_grant_in_effect_an_allocation_evicts_in_its_own_loop_and_reports_a_granted_removal_at_once(monkeypatch):
     """The retention order on and no pin being broken: the queue holds no protected block, so
     the allocation runs vLLM's eviction step written into its loop (vLLM's per-block
-    `_maybe_evict_cached_block` is not called) and reports its removals in one call right after
-    it, not carried to the step's next report (the report ends the removed blocks' grants), in
-    the order vLLM's own events list them; the retained blocks stay cached."""
+    `_maybe_evict_cached_block` is not called). Removals of blocks without a grant are carried
+    to the step's next report, as with nothing retained (one report for the step's
+    allocations, in the order vLLM's own events list them); an allocation that reclaims
+    retained blocks reports at once, since the report ends their grants, which the rest of the
+    step must see."""
     from kvhint_server.model import RemovalCause
 
     cache = Cache(NUM_BLOCKS)
@@ -255,13 +257,24 @@ def test_with_a_grant_in_effect_an_allocation_evicts_in_its_own_loop_and_reports
     per_block: list[object] = []
     monkeypatch.setattr(cache.pool, "_maybe_evict_cached_block", per_block.append)
     reports: list[tuple[list[bytes], RemovalCause]] = []
-    report = cache.adapter.on_keys_removed
-    monkeypatch.setattr(cache.adapter, "on_keys_removed", lambda keys, cause: (reports.append((list(keys), cause)), report(keys, cause)))
-    taken = cache.allocate(cache.pool.free_block_queue.num_free_blocks)  # the whole queue: every ordinary cached block
+    report = cache.adapter._report_removed
+    monkeypatch.setattr(cache.adapter, "_report_removed", lambda keys, cause: (reports.append((list(keys), cause)), report(keys, cause)))
+    ordinary = cache.pool.free_block_queue.num_free_blocks
+    taken = cache.allocate(ordinary // 2)
+    taken += cache.allocate(ordinary - ordinary // 2)  # every ordinary block, in two allocations
     assert taken and not per_block
-    assert len(reports) == 1 and reports[0][1] is RemovalCause.EVICTED  # one report, before the step goes on
-    assert not cache.adapter._carried
+    assert not reports and cache.adapter._carried  # no grant among them: carried
+    cache.adapter.flush_removed()  # what the step boundary (or the step's next store) does
+    assert len(reports) == 1 and reports[0][1] is RemovalCause.EVICTED  # one report for both allocations
     vllm_removed = cache.take_removed()
     assert set(cache.chain(other)) <= set(vllm_removed)
     assert [_external(key[:-4]) for key in reports[0][0]] == vllm_removed  # keys: digest + group id
     assert all(cache.is_cached(h) for h in cache.chain(kept)) and len(cache.filed()) == 3
+
+    # Past the ordinary queue: the retained blocks are reclaimed and evicted, and reported in the
+    # allocation itself, their grants ended before it returns.
+    reports.clear()
+    cache.allocate(1)
+    assert len(reports) == 1 and not cache.adapter._carried and not per_block
+    [gone] = [_external(key[:-4]) for key in reports[0][0]]
+    assert gone in cache.chain(kept) and gone not in cache.core.ledger.grants and not cache.is_cached(gone)
