@@ -31,9 +31,10 @@ methods and add:
     `get_new_blocks` reports an allocation's removals in one call after it
     (unless a pin is being broken it runs vLLM's own allocation with vLLM's
     eviction step written into its loop: one Python frame fewer per block;
-    with the retention order off it adds the removed keys to the adapter's
-    carry, reported together before the step's next store or report and at
-    the step boundary: VllmAdapter.flush_removed);
+    unless a removed block holds a grant, whose report must end it at once,
+    it adds the removed keys to the adapter's carry, reported together before
+    the step's next store or report and at the step boundary:
+    VllmAdapter.flush_removed);
   * retention order: free blocks that a hint protects are kept out of the free
     queue (`ProtectedFreeBlocks`) and counted as free; the queue (ordinary,
     LRU) is consumed first, then retained blocks by priority, then pins.
