@@ -292,9 +292,10 @@ def test_watch_streams_are_bounded_per_tenant_and_in_all(hx: Harness) -> None:
             s.close()
 
 
-def test_shutdown_during_a_snapshot_ends_the_stream_with_a_shutting_down_resync() -> None:
+def test_shutdown_during_a_snapshot_ends_the_stream_with_a_shutting_down_resync(monkeypatch: pytest.MonkeyPatch) -> None:
     """The server stops while a snapshot's next engine task is queued (the engine is in a
     long forward pass): the client gets Resync(SHUTTING_DOWN), not an UNKNOWN error."""
+    monkeypatch.setattr(core_module, "SLICE_BUDGET_S", 0.0)  # one snapshot slice per engine step
     for stall_before_begin in (True, False):
         hs = Harness()
         running = gate_engine_steps(hs)
@@ -305,12 +306,27 @@ def test_shutdown_during_a_snapshot_ends_the_stream_with_a_shutting_down_resync(
             if stall_before_begin:
                 running.clear()
                 time.sleep(0.05)
+            else:
+                # Held by the engine thread itself once the snapshot's first slice has run, so
+                # the next slice is queued behind the hold: held from this thread after reading
+                # two messages, a loaded machine could let the whole snapshot finish first.
+                submit_slice = hs.core.submit_slice
+
+                def first_slice_then_hold(fn, **kw):  # type: ignore[no-untyped-def]
+                    def step(deadline: float):  # type: ignore[no-untyped-def]
+                        try:
+                            return fn(deadline)
+                        finally:
+                            running.clear()
+
+                    return submit_slice(step, **kw)
+
+                hs.core.submit_slice = first_slice_then_hold  # type: ignore[method-assign]
             it = iter(hs.stub.WatchEvents(pb.WatchEventsRequest(start=pb.WatchEventsRequest.START_SNAPSHOT), timeout=10))
             got = []
             if not stall_before_begin:
-                got.append(next(it))
-                got.append(next(it))
-                running.clear()
+                got.append(next(it))  # SnapshotBegin
+                got.append(next(it))  # the first slice's chunk
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and hs.core.pending_tasks() == 0:
                 time.sleep(0.01)
