@@ -45,13 +45,19 @@ def _key(func: tuple[str, int, str]) -> str:
     return f"{Path(filename).name}:{line}({name})" if line else name
 
 
+def _shape(shape_name: str, steps: int, pool: int, sessions: int, extra: dict[str, Any] | None) -> Any:
+    """bench.scale_ab's shape `shape_name` at this size (`extra`: more Shape fields)."""
+    from .scale_workload import Shape
+
+    return Shape(pool, sessions, steps=steps, **{**SHAPES[shape_name], **(extra or {})})
+
+
 def profile(shape_name: str, steps: int, pool: int = POOL, sessions: int = SESSIONS,
             extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Profile one pair of `shape_name` (`extra`: more Shape fields, for small test runs)."""
     from .scale_driver import Pair
-    from .scale_workload import Shape
 
-    shape = Shape(pool, sessions, steps=steps, **{**SHAPES[shape_name], **(extra or {})})
+    shape = _shape(shape_name, steps, pool, sessions, extra)
     pair = Pair(shape)
     profs = {"stock": cProfile.Profile(), "kvhint": cProfile.Profile()}
 
@@ -107,9 +113,8 @@ def entry_timers(shape_name: str, steps: int, pool: int = POOL, sessions: int = 
     from time import perf_counter_ns
 
     from .scale_driver import Pair
-    from .scale_workload import Shape
 
-    shape = Shape(pool, sessions, steps=steps, **{**SHAPES[shape_name], **(extra or {})})
+    shape = _shape(shape_name, steps, pool, sessions, extra)
     pair = Pair(shape)
     calls: dict[str, dict[str, int]] = {"stock": {}, "kvhint": {}}
     spent: dict[str, dict[str, int]] = {"stock": {}, "kvhint": {}}

@@ -291,13 +291,13 @@ class VllmAdapter:
                     refile_block(block, view, refresh=True)
         self.pool.kvh_sync_mode()  # the retention order on while anything is retained
 
-    def holds_grant(self, keys: list[Any]) -> bool:
-        """Engine thread: a grant is in effect on the logical block of any of these pool keys."""
+    def granted_keys(self, keys: list[Any]) -> list[Any]:
+        """Engine thread: those of these pool keys whose logical block holds a grant, in order."""
         grants = self.core.ledger.grants
         if not grants:
-            return False
+            return []
         cut = self._key_to_external
-        return not grants.keys().isdisjoint([key[cut] for key in keys])
+        return [key for key in keys if key[cut] in grants]
 
     def granted_since(self, mark: Any) -> list[tuple[Any, Any]]:
         """Engine thread, right after vLLM's `free_blocks`: the cached blocks it put at the free
@@ -549,18 +549,17 @@ class VllmAdapter:
         if self._int_hashes and self._multi_residency:
             others = self._other_residency
             anywhere = [any(key[:-4] + suffix in cache for suffix in others[key[-4:]]) for key in popped]
-        grants = self.core.ledger.grants
-        if grants:
-            # Only blocks with a grant have grants to end and copies filed as protected (a grant
-            # that ends otherwise, by expiry, release or a broken pin, re-files or unprotects its
-            # copies there): most evicted blocks hold none, so the rest is skipped for them.
+        # Only blocks with a grant have grants to end and copies filed as protected (a grant that
+        # ends otherwise, by expiry, release or a broken pin, re-files or unprotects its copies
+        # there): most evicted blocks hold none, so the rest is skipped for them. (The ledger is
+        # read here first so that a report with no grant in effect makes no call.)
+        granted = self.granted_keys(popped) if self.core.ledger.grants else None
+        if granted:
+            tiers = self.tiers  # a host tier that honours retention keeps evicted blocks' retained grants
+            lower = tiers.held_for_retention if tiers is not None else None
             cut = self._key_to_external
-            granted = [key for key in popped if key[cut] in grants]
-            if granted:
-                tiers = self.tiers  # a host tier that honours retention keeps evicted blocks' retained grants
-                lower = tiers.held_for_retention if tiers is not None else None
-                self.core.end_device_grants([key[cut] for key in granted], cause, lower)
-                self.unprotect_copies([key[:-4] for key in granted])
+            self.core.end_device_grants([key[cut] for key in granted], cause, lower)
+            self.unprotect_copies([key[:-4] for key in granted])
         # The keys go into the journal entry itself (see on_blocks_cached).
         self.core.record(VllmAdapter._book_removed, self, anywhere, cause, *popped)
 

@@ -256,7 +256,7 @@ class KvHintBlockPool(BlockPool):
                     metrics.on_block_allocated(block)
         finally:
             if removed and removed is not carry:
-                if carry is not None and not self._kvh.holds_grant(removed):
+                if carry is not None and not self._kvh.granted_keys(removed):
                     carry += removed  # no grant to end now: reported with the step's other removals
                 else:
                     self._kvh.on_keys_removed(removed, self._kvh_cause)

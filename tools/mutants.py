@@ -134,8 +134,8 @@ MUTANTS = (
     Mutant(
         "eviction-keeps-grants",
         "engine_integration/adapter.py",
-        r"granted = \[key for key in popped if key\[cut\] in grants\]",
-        "granted = []",
+        r"granted = self\.granted_keys\(popped\) if self\.core\.ledger\.grants else None",
+        "granted = None",
         "an eviction ends no grant and unprotects no other copy (grants outlive their blocks)",
     ),
     Mutant(
@@ -148,7 +148,7 @@ MUTANTS = (
     Mutant(
         "granted-removal-carried",
         "engine_integration/hooks.py",
-        r"if carry is not None and not self\._kvh\.holds_grant\(removed\):",
+        r"if carry is not None and not self\._kvh\.granted_keys\(removed\):",
         "if carry is not None:",
         "an allocation that evicts granted blocks carries their removal to the step's next report (their grants outlive them until then)",
     ),

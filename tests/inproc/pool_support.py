@@ -237,3 +237,31 @@ def evict(selector: pb.Selector) -> pb.Hint:
 def tokens(seed: int, n: int) -> list[int]:
     """`n` prompt tokens unique to `seed` (distinct seeds share no block)."""
     return [1000 * (seed + 1) + i for i in range(n)]
+
+
+def check_filing(pool: Any, core: KvHintCore, adapter: VllmAdapter, context: str = "") -> None:
+    """The retention order's invariants, for any KV-cache layout (`context` starts each failure's
+    message): every free block is counted free once, in vLLM's queue or protected; no grant
+    outlives its block's residency; every free cached copy is filed by its logical block's
+    class and priority (ordinary ones queued), and no in-use or uncached block is protected."""
+    protected = pool._kvh_protected
+    queued = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
+    kept = {b.block_id for b in protected.blocks()}
+    free = {b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null}
+    assert not queued & kept, f"{context}a block both queued and protected"
+    assert queued | kept == free, f"{context}free blocks lost or in-use blocks counted free"
+    assert pool.get_num_free_blocks() == len(free) == protected.count + pool.free_block_queue.num_free_blocks
+    # A grant ends with its block's last device copy (evicted, reclaimed, invalidated; no lower tier here).
+    assert set(core.ledger.grants) <= adapter._resident, f"{context}a grant outlived its block"
+    for block in pool.blocks:
+        if block.ref_cnt or block.is_null or block.block_hash is None:
+            assert block.block_id not in kept, f"{context}an in-use or uncached block is protected"
+            continue
+        view = core.retention(adapter.external(get_block_hash(block.block_hash)))
+        filed = protected.filed_as(block)
+        if view.cls is RetentionClass.ORDINARY:
+            assert filed is None, f"{context}block {block.block_id} is ordinary but filed as {filed}"
+        else:
+            assert filed is not None and filed[:2] == (view.cls, view.priority), (
+                f"{context}block {block.block_id} is {view.cls.name}/{view.priority} but filed as {filed}"
+            )

@@ -18,7 +18,7 @@ import layout_support
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pool_support import evict, pin, release, retain, session, tokens
+from pool_support import check_filing, evict, pin, release, retain, session, tokens
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
@@ -27,7 +27,7 @@ from engine_integration.kv_groups import residency_view
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_client import KvHintClient
 from kvhint_server.events import BlocksRemoved, BlocksStored
-from kvhint_server.model import KvCacheGroupKind, Outcome, RetentionClass, Tier
+from kvhint_server.model import KvCacheGroupKind, Outcome, Tier
 
 BLOCK = 16
 WINDOW = 64  # a hit needs ceil(63 / 16) = 4 sliding-window blocks
@@ -416,8 +416,9 @@ def test_every_free_copy_is_filed_by_its_blocks_retention_class(opening: str, op
     either group, is filed by its logical block's retention class (what QueryResidency
     reports): ordinary copies in vLLM's free queue, retained and pinned ones protected, with
     the class's priority; no protected copy outlives its block's grants, and no grant its
-    block; and every free block is counted free once. An eviction ends grants and unprotects the other copies of its
-    blocks with a grant only (the blocks without one have no copy filed as protected)."""
+    block; and every free block is counted free once (pool_support.check_filing). An eviction
+    ends grants and unprotects the other copies of its blocks with a grant only (the blocks
+    without one have no copy filed as protected)."""
     with hybrid(window_first, num_blocks=POOL) as s:
         pool, adapter, core = s.kv_cache_manager.block_pool, s.kvhint_adapter, s.kvhint_core
         # Every example opens with a hinted session, so that its pressure meets protected copies.
@@ -428,31 +429,11 @@ def test_every_free_copy_is_filed_by_its_blocks_retention_class(opening: str, op
                 run(s, f"r{n}", tokens(prefix, 4 * BLOCK) + tokens(100 + 10 * n, own * BLOCK), sid)
             elif op[0] == "hint":
                 _, action, sid, priority = op
-                hint = {"retain": lambda: retain(session(sid), priority=priority), "pin": lambda: pin(session(sid)),
-                        "release": lambda: release(session(sid)), "evict": lambda: evict(session(sid))}[action]()
-                apply(s, hint)
+                other = {"pin": pin, "release": release, "evict": evict}
+                apply(s, retain(session(sid), priority=priority) if action == "retain" else other[action](session(sid)))
             else:
                 extra = min(op[1], pool._kvh_protected.count)
                 taken = pool.get_new_blocks(pool.free_block_queue.num_free_blocks + extra)
                 pool.free_blocks(taken)
             core.settle()
-            protected = pool._kvh_protected
-            queued = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
-            kept = {b.block_id for b in protected.blocks()}
-            free = {b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null}
-            assert not queued & kept and queued | kept == free, "a free block lost, or both queued and protected"
-            assert pool.get_num_free_blocks() == len(free)
-            # A grant ends with its block's last device copy (no lower tier here to hold it).
-            assert set(core.ledger.grants) <= adapter._resident, f"op {n} {op}: a grant outlived its block"
-            for block in pool.blocks:
-                if block.ref_cnt or block.is_null or block.block_hash is None:
-                    assert block.block_id not in kept, "an in-use or uncached block is protected"
-                    continue
-                h = adapter.external(get_block_hash(block.block_hash))
-                view, filed = core.retention(h), protected.filed_as(block)
-                if view.cls is RetentionClass.ORDINARY:
-                    assert filed is None, f"op {n} {op}: a copy of {h.hex()} is ordinary but filed as {filed}"
-                else:
-                    assert filed is not None and filed[:2] == (view.cls, view.priority), (
-                        f"op {n} {op}: a copy of {h.hex()} is {view.cls.name}/{view.priority} but filed as {filed}"
-                    )
+            check_filing(pool, core, adapter, f"op {n} {op}: ")

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pool_support import BLOCK_SIZE, Cache, evict, pin, release, retain, session, tokens
-from vllm.v1.core.kv_cache_utils import get_block_hash
+from pool_support import BLOCK_SIZE, Cache, check_filing, evict, pin, release, retain, session, tokens
 
-from kvhint_server.model import Outcome, Reason, RetentionClass, Selector, SelectorKind, Tier
+from kvhint_server.model import Outcome, Reason, Selector, SelectorKind, Tier
 
 SESSIONS = ["a", "b", "c"]
 
@@ -39,31 +38,6 @@ hint = st.tuples(
 tick = st.tuples(st.just("tick"), st.sampled_from([1.0, 10.0, 40.0]))
 invalidate = st.tuples(st.just("invalidate"), st.integers(0, 19))  # a KV connector drops a block's hash
 operations = st.lists(st.one_of(admit, admit, free, decode, pressure, hint, hint, tick, invalidate), min_size=1, max_size=40)
-
-
-def check_filing(cache: Cache) -> None:
-    pool = cache.pool
-    protected = pool._kvh_protected
-    queued = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
-    kept = {b.block_id: b for b in protected.blocks()}
-    free = {b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null}
-    assert not queued & kept.keys(), "a block both queued and protected"
-    assert queued | kept.keys() == free, "free blocks lost or in-use blocks counted free"
-    assert pool.get_num_free_blocks() == len(free) == protected.count + pool.free_block_queue.num_free_blocks
-    # A grant ends with its block's last device copy (evicted, reclaimed, invalidated).
-    assert set(cache.core.ledger.grants) <= cache.adapter._resident, "a grant outlived its block"
-    for block in pool.blocks:
-        if block.ref_cnt or block.is_null or block.block_hash is None:
-            assert block.block_id not in kept, "an in-use or uncached block is protected"
-            continue
-        view = cache.core.retention(cache.adapter.external(get_block_hash(block.block_hash)))
-        filed = protected.filed_as(block)
-        if view.cls is RetentionClass.ORDINARY:
-            assert filed is None, f"block {block.block_id} is ordinary but filed as {filed}"
-        else:
-            assert filed is not None and filed[:2] == (view.cls, view.priority), (
-                f"block {block.block_id} is {view.cls.name}/{view.priority} but filed as {filed}"
-            )
 
 
 def apply_hint(cache: Cache, action: str, sid: str, priority: int, ttl: float) -> None:
@@ -119,4 +93,4 @@ def test_free_blocks_are_filed_by_their_retention_class(ops):
         elif kind == "invalidate":  # vLLM's BlockPool.evict_blocks: a free (maybe protected) or in-use block
             cache.pool.evict_blocks({op[1] % cache.pool.num_gpu_blocks})
         cache.core.run_pending()
-        check_filing(cache)
+        check_filing(cache.pool, cache.core, cache.adapter)
