@@ -305,6 +305,21 @@ class VllmAdapter:
         pool keys, those only whose logical block holds a grant (what `refile_freed` files)."""
         return vllm_private.appended_since(self.pool, mark, self.core.ledger.grants, self._key_to_external)
 
+    def granted_among(self, blocks: list[Any]) -> list[tuple[Any, Any]]:
+        """Engine thread, right after vLLM's `free_blocks(blocks)` when its placement of the freed
+        blocks is not the one `granted_since` relies on (vllm_compat): the blocks of `blocks` it
+        left free and cached in this pool, in their order, with their pool keys, those only whose
+        logical block holds a grant. Public block attributes only."""
+        grants, cut, pool = self.core.ledger.grants, self._key_to_external, self.pool
+        out, seen = [], set()
+        for block in blocks:
+            key = block.block_hash
+            if (block.ref_cnt == 0 and not block.is_null and key is not None and key[cut] in grants
+                    and getattr(block, "pool", None) in (None, pool) and block.block_id not in seen):
+                seen.add(block.block_id)
+                out.append((block, key))
+        return out
+
     def refile_freed(self, freed: list[tuple[Any, Any]]) -> None:
         """Engine thread, after vLLM freed blocks with a grant in effect: `freed` holds the
         cached ones it put at the free queue's tail whose logical block holds a grant, with

@@ -39,6 +39,12 @@ methods and add:
     queue (`ProtectedFreeBlocks`) and counted as free; the queue (ordinary,
     LRU) is consumed first, then retained blocks by priority, then pins.
 
+Two of these paths repeat vLLM 0.32.0's own statements for speed: the allocation's loop, and the
+free hook's walk back from the free queue's tail to the blocks vLLM just freed. `install` runs
+each only when the installed vLLM's methods are those statements (vllm_compat.check, once per
+process); otherwise it calls vLLM's own `get_new_blocks` (removals reported per allocation) or
+looks at the freed blocks themselves, and logs why.
+
 The retention order is switched by a flag, `_kvh_retaining`: on while a free
 block is protected, a pin is being broken or a retention grant is in effect,
 and off otherwise (`kvh_sync_mode`, on the engine thread: after every
@@ -51,6 +57,7 @@ and allocation results are exactly stock vLLM's
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
@@ -62,12 +69,14 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 from kvhint_server.model import RemovalCause, RetentionClass, RetentionView
 
-from . import vllm_private
+from . import vllm_compat, vllm_private
 from .protected import ProtectedFreeBlocks
 
 if TYPE_CHECKING:
     from .adapter import VllmAdapter
 
+
+log = logging.getLogger("kvhint.vllm")
 
 # Stock methods the hot overrides call directly (cheaper than super() on every block).
 _emit_removed = BlockPool._emit_block_removed_events
@@ -113,6 +122,11 @@ class KvHintBlockPool(BlockPool):
         # it removes here instead of reporting each allocation's; None: reported per allocation
         # (no adapter yet, or lower tiers attached).
         self._kvh_carry: list[Any] | None = None
+        # The fast paths that repeat vLLM 0.32's statements, on unless `install` finds the
+        # installed vLLM's methods differ (vllm_compat): the allocation's (get_new_blocks) and
+        # the free hook's walk back from the free queue's tail.
+        self._kvh_fast_alloc = True
+        self._kvh_tail_walk = True
 
     def _kvh_init(self, adapter: VllmAdapter) -> None:
         self._kvh = adapter
@@ -198,35 +212,38 @@ class KvHintBlockPool(BlockPool):
                 if shortfall > 0:
                     self._kvh_reclaim(shortfall)
             retaining = self._kvh_retaining
-            if retaining and self._kvh_broken:
-                # A pin is being broken: vLLM's own allocation, which calls
-                # `_maybe_evict_cached_block` per block, so that the broken pin's blocks are
-                # evicted with their own cause; the removals inside it are reported together
-                # after it (one journal entry per run of the same cause).
-                self._kvh_pending = pending = []
-                self._kvh_runs = runs = []
-                try:
-                    return _get_new_blocks(self, num_blocks)
-                finally:
-                    self._kvh_pending = None
-                    if pending:
-                        if len(runs) == 1:  # one cause (the usual case)
-                            self._kvh.on_keys_removed(pending, runs[0][1])
-                        else:
-                            self._kvh_flush_removed(pending, runs)
-                    if self._kvh_unprotect:  # copies of blocks whose pins broke (_kvh_reclaim)
-                        digests, self._kvh_unprotect = self._kvh_unprotect, []
-                        self._kvh.unprotect_copies(digests)
-        # No pin is being broken (the retention order on or off; with it on, the queue holds no
-        # protected block, so vLLM's eviction step is all the per-block work): vLLM 0.32's own
+        if (retaining and self._kvh_broken) or not self._kvh_fast_alloc:
+            # A pin is being broken, or the installed vLLM's allocation is not the one the fast
+            # path below repeats (vllm_compat): vLLM's own allocation, which calls
+            # `_maybe_evict_cached_block` per block, so that the broken pin's blocks are
+            # evicted with their own cause; the removals inside it are reported together
+            # after it (one journal entry per run of the same cause).
+            self._kvh_pending = pending = []
+            self._kvh_runs = runs = []
+            try:
+                return _get_new_blocks(self, num_blocks)
+            finally:
+                self._kvh_pending = None
+                if pending:
+                    if len(runs) == 1:  # one cause (the usual case)
+                        self._kvh.on_keys_removed(pending, runs[0][1])
+                    else:
+                        self._kvh_flush_removed(pending, runs)
+                if self._kvh_unprotect:  # copies of blocks whose pins broke (_kvh_reclaim)
+                    digests, self._kvh_unprotect = self._kvh_unprotect, []
+                    self._kvh.unprotect_copies(digests)
+        # No pin is being broken, and vLLM's allocation is 0.32's (the retention order on or off;
+        # with it on, the queue holds no protected block, so vLLM's eviction step is all the
+        # per-block work): vLLM 0.32's own
         # get_new_blocks with its eviction step, vLLM's _maybe_evict_cached_block, written into
         # the loop, and the removed keys of the whole allocation carried to the step's next report
         # (VllmAdapter.flush_removed), or reported in one call after it when one of them holds a
         # grant (the report ends the removed blocks' grants, which the rest of the step must see)
         # or without a carry. That is one Python frame fewer per block taken than
         # vLLM's own loop (two with the retention order on), and a hybrid model takes a copy per
-        # group. tests/inproc/test_pool_hooks_stock.py compares both vLLM methods with the
-        # statements repeated here (AST) and the results with stock vLLM's (Hypothesis).
+        # group. `install` compares both vLLM methods with the statements repeated here
+        # (vllm_compat.check, AST) and tests/inproc/test_pool_hooks_stock.py the results with
+        # stock vLLM's (Hypothesis).
         if not self.enable_caching:  # nothing to evict (KvHintScheduler refuses such an engine)
             return _get_new_blocks(self, num_blocks)
         if num_blocks > self.free_block_queue.num_free_blocks:
@@ -295,9 +312,14 @@ class KvHintBlockPool(BlockPool):
         if not self._kvh_retaining or not self._kvh.retention_active():
             _free_blocks(self, ordered_blocks)
             return
-        mark = vllm_private.queue_tail(self)
-        _free_blocks(self, ordered_blocks)
-        freed = self._kvh.granted_since(mark)
+        if self._kvh_tail_walk:  # vLLM 0.32's free_blocks: the freed cached blocks are at the queue's tail
+            mark = vllm_private.queue_tail(self)
+            _free_blocks(self, ordered_blocks)
+            freed = self._kvh.granted_since(mark)
+        else:  # another vLLM's (vllm_compat): look at the blocks themselves
+            blocks = list(ordered_blocks)
+            _free_blocks(self, blocks)
+            freed = self._kvh.granted_among(blocks)
         if self._kvh_freed is not None:  # one request's groups, one after the other: filed together
             self._kvh_freed += freed
         else:
@@ -458,5 +480,11 @@ def install(scheduler: Any, adapter: VllmAdapter) -> KvHintBlockPool:
     pool = manager.block_pool
     pool._kvh_init(adapter)
     manager._kvh = adapter
+    # The fast paths that repeat vLLM 0.32's statements run only on a vLLM whose methods are those
+    # statements (vllm_compat: checked once per process).
+    compat = vllm_compat.check()
+    pool._kvh_fast_alloc, pool._kvh_tail_walk = compat.fast_allocation, compat.free_tail_walk
+    for warning in compat.warnings:
+        log.warning("kvhint: %s", warning)
     watch_lazy_offloaders(pool, getattr(scheduler, "connector", None))
     return pool

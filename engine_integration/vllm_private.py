@@ -1,7 +1,8 @@
 """Every access KvHint makes to vLLM 0.32 internals that are not public API.
 
 Each function names the private attribute it relies on, so an upgrade of vLLM
-has one file to check. Everything runs on the engine thread unless it says
+has one file to check (and vllm_compat.py the vLLM statements the block pool's
+fast paths repeat, which it compares with the installed vLLM's at start). Everything runs on the engine thread unless it says
 otherwise.
 
   BlockPool.cached_block_hash_to_block._cache     the hash -> block(s) map

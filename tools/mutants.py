@@ -78,8 +78,8 @@ MUTANTS = (
     Mutant(
         "free-order-active",
         "engine_integration/hooks.py",
-        r"mark = vllm_private\.queue_tail\(self\)\n        _free_blocks\(self, ordered_blocks\)\n",
-        "mark = vllm_private.queue_tail(self)\n        _free_blocks(self, list(ordered_blocks)[::-1])\n",
+        r"mark = vllm_private\.queue_tail\(self\)\n            _free_blocks\(self, ordered_blocks\)\n",
+        "mark = vllm_private.queue_tail(self)\n            _free_blocks(self, list(ordered_blocks)[::-1])\n",
         "free_blocks reverses vLLM's free order while a grant is in effect",
     ),
     Mutant(
@@ -151,6 +151,20 @@ MUTANTS = (
         r"if carry is not None and not self\._kvh\.granted_keys\(removed\):",
         "if carry is not None:",
         "an allocation that evicts granted blocks carries their removal to the step's next report (their grants outlive them until then)",
+    ),
+    Mutant(
+        "compat-ignored",
+        "engine_integration/hooks.py",
+        r"if \(retaining and self\._kvh_broken\) or not self\._kvh_fast_alloc:",
+        "if retaining and self._kvh_broken:",
+        "the allocation fast path runs on a vLLM whose get_new_blocks is not the one it repeats",
+    ),
+    Mutant(
+        "free-walk-on-another-vllm",
+        "engine_integration/hooks.py",
+        r"if self\._kvh_tail_walk:",
+        "if True:",
+        "the free hook walks back from the queue's tail on a vLLM whose free_blocks may not put the freed blocks there",
     ),
     Mutant(
         "bucket-lifo",

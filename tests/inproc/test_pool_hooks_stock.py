@@ -13,7 +13,6 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pool_support import BLOCK_SIZE, Cache, _external, pin, release, retain, session, tokens
-from vllm.v1.core.block_pool import BlockPool
 
 from engine_integration.hooks import KvHintBlockPool
 from kvhint_server.events import BlocksStored
@@ -138,80 +137,6 @@ def test_the_pool_runs_vllms_own_methods_while_nothing_is_retained():
     assert not cache.core.ledger.grants  # the broken pin's grant left with its blocks
     cache.pool.kvh_sync_mode()  # what KvHintScheduler.schedule() does at every step boundary
     assert runs_stock_methods(cache)
-
-
-def _body_dump(function: object) -> list[str]:
-    """The AST of `function`'s statements, its docstring left out."""
-    import ast
-    import inspect
-    import textwrap
-
-    [fn] = ast.parse(textwrap.dedent(inspect.getsource(function))).body
-    body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
-    return [ast.dump(s) for s in body]
-
-
-# vLLM 0.32.0's BlockPool._maybe_evict_cached_block, without its docstring: the eviction step that
-# KvHintBlockPool.get_new_blocks writes into its loop while the retention order is off (the removed
-# keys buffered for one report per allocation instead of one _emit_block_removed_events per block).
-_STOCK_EVICT_BODY = """
-if self.metrics_collector:
-    self.metrics_collector.on_block_evicted(block)
-evicted_hashes = self._remove_cached_block_hashes(block)
-if not evicted_hashes:
-    return False
-self._emit_block_removed_events(evicted_hashes)
-return True
-"""
-
-
-def test_the_eviction_fast_path_repeats_vllms_own_method() -> None:
-    """If vLLM's eviction step changes (a vLLM upgrade), this fails: re-check the copy in
-    KvHintBlockPool.get_new_blocks before trusting it (the property test above compares the
-    results, this the code)."""
-    import ast
-
-    assert _body_dump(BlockPool._maybe_evict_cached_block) == [ast.dump(s) for s in ast.parse(_STOCK_EVICT_BODY).body], (
-        "vLLM's BlockPool._maybe_evict_cached_block is not the body KvHintBlockPool repeats"
-    )
-
-
-# vLLM 0.32.0's BlockPool.get_new_blocks, without its docstring and comments: the statements that
-# KvHintBlockPool.get_new_blocks repeats while the retention order is off (the caching branch; without
-# prefix caching it calls vLLM's method), with the eviction step above written into its loop in place
-# of the `self._maybe_evict_cached_block(block)` call.
-_STOCK_GET_NEW_BLOCKS_BODY = """
-if num_blocks > self.get_num_free_blocks():
-    raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-ret: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)
-if self._reuse_watchers:
-    self._notify_reuse(ret)
-if self.enable_caching:
-    for block in ret:
-        self._maybe_evict_cached_block(block)
-        assert block.ref_cnt == 0
-        block.ref_cnt += 1
-        if self.metrics_collector:
-            self.metrics_collector.on_block_allocated(block)
-else:
-    for block in ret:
-        assert block.ref_cnt == 0
-        block.ref_cnt += 1
-        if self.metrics_collector:
-            self.metrics_collector.on_block_allocated(block)
-return ret
-"""
-
-
-def test_the_allocation_fast_path_repeats_vllms_own_method() -> None:
-    """If vLLM's allocation changes (a vLLM upgrade), this fails: re-check the copy in
-    KvHintBlockPool.get_new_blocks before trusting it."""
-    import ast
-
-    assert _body_dump(BlockPool.get_new_blocks) == [ast.dump(s) for s in ast.parse(_STOCK_GET_NEW_BLOCKS_BODY).body], (
-        "vLLM's BlockPool.get_new_blocks is not the body KvHintBlockPool repeats"
-    )
-
 
 
 def test_an_allocation_that_expires_the_last_grant_reports_its_evictions():
