@@ -410,17 +410,20 @@ traffic = st.lists(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(opening=st.sampled_from(["retain", "pin"]), ops=traffic, window_first=st.booleans())
-def test_every_free_copy_is_filed_by_its_blocks_retention_class(opening: str, ops: list[tuple[Any, ...]], window_first: bool) -> None:
+@given(opening=st.sampled_from(["retain", "pin"]), ops=traffic, window_first=st.booleans(), fast_paths=st.booleans())
+def test_every_free_copy_is_filed_by_its_blocks_retention_class(opening: str, ops: list[tuple[Any, ...]], window_first: bool,
+                                                                fast_paths: bool) -> None:
     """Random turns, hints and pressure on both groups; after each, every free cached copy, of
     either group, is filed by its logical block's retention class (what QueryResidency
     reports): ordinary copies in vLLM's free queue, retained and pinned ones protected, with
     the class's priority; no protected copy outlives its block's grants, and no grant its
     block; and every free block is counted free once (pool_support.check_filing). An eviction
     ends grants and unprotects the other copies of its blocks with a grant only (the blocks
-    without one have no copy filed as protected)."""
+    without one have no copy filed as protected). With or without the pool paths that repeat
+    vLLM 0.32's statements (engine_integration/vllm_compat.py)."""
     with hybrid(window_first, num_blocks=POOL) as s:
         pool, adapter, core = s.kv_cache_manager.block_pool, s.kvhint_adapter, s.kvhint_core
+        pool._kvh_fast_alloc = pool._kvh_tail_walk = fast_paths
         # Every example opens with a hinted session, so that its pressure meets protected copies.
         ops = [("run", 0, 6, "A"), ("hint", opening, "A", 1), *ops]
         for n, op in enumerate(ops):
