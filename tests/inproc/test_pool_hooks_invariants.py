@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pool_support import BLOCK_SIZE, Cache, check_filing, evict, pin, release, retain, session, tokens
+from pool_support import BLOCK_SIZE, Cache, check_filing, evict, pin, release, retain, session, traffic_step
 
 from kvhint_server.model import Outcome, Reason, Selector, SelectorKind, Tier
 
@@ -71,16 +71,8 @@ def test_free_blocks_are_filed_by_their_retention_class(ops):
     running: list = []
     for n, op in enumerate(ops):
         kind = op[0]
-        if kind == "admit":
-            _, prefix, blocks, own, sid = op
-            prompt = tokens(prefix, blocks * BLOCK_SIZE) + [60_000 + 100 * n + i for i in range(own)]
-            admission = cache.admit(f"r{n}", prompt, sid)
-            if admission is not None:
-                running.append(admission)
-        elif kind == "free" and running:
-            cache.free(running.pop(op[1] % len(running)))
-        elif kind == "decode" and running:
-            cache.decode(running[op[1] % len(running)], 5)
+        if kind in ("admit", "free", "decode"):
+            traffic_step(cache, n, op, running)
         elif kind == "pressure":
             n_free = cache.pool.get_num_free_blocks()
             op = (kind, n_free) if op[1] == 8 else op  # sometimes all of it

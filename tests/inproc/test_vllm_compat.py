@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pool_support import BLOCK_SIZE, Cache, evict, pin, release, retain, session, tokens
+from pool_support import BLOCK_SIZE, Cache, evict, pin, release, retain, session, tokens, traffic_step
 from vllm.v1.core.block_pool import BlockPool
 
 from engine_integration import hooks, vllm_compat, vllm_private
@@ -135,18 +135,9 @@ operations = st.lists(st.one_of(admit, admit, free, free, decode, pressure, pres
 
 def _apply(cache: Cache, n: int, op: tuple, running: list) -> Any:
     kind = op[0]
-    if kind == "admit":
-        _, prefix, blocks, own, sid = op
-        prompt = tokens(prefix, blocks * BLOCK_SIZE) + [60_000 + 100 * n + i for i in range(own)]
-        admission = cache.admit(f"r{n}", prompt, sid)
-        if admission is not None:
-            running.append(admission)
-        return admission and (admission.hit_tokens, admission.block_ids)
-    if kind == "free" and running:
-        cache.free(running.pop(op[1] % len(running)))
-    elif kind == "decode" and running:
-        cache.decode(running[op[1] % len(running)], 5)
-    elif kind == "pressure":
+    if kind in ("admit", "free", "decode"):
+        return traffic_step(cache, n, op, running)
+    if kind == "pressure":
         taken = cache.pool.get_new_blocks(min(op[1], cache.pool.get_num_free_blocks()))
         cache.pool.free_blocks(taken)
         return [b.block_id for b in taken]
