@@ -314,8 +314,9 @@ class VllmAdapter:
         out, seen = [], set()
         for block in blocks:
             key = block.block_hash
-            if (block.ref_cnt == 0 and not block.is_null and key is not None and key[cut] in grants
-                    and getattr(block, "pool", None) in (None, pool) and block.block_id not in seen):
+            if block.ref_cnt or block.is_null or key is None or block.block_id in seen:
+                continue  # still in use, the null block, uncached, or listed twice
+            if key[cut] in grants and getattr(block, "pool", None) in (None, pool):
                 seen.add(block.block_id)
                 out.append((block, key))
         return out

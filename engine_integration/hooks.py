@@ -234,9 +234,8 @@ class KvHintBlockPool(BlockPool):
                     self._kvh.unprotect_copies(digests)
         # No pin is being broken, and vLLM's allocation is 0.32's (the retention order on or off;
         # with it on, the queue holds no protected block, so vLLM's eviction step is all the
-        # per-block work): vLLM 0.32's own
-        # get_new_blocks with its eviction step, vLLM's _maybe_evict_cached_block, written into
-        # the loop, and the removed keys of the whole allocation carried to the step's next report
+        # per-block work): vLLM 0.32's own get_new_blocks with its eviction step, vLLM's
+        # _maybe_evict_cached_block, written into the loop, and the removed keys of the whole allocation carried to the step's next report
         # (VllmAdapter.flush_removed), or reported in one call after it when one of them holds a
         # grant (the report ends the removed blocks' grants, which the rest of the step must see)
         # or without a carry. That is one Python frame fewer per block taken than

@@ -22,8 +22,9 @@ differs or its source cannot be read:
   * freeing: the hook looks at the blocks it passed to vLLM's `free_blocks` itself (those left
     with no reference and a hash), through the public block attributes.
 
-Both are slower and give the same results (tests/inproc/test_vllm_compat.py runs the stock
-comparison and the retention invariants with them). Each path turned off, and a vLLM version
+Both are slower and give the same results (tests/inproc/test_vllm_compat.py compares random
+traffic and hints with both paths on and off; tests/inproc/test_hybrid_groups.py checks the
+retention invariants either way). Each path turned off, and a vLLM version
 other than the one these statements come from, is logged as a warning when the scheduler is
 built; vllm_private.py lists every other vLLM internal KvHint reads.
 """

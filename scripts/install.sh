@@ -45,7 +45,7 @@ echo "install: generated models"
 # the fast test tier's first run (tests/stubs/test_router_stubs.py rebuilds only what changed).
 # A stub that does not build does not stop the install: that test says why.
 for section in go rust; do
-  tool=$([ "$section" = go ] && echo go || echo cargo)
+  tool=go; [ "$section" = rust ] && tool=cargo
   if command -v "$tool" >/dev/null 2>&1; then
     echo "install: router stubs ($section build cache)"
     bash tools/build_stubs.sh "$section" >/dev/null 2>&1 \

@@ -144,8 +144,8 @@ def _apply(cache: Cache, n: int, op: tuple, running: list) -> Any:
     elif kind == "hint":
         action, sid, priority, ttl = op[1:]
         selector = session(sid)
-        built = {"retain": lambda: retain(selector, ttl, priority), "pin": lambda: pin(selector, ttl),
-                 "release": lambda: release(selector), "evict": lambda: evict(selector)}[action]()
+        built = (retain(selector, ttl, priority) if action == "retain" else pin(selector, ttl) if action == "pin"
+                 else {"release": release, "evict": evict}[action](selector))
         return [(r.outcome, r.reason, r.clips, r.affected, r.effective_ttl_s) for r in cache.apply(built)]
     elif kind == "tick":
         cache.clock.advance(op[1])
