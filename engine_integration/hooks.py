@@ -43,7 +43,8 @@ Two of these paths repeat vLLM 0.32.0's own statements for speed: the allocation
 free hook's walk back from the free queue's tail to the blocks vLLM just freed. `install` runs
 each only when the installed vLLM's methods are those statements (vllm_compat.check, once per
 process); otherwise it calls vLLM's own `get_new_blocks` (removals reported per allocation) or
-looks at the freed blocks themselves, and logs why.
+looks at the freed blocks themselves, and logs why. A prefix-cache reset repeats no vLLM
+condition: the protected blocks go back to the queue, and are filed again if vLLM refuses.
 
 The retention order is switched by a flag, `_kvh_retaining`: on while a free
 block is protected, a pin is being broken or a retention grant is in effect,
@@ -186,15 +187,27 @@ class KvHintBlockPool(BlockPool):
         return _maybe_evict(self, block)
 
     def reset_prefix_cache(self) -> bool:
+        # vLLM's reset needs every block but the null block free, and then drops every block's
+        # hash. Protected blocks are free but out of its queue: they go back into it first, so
+        # the reset finds them free and leaves them ordinary (hashless) free blocks, whatever
+        # condition the installed vLLM checks; if it refuses, they are filed again as they were,
+        # in the order they were in.
         protected = self._kvh_protected
-        if protected.count and self.num_gpu_blocks - self.get_num_free_blocks() == 1:
-            blocks = protected.blocks()
-            for block in blocks:
+        filings = [(block, protected.filed_as(block)) for block in protected.blocks()] if protected.count else []
+        if filings:
+            for block, _ in filings:
                 protected.remove(block)
-            self.free_block_queue.append_n(blocks)
+            self.free_block_queue.append_n([block for block, _ in filings])
         ok = super().reset_prefix_cache()
         if ok:
             self._kvh.on_device_cleared()
+            self.kvh_sync_mode()  # nothing protected and no grant left: the retention order is off
+        elif filings:
+            for block, (cls, priority, reuse_at) in filings:
+                if self._kvh_lazy:  # as kvh_refile_block: no lazy offloader's cursor on a block out of the queue
+                    vllm_private.move_lazy_cursors_off(self._kvh_lazy, block, self.free_block_queue)
+                self.free_block_queue.remove(block)
+                protected.add(block, cls, priority, reuse_at)
         return ok
 
     # ------------------------------------------------------------ allocation

@@ -167,6 +167,20 @@ MUTANTS = (
         "the free hook walks back from the queue's tail on a vLLM whose free_blocks may not put the freed blocks there",
     ),
     Mutant(
+        "reset-strands-protected",
+        "engine_integration/hooks.py",
+        r"filings = \[\(block, protected\.filed_as\(block\)\) for block in protected\.blocks\(\)\] if protected\.count else \[\]",
+        "filings = []",
+        "a prefix-cache reset leaves the protected free blocks, hashless, outside vLLM's free queue",
+    ),
+    Mutant(
+        "refused-reset-unfiled",
+        "engine_integration/hooks.py",
+        r"                self\.free_block_queue\.remove\(block\)\n                protected\.add\(block, cls, priority, reuse_at\)",
+        "                pass",
+        "a reset vLLM refuses leaves the protected blocks in its free queue, ordinary",
+    ),
+    Mutant(
         "bucket-lifo",
         "engine_integration/protected.py",
         r"plain_id = next\(iter\(self\.plain\), None\)",
