@@ -422,7 +422,12 @@ class KvHintCore:
         sessions = members if not coordinates.session_id else (coordinates.session_id, *members)
         tenants = None
         if self.router is not None:
-            tenants = self.router.tenants_of(sessions)
+            # The event names at most MAX_MEMBERS_REPORTED members of its last block. A prefix
+            # hit is news to the session it names first (the copies were resident, and shown to
+            # their members' tenants when stored). A new copy is news to every member of every
+            # block stored: usually the storing session alone, but a block whose copy on another
+            # tier kept it in the index keeps its members, and a tier's copy names no request.
+            tenants = self.router.tenants_of(sessions) if prefix_hit else self._tenants_of_blocks(hashes)
             if tenants:
                 self._note_shown(hashes, tenants, coordinates.session_id)
         self.bus.publish(
@@ -585,7 +590,31 @@ class KvHintCore:
             TierTransferCompleted(from_tier, to_tier, tuple(hashes), bytes_moved, operation_id, Coordinates("", "", members)),
             sessions=members,
             tier=to_tier,
+            tenants=None if self.router is None else self._tenants_of_blocks(hashes),
         )
+
+    def _tenants_of_blocks(self, hashes: Sequence[bytes]) -> frozenset[str]:
+        """With tenancy: the tenants of every member of every one of `hashes` (an event that names
+        at most MAX_MEMBERS_REPORTED members of one of them must still reach them all).
+        O(members) per block with a member set, as a removal's tag (`_removal_tenants`); the walk
+        stops once every tenant is found."""
+        router = self.router
+        assert router is not None
+        nodes = self.index.nodes
+
+        def ids() -> Iterator[str]:
+            last = None  # a chain's blocks mostly share their one member: asked once
+            for h in hashes:
+                node = nodes.get(h)
+                members = None if node is None else node.members
+                if members.__class__ is str:
+                    if members != last:
+                        last = members
+                        yield members  # type: ignore[misc]
+                elif members is not None:
+                    yield from members  # type: ignore[misc]
+
+        return router.tenants_of(ids())
 
     def _trim_index(self) -> None:
         """Forget the least recently active sessions until the index is at 90% of

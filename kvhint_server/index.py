@@ -397,13 +397,13 @@ class SessionPrefixIndex:
         node = self.nodes.get(h)
         return tuple(_iter(node.members)) if node is not None else ()
 
-    def members(self, h: bytes, limit: int = MAX_MEMBERS_REPORTED, first: str | None = None) -> tuple[str, ...]:
-        """At most `limit` members of `h`, in O(limit), whatever the member
-        count; `first` leads the list when it is a member."""
+    def members(self, h: bytes, limit: int | None = None, first: str | None = None) -> tuple[str, ...]:
+        """At most `limit` (default MAX_MEMBERS_REPORTED, read at the call) members of `h`, in
+        O(limit), whatever the member count; `first` leads the list when it is a member."""
         node = self.nodes.get(h)
         if node is None:
             return ()
-        return _reported(node.members, first, limit)
+        return _reported(node.members, first, MAX_MEMBERS_REPORTED if limit is None else limit)
 
     # ------------------------------------------------------------------ internals
 

@@ -343,9 +343,10 @@ class TenantRouter:
     A tenant gets an event when one of the sessions it names is the tenant's; a HintApplied
     of a tenant's hint, and an OperationCompleted of an operation a tenant's hint started,
     only that tenant (`owns_operation`); AllBlocksCleared every tenant. The core tags what
-    sessions alone cannot tell (KvHintCore._removal_tenants, on_pin_broken): a removal with
-    the tenants of every member of the block and those shown it resident that hold it no
-    more, a PinBroken with the tenants whose grants broke (`pin_broken`)."""
+    sessions alone cannot tell (KvHintCore._removal_tenants, _tenants_of_blocks,
+    on_pin_broken): a removal with the tenants of every member of the block and those shown it
+    resident that hold it no more, a new copy with the tenants of every member of its blocks,
+    a PinBroken with the tenants whose grants broke (`pin_broken`)."""
 
     def __init__(self, tenants: Tenants) -> None:
         self._tenants = tenants
