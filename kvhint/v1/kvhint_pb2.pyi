@@ -2273,8 +2273,12 @@ class BlocksStored(_message.Message):
     prefix_tokens: _builtins.int
     """Tokens covered by the prefix ending with the last block."""
     prefix_hit: _builtins.bool
-    """True when the blocks were already resident and a request hit them (a
-    hit establishes session membership though it stores nothing).
+    """True when the blocks were already resident on this tier and the event
+    makes no copy: a request hit them, which establishes session membership
+    though it stores nothing. With tenancy, also sent to a tenant whose
+    session joins blocks (a hit or a store on another tier) whose copies on
+    this tier were made while none of its sessions was a member, and so were
+    never shown to it; subscriptions without a tenant scope get it too.
     """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:

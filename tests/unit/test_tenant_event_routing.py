@@ -6,8 +6,8 @@ sees them (tenant_guard.WatchScope).
   * A tenant's follower (kvhint_client's EngineTracker) that reconnects with START_RESUME
     at any point never keeps a block that is gone, and holds every copy of a block its
     sessions are members of, though events name at most a few members (patched down to 1
-    here so that four sessions exceed it). Known gap: a lower-tier copy made while none of the
-    tenant's sessions was a member, which the tenant joins later (a strict xfail below).
+    here so that four sessions exceed it), and though a lower-tier copy may have been made
+    before any of the tenant's sessions joined its block.
   * A PinBroken shows each tenant exactly the blocks whose broken grants were its own,
     whatever owner held them (session, continuation, block hashes); unscoped streams
     see it whole.
@@ -61,7 +61,6 @@ class TenantWorld(World):
         self.tenants = self.config.tenants
         self.tenant = self.tenants.by_name[name]
         self.scope = WatchScope(self.tenant, self.tenants)
-        self.owned_at_offload: dict[bytes, bool] = {}  # host copy -> a member was the tenant's when made
 
     def reconnect(self) -> None:
         """The stream broke; the follower resumes after the last event it got (START_RESUME):
@@ -104,24 +103,10 @@ class TenantWorld(World):
         node = self.core.index.node(h)
         return node is not None and any(map(self.tenant.owns, node.sessions))
 
-    def offload(self, p: tuple[int, ...]) -> None:
-        h = HASH[p]
-        if h in self.engine.device and h not in self.engine.host:
-            self.owned_at_offload[h] = self._own(h)
-        super().offload(p)
-
-    def evict(self, p: tuple[int, ...], tier: Tier) -> None:
-        if tier is Tier.HOST:
-            self.owned_at_offload.pop(HASH[p], None)
-        super().evict(p, tier)
-
     def assert_follower_holds_its_sessions_blocks(self) -> None:
-        """Every device copy of a block one of the tenant's sessions is a member of, and every
-        host copy of such a block that was one already when the copy was made (see
-        test_a_tenant_that_joins_a_block_after_its_offload_is_not_told_of_the_host_copy)."""
-        device = {h for h in self.engine.device if self._own(h)}
-        host = {h for h in self.engine.host if self.owned_at_offload.get(h) and self._own(h)}
-        for tier, own in ((Tier.DEVICE, device), (Tier.HOST, host)):
+        """Every copy, on either tier, of a block one of the tenant's sessions is a member of."""
+        for tier, held in ((Tier.DEVICE, set(self.engine.device)), (Tier.HOST, self.engine.host)):
+            own = {h for h in held if self._own(h)}
             missing = own - self.follower.tier_blocks(ENGINE, int(tier))
             assert not missing, f"{self.tenant.name}'s follower misses {len(missing)} of its sessions' blocks on {tier.name}"
 
@@ -187,16 +172,30 @@ def test_a_resumed_tenant_follower_holds_what_its_sessions_hold_and_nothing_gone
         assert world.core._shown_tenants == {}
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (docs/tenancy.md): a tenant that joins a block learns of its device "
-                   "copy alone, not of a lower-tier copy made while none of its sessions was a member")
-def test_a_tenant_that_joins_a_block_after_its_offload_is_told_of_the_host_copy() -> None:
+@pytest.mark.parametrize("before", [[], [("reset", None)]], ids=["by a prefix hit", "by a store after a device reset"])
+@pytest.mark.parametrize("offloaded_by", [None, "b/0"], ids=["anonymous", "another tenant's session"])
+def test_a_tenant_that_joins_a_block_after_its_offload_is_told_of_the_host_copy(before: list, offloaded_by: str | None) -> None:
+    """The host copy was made while none of team-a's sessions was a member of the block, so its
+    BlocksStored did not reach team-a; when a/0 joins the block, team-a's follower is told of it
+    (and of nothing when a/0's tenant knew it already)."""
     with mock.patch.object(index_module, "MAX_MEMBERS_REPORTED", 1), mock.patch.object(core_module, "MAX_MEMBERS_REPORTED", 1):
         world = TenantWorld(1_000, "team-a")
-        world.run([("request", (None, _EXAMPLE_LEAF, 1)), ("offload", _EXAMPLE_LEAF[:1]), ("request", ("a/0", _EXAMPLE_LEAF, 1))],
-                  0, 1)
+        ops = [("request", (offloaded_by, _EXAMPLE_LEAF, 2)), ("offload", _EXAMPLE_LEAF[:1]), *before,
+               ("request", ("a/0", _EXAMPLE_LEAF, 2))]
+        world.run(ops, 0, 1)
         h = HASH[_EXAMPLE_LEAF[:1]]
         assert h in world.engine.host and world._own(h)
         assert h in world.follower.tier_blocks(ENGINE, int(Tier.HOST))
+        assert world.follower.session_blocks("a/0", ENGINE, tier=int(Tier.HOST)) == {h}
+        # Told once: a second session of the tenant joining adds no event for the host copy.
+        last = world.core.bus.last_sequence
+        world.request("a/1", _EXAMPLE_LEAF, 2)
+        host_events = [e for e in world.core.bus.read_after(last, 100) if e.tier is Tier.HOST]
+        assert host_events == []
+        # The host copy's removal reaches team-a's follower.
+        world.evict(_EXAMPLE_LEAF[:1], Tier.HOST)
+        world.settle()
+        assert h not in world.follower.tier_blocks(ENGINE, int(Tier.HOST))
 
 
 # ---------------------------------------------------------------- PinBroken

@@ -4339,8 +4339,12 @@ type BlocksStored struct {
 	// Tokens covered by the prefix ending with the last block.
 	PrefixTokens uint32              `protobuf:"varint,7,opt,name=prefix_tokens,json=prefixTokens,proto3" json:"prefix_tokens,omitempty"`
 	Coordinates  *SessionCoordinates `protobuf:"bytes,8,opt,name=coordinates,proto3" json:"coordinates,omitempty"`
-	// True when the blocks were already resident and a request hit them (a
-	// hit establishes session membership though it stores nothing).
+	// True when the blocks were already resident on this tier and the event
+	// makes no copy: a request hit them, which establishes session membership
+	// though it stores nothing. With tenancy, also sent to a tenant whose
+	// session joins blocks (a hit or a store on another tier) whose copies on
+	// this tier were made while none of its sessions was a member, and so were
+	// never shown to it; subscriptions without a tenant scope get it too.
 	PrefixHit bool `protobuf:"varint,9,opt,name=prefix_hit,json=prefixHit,proto3" json:"prefix_hit,omitempty"`
 }
 
