@@ -405,13 +405,11 @@ class KvHintCore:
         if not hashes:
             return
         self.resident[tier].update(dict.fromkeys(hashes))
-        unseen = None
+        others = False
         if coords:
             # A new node starts with the tiers its block already has copies on; with no copies
             # on any other tier (an engine without lower tiers) that is this tier alone.
             others = any(blocks for t, blocks in self.resident.items() if t is not tier)
-            if others and self.router is not None and coords.session_id:
-                unseen = self._unseen_copies(hashes, tier, coords.session_id)  # before the session joins
             self.index.record_chain(hashes, first_position, parent, tier, coords, self.wall(), self.tiers_of if others else None)
             members = self.index.members(hashes[-1], first=coords.session_id)
             coordinates = Coordinates(coords.session_id or "", coords.continuation_id or "", members)
@@ -448,8 +446,8 @@ class KvHintCore:
             tier=tier,
             tenants=tenants,
         )
-        if unseen:
-            self._show_copies(hashes, unseen, first_position, parent, coordinates, sessions)
+        if others and self.router is not None and coordinates.session_id:
+            self._show_copies(hashes, tier, first_position, parent, coordinates, sessions)
         index, config = self.index, self.config
         if (
             len(index.nodes) > config.max_index_blocks
@@ -598,49 +596,32 @@ class KvHintCore:
             tenants=None if self.router is None else self._tenants_of_blocks(hashes),
         )
 
-    def _unseen_copies(self, hashes: Sequence[bytes], tier: Tier, session: str) -> tuple[str, list[int]] | None:
-        """With tenancy, before `session` joins `hashes` on `tier` (a prefix hit or a store): its tenant and
-        the bit masks of the other tiers' copies of each block that the tenant's followers were
-        never shown (0: none such). A copy is shown to the tenants of the block's members when it
-        is made and to those that keep it after their sessions leave (`_shown_tenants`); a tenant
-        with neither was not, when the copy was made with none of its sessions a member.
-        O(members) for a block with a copy elsewhere and no member of the tenant (once: the
-        session is one after this), O(1) per block otherwise."""
-        router = self.router
-        assert router is not None
-        tenant = router.tenant_of(session)
-        if tenant is None:
-            return None
-        nodes, shown, tenant_of = self.index.nodes, self._shown_tenants, router.tenant_of
-        masks = []
-        for h in hashes:
-            mask = self.tiers_of(h) & ~tier.bit
-            if mask:
-                node = nodes.get(h)
-                members = None if node is None else node.members
-                if tenant in shown.get(h, ()):
-                    mask = 0
-                elif members.__class__ is str:
-                    mask = 0 if tenant_of(members) == tenant else mask  # type: ignore[arg-type]
-                elif members is not None and any(tenant_of(m) == tenant for m in members):  # type: ignore[union-attr]
-                    mask = 0
-            masks.append(mask)
-        return (tenant, masks) if any(masks) else None
-
     def _show_copies(
-        self, hashes: Sequence[bytes], unseen: tuple[str, list[int]], first_position: int, parent: bytes | None,
+        self, hashes: Sequence[bytes], tier: Tier, first_position: int, parent: bytes | None,
         coordinates: Coordinates, sessions: tuple[str, ...],
     ) -> None:
-        """Tell the tenant that just joined `hashes` (`_unseen_copies`) of the other tiers' copies
-        it was never shown: a BlocksStored with prefix_hit per tier and run of consecutive blocks,
-        tagged for that tenant alone (its session is a member now, so their removals reach it)."""
-        tenant, masks = unseen
+        """With tenancy, after a session joined `hashes` on `tier` (a prefix hit or a store):
+        tell its tenant of the blocks' copies on other tiers, a BlocksStored with prefix_hit per
+        tier and run of consecutive blocks, tagged for that tenant alone. A copy is shown to the
+        tenants of its block's members when it is made, so one made before any of the tenant's
+        sessions joined never reached the tenant's followers; and a follower whose snapshot was
+        begun when the tenant's session left a block (the index forgot it) and ended after, got
+        neither the chunk nor the copies. A follower that holds them already gets a duplicate.
+        O(blocks), only while a lower tier holds anything; its session is a member now, so the
+        copies' removals reach the tenant."""
+        router = self.router
+        assert router is not None
+        tenant = router.tenant_of(coordinates.session_id)
+        if tenant is None:
+            return
+        masks = [self.tiers_of(h) & ~tier.bit for h in hashes]
+        if not any(masks):
+            return
         only = frozenset((tenant,))
         media = {t.tier: t.medium for t in self.info.tiers}
+        n = len(hashes)
         for t in Tier:
-            if not any(mask & t.bit for mask in masks):
-                continue
-            i, n = 0, len(hashes)
+            i = 0
             while i < n:
                 if not masks[i] & t.bit:
                     i += 1

@@ -2275,10 +2275,11 @@ class BlocksStored(_message.Message):
     prefix_hit: _builtins.bool
     """True when the blocks were already resident on this tier and the event
     makes no copy: a request hit them, which establishes session membership
-    though it stores nothing. With tenancy, also sent to a tenant whose
-    session joins blocks (a hit or a store on another tier) whose copies on
-    this tier were made while none of its sessions was a member, and so were
-    never shown to it; subscriptions without a tenant scope get it too.
+    though it stores nothing. With tenancy, also sent to the tenant of a
+    session that joins blocks on another tier (a hit or a store) for their
+    copies on this tier, which may have been made before any of its sessions
+    was a member and so never shown to it (a follower that holds them gets a
+    duplicate); subscriptions without a tenant scope get it too.
     """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:

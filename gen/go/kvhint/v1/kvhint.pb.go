@@ -4341,10 +4341,11 @@ type BlocksStored struct {
 	Coordinates  *SessionCoordinates `protobuf:"bytes,8,opt,name=coordinates,proto3" json:"coordinates,omitempty"`
 	// True when the blocks were already resident on this tier and the event
 	// makes no copy: a request hit them, which establishes session membership
-	// though it stores nothing. With tenancy, also sent to a tenant whose
-	// session joins blocks (a hit or a store on another tier) whose copies on
-	// this tier were made while none of its sessions was a member, and so were
-	// never shown to it; subscriptions without a tenant scope get it too.
+	// though it stores nothing. With tenancy, also sent to the tenant of a
+	// session that joins blocks on another tier (a hit or a store) for their
+	// copies on this tier, which may have been made before any of its sessions
+	// was a member and so never shown to it (a follower that holds them gets a
+	// duplicate); subscriptions without a tenant scope get it too.
 	PrefixHit bool `protobuf:"varint,9,opt,name=prefix_hit,json=prefixHit,proto3" json:"prefix_hit,omitempty"`
 }
 
