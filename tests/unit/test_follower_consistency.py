@@ -89,8 +89,20 @@ class World:
         return node is not None and session in node.sessions
 
     def offload(self, p: tuple[int, ...]) -> None:
-        if HASH[p] in self.engine.device:
-            self.engine.store([HASH[p]], tier=Tier.HOST)
+        """A tier's copy of the device-resident blocks of the chain ending at `p` not on the host
+        yet, one run of consecutive blocks per store (as the tier feed reports them)."""
+        run: list[bytes] = []
+        for i in range(1, len(p) + 1):
+            h = HASH[p[:i]]
+            if h in self.engine.device and h not in self.engine.host:
+                if not run:
+                    first, parent = i - 1, HASH[p[:i - 1]] if i > 1 else None
+                run.append(h)
+            elif run:
+                self.engine.store(run, tier=Tier.HOST, first_position=first, parent=parent)
+                run = []
+        if run:
+            self.engine.store(run, tier=Tier.HOST, first_position=first, parent=parent)
 
     def evict(self, p: tuple[int, ...], tier: Tier) -> None:
         held = self.engine.device if tier is Tier.DEVICE else self.engine.host

@@ -103,22 +103,6 @@ class TenantWorld(World):
         node = self.core.index.node(h)
         return node is not None and any(map(self.tenant.owns, node.sessions))
 
-    def offload(self, p: tuple[int, ...]) -> None:
-        """A tier's copy of the device-resident blocks of the chain ending at `p` not on the host
-        yet, one run of consecutive blocks per store (as the tier feed reports them)."""
-        run: list[bytes] = []
-        for i in range(1, len(p) + 1):
-            h = HASH[p[:i]]
-            if h in self.engine.device and h not in self.engine.host:
-                if not run:
-                    first, parent = i - 1, HASH[p[:i - 1]] if i > 1 else None
-                run.append(h)
-            elif run:
-                self.engine.store(run, tier=Tier.HOST, first_position=first, parent=parent)
-                run = []
-        if run:
-            self.engine.store(run, tier=Tier.HOST, first_position=first, parent=parent)
-
     def assert_follower_agrees_on_its_sessions(self) -> None:
         """The tenant's sessions and each one's blocks per tier, as QueryResidency answers."""
         page = self.engine.run(lambda: self.queries.sessions("", None, 10_000))
