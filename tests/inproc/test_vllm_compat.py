@@ -174,9 +174,11 @@ def test_without_the_fast_paths_traffic_and_hints_give_the_same_results(ops: lis
     slow.pool._kvh_fast_alloc = slow.pool._kvh_tail_walk = False
     fast_running: list = []
     slow_running: list = []
-    # Running requests whose sessions hold grants, so that frees with a grant in effect (the free
-    # hook's path) and allocations with the retention order on come early in every example.
-    prologue = [("admit", 0, 2, 3, "a"), ("admit", 1, 3, 0, "b"), ("hint", "retain", "a", 1, 30.0), ("hint", "pin", "b", 0, 30.0)]
+    # Requests whose sessions hold grants, so that frees with a grant in effect (the free hook's
+    # path) and allocations with the retention order on come early in every example: one of them
+    # finished (its blocks protected from the start), one running.
+    prologue = [("admit", 0, 2, 3, "a"), ("admit", 1, 3, 0, "b"), ("hint", "retain", "a", 1, 30.0), ("hint", "pin", "b", 0, 30.0),
+                ("free", 0)]
     for n, op in enumerate(prologue + ops):
         assert _apply(slow, n, op, slow_running) == _apply(fast, n, op, fast_running), f"step {n} {op}"
         for cache in (fast, slow):
