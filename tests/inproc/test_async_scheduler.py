@@ -332,8 +332,10 @@ def _device_hashes_in_pool(scheduler: Any) -> set[bytes]:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(phases=mixed_phases_st)
 def test_async_events_track_the_pool(phases: list[Phase]) -> None:
-    """Any finishing order, hints at step boundaries with placeholders in flight: replaying
-    KvHint's stored/removed events gives exactly the pool's cached blocks after every phase."""
+    """Any finishing order, hints at step boundaries with placeholders in flight, then PRESSURE:
+    replaying KvHint's stored/removed events gives exactly the pool's cached blocks after every
+    phase."""
+    phases = phases + PRESSURE
     with _kvhint(True) as (scheduler, client):
         checks = []
 

@@ -147,18 +147,22 @@ workloads = st.lists(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workload=workloads, retention_interval=st.sampled_from([None, 0]))
+@given(workload=workloads, retention_interval=st.sampled_from([None, 0]), pressure=st.booleans())
 def test_reported_residency_is_the_pools_after_any_workload(
-    workload: list[tuple[int, int, str | None, bool]], retention_interval: int | None
+    workload: list[tuple[int, int, str | None, bool]], retention_interval: int | None, pressure: bool
 ) -> None:
-    """Shared prefixes, repeats (hits on window tails) and eviction, with pins now and then: every
-    report of device residency is exactly the pool's cached blocks."""
+    """Shared prefixes, repeats (hits on window tails) and eviction, with pins now and then, and
+    drawn, unrelated prompts that break the pins: every report of device residency is exactly the
+    pool's cached blocks."""
     with window_only(retention_interval=retention_interval) as s:
         for i, (prefix, blocks, sid, hinted) in enumerate(workload):
             run(s, f"r{i}", tokens(prefix, 4 * BLOCK) + tokens(50 + i % 3, blocks * BLOCK), sid)
             if hinted and sid is not None:
                 apply(s, pin(session(sid), ttl_s=30.0))
             assert_reports_the_pool(s)
+        if pressure:  # one prompt that needs all but a few of the pool's blocks at once
+            run(s, "fill", tokens(300, (POOL - 4) * BLOCK))
+        assert_reports_the_pool(s)
 
 
 def test_the_index_records_the_chain_positions_of_the_cached_window_tail() -> None:
