@@ -3,10 +3,14 @@ no engine process, no `engine` marker). See pool_support for the harness."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
 from pool_support import Cache
+
+if os.environ.get("KVHINT_HYPOTHESIS_REACH"):  # what the random tests reach (reach_events' doc)
+    from reach_events import reach_events  # noqa: F401 (an autouse fixture)
 
 
 @pytest.fixture
