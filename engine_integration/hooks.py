@@ -204,9 +204,7 @@ class KvHintBlockPool(BlockPool):
             self.kvh_sync_mode()  # nothing protected and no grant left: the retention order is off
         elif filings:
             for block, (cls, priority, reuse_at) in filings:
-                if self._kvh_lazy:  # as kvh_refile_block: no lazy offloader's cursor on a block out of the queue
-                    vllm_private.move_lazy_cursors_off(self._kvh_lazy, block, self.free_block_queue)
-                self.free_block_queue.remove(block)
+                self._kvh_unqueue(block)
                 protected.add(block, cls, priority, reuse_at)
         return ok
 
@@ -248,7 +246,8 @@ class KvHintBlockPool(BlockPool):
         # No pin is being broken, and vLLM's allocation is 0.32's (the retention order on or off;
         # with it on, the queue holds no protected block, so vLLM's eviction step is all the
         # per-block work): vLLM 0.32's own get_new_blocks with its eviction step, vLLM's
-        # _maybe_evict_cached_block, written into the loop, and the removed keys of the whole allocation carried to the step's next report
+        # _maybe_evict_cached_block, written into the loop, and the removed keys of the whole
+        # allocation carried to the step's next report
         # (VllmAdapter.flush_removed), or reported in one call after it when one of them holds a
         # grant (the report ends the removed blocks' grants, which the rest of the step must see)
         # or without a carry. That is one Python frame fewer per block taken than
@@ -357,9 +356,7 @@ class KvHintBlockPool(BlockPool):
         if filed == (view.cls, view.priority, view.reuse_at) and not refresh:
             return
         if filed is None:
-            if self._kvh_lazy:  # a lazy offloader's cursor must not stay on a block out of the queue
-                vllm_private.move_lazy_cursors_off(self._kvh_lazy, block, self.free_block_queue)
-            self.free_block_queue.remove(block)
+            self._kvh_unqueue(block)
         protected.add(block, view.cls, view.priority, view.reuse_at)
         self._kvh_retaining = True  # something is protected now
 
@@ -368,10 +365,15 @@ class KvHintBlockPool(BlockPool):
         if block.ref_cnt != 0 or block.is_null:
             return
         if not self._kvh_protected.remove(block):
-            if self._kvh_lazy:
-                vllm_private.move_lazy_cursors_off(self._kvh_lazy, block, self.free_block_queue)
-            self.free_block_queue.remove(block)
+            self._kvh_unqueue(block)
         self.free_block_queue.prepend_n([block])
+
+    def _kvh_unqueue(self, block: Any) -> None:
+        """Take a free block out of vLLM's free queue (to protect it, or to move it); a lazy
+        offloader's cursor must not stay on a block out of the queue."""
+        if self._kvh_lazy:
+            vllm_private.move_lazy_cursors_off(self._kvh_lazy, block, self.free_block_queue)
+        self.free_block_queue.remove(block)
 
     def kvh_evict(self, block: Any, cause: RemovalCause) -> bool:
         """Drop a free block's hash now and put it at the queue head."""

@@ -31,6 +31,7 @@ blocks (`drop_grants` returns the owners: EndedGrants).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -619,21 +620,16 @@ class KvHintCore:
             return
         only = frozenset((tenant,))
         media = {t.tier: t.medium for t in self.info.tiers}
-        n = len(hashes)
         for t in Tier:
             i = 0
-            while i < n:
-                if not masks[i] & t.bit:
-                    i += 1
-                    continue
-                j = i
-                while j < n and masks[j] & t.bit:
-                    j += 1
-                self.bus.publish(
-                    BlocksStored(t, media.get(t, ""), tuple(hashes[i:j]), hashes[i - 1] if i else parent, first_position + i,
-                                 self.info.block_size, coordinates, True),
-                    sessions=sessions, tier=t, tenants=only,
-                )
+            for held, run in itertools.groupby(masks, key=lambda mask: bool(mask & t.bit)):  # noqa: B023 (used at once)
+                j = i + sum(1 for _ in run)
+                if held:
+                    self.bus.publish(
+                        BlocksStored(t, media.get(t, ""), tuple(hashes[i:j]), hashes[i - 1] if i else parent, first_position + i,
+                                     self.info.block_size, coordinates, True),
+                        sessions=sessions, tier=t, tenants=only,
+                    )
                 i = j
 
     def _tenants_of_blocks(self, hashes: Sequence[bytes]) -> frozenset[str]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from google.protobuf import duration_pb2
+from hypothesis import strategies as st
 from vllm.config import CacheConfig, ParallelConfig, VllmConfig
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -237,6 +238,15 @@ def evict(selector: pb.Selector) -> pb.Hint:
 def tokens(seed: int, n: int) -> list[int]:
     """`n` prompt tokens unique to `seed` (distinct seeds share no block)."""
     return [1000 * (seed + 1) + i for i in range(n)]
+
+
+# The traffic operations `traffic_step` runs, as Hypothesis strategies (each random-traffic test
+# adds its own pressure, hints and other operations).
+SESSIONS = ["a", "b", "c"]
+admit = st.tuples(st.just("admit"), st.integers(0, 2), st.integers(1, 3), st.integers(0, BLOCK_SIZE + 1), st.sampled_from(SESSIONS))
+free = st.tuples(st.just("free"), st.integers(0, 5))
+decode = st.tuples(st.just("decode"), st.integers(0, 5))
+tick = st.tuples(st.just("tick"), st.sampled_from([1.0, 10.0, 40.0]))  # the clock moves (expiry)
 
 
 def traffic_step(cache: Cache, n: int, op: tuple, running: list[Admission]) -> Any:

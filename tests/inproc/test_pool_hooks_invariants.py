@@ -18,15 +18,13 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pool_support import BLOCK_SIZE, Cache, check_filing, evict, pin, release, retain, session, traffic_step
+from pool_support import (
+    SESSIONS, Cache, admit, check_filing, decode, evict, free, pin, release, retain, session, tick, traffic_step,
+)
 
 from kvhint_server.model import Outcome, Reason, Selector, SelectorKind, Tier
 
-SESSIONS = ["a", "b", "c"]
 
-admit = st.tuples(st.just("admit"), st.integers(0, 2), st.integers(1, 3), st.integers(0, BLOCK_SIZE + 1), st.sampled_from(SESSIONS))
-free = st.tuples(st.just("free"), st.integers(0, 5))
-decode = st.tuples(st.just("decode"), st.integers(0, 5))
 pressure = st.tuples(st.just("pressure"), st.integers(1, 8))
 hint = st.tuples(
     st.just("hint"),
@@ -35,7 +33,6 @@ hint = st.tuples(
     st.integers(-1, 3),  # priority
     st.sampled_from([5.0, 30.0]),  # ttl
 )
-tick = st.tuples(st.just("tick"), st.sampled_from([1.0, 10.0, 40.0]))
 invalidate = st.tuples(st.just("invalidate"), st.integers(0, 19))  # a KV connector drops a block's hash
 operations = st.lists(st.one_of(admit, admit, free, decode, pressure, hint, hint, tick, invalidate), min_size=1, max_size=40)
 

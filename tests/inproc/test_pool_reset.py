@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pool_support import BLOCK_SIZE, Cache, check_filing, pin, release, retain, session, tokens, traffic_step
+from pool_support import (
+    BLOCK_SIZE, SESSIONS, Cache, admit, check_filing, decode, free, pin, release, retain, session, tick, tokens, traffic_step,
+)
 from vllm.v1.core.block_pool import BlockPool
 
 from kvhint_server.model import Outcome, RetentionClass
@@ -131,14 +133,9 @@ def _step_boundary(cache: Cache) -> None:
     cache.pool.kvh_sync_mode()
 
 
-SESSIONS = ["a", "b", "c"]
-admit = st.tuples(st.just("admit"), st.integers(0, 2), st.integers(1, 3), st.integers(0, BLOCK_SIZE + 1), st.sampled_from(SESSIONS))
-free = st.tuples(st.just("free"), st.integers(0, 5))
-decode = st.tuples(st.just("decode"), st.integers(0, 5))
 pressure = st.tuples(st.just("pressure"), st.integers(1, 6))
 hint = st.tuples(st.just("hint"), st.sampled_from(["retain", "pin", "release"]), st.sampled_from(SESSIONS),
                  st.integers(0, 3), st.floats(1.0, 60.0))
-tick = st.tuples(st.just("tick"), st.sampled_from([1.0, 10.0, 40.0]))
 reset = st.tuples(st.just("reset"))
 operations = st.lists(st.one_of(admit, admit, admit, free, decode, pressure, hint, hint, tick, reset, reset), min_size=3, max_size=30)
 

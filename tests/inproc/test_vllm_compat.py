@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pool_support import BLOCK_SIZE, Cache, evict, pin, release, retain, session, tokens, traffic_step
+from pool_support import (
+    BLOCK_SIZE, SESSIONS, Cache, admit, decode, evict, free, pin, release, retain, session, tick, tokens, traffic_step,
+)
 from vllm.v1.core.block_pool import BlockPool
 
 from engine_integration import hooks, vllm_compat, vllm_private
@@ -122,14 +124,9 @@ def test_with_its_path_off_an_allocation_runs_vllms_own_method_and_a_free_looks_
 
 # ---------------------------------------------------------------- same results without the fast paths
 
-SESSIONS = ["a", "b", "c"]
-admit = st.tuples(st.just("admit"), st.integers(0, 2), st.integers(1, 3), st.integers(0, BLOCK_SIZE + 1), st.sampled_from(SESSIONS))
-free = st.tuples(st.just("free"), st.integers(0, 5))
-decode = st.tuples(st.just("decode"), st.integers(0, 5))
 pressure = st.tuples(st.just("pressure"), st.integers(1, 8))
 hint = st.tuples(st.just("hint"), st.sampled_from(["retain", "pin", "release", "evict"]), st.sampled_from(SESSIONS),
                  st.integers(-1, 3), st.sampled_from([5.0, 30.0]))
-tick = st.tuples(st.just("tick"), st.sampled_from([1.0, 10.0, 40.0]))
 operations = st.lists(st.one_of(admit, admit, free, free, decode, pressure, pressure, hint, hint, tick), min_size=1, max_size=40)
 
 
