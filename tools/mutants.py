@@ -176,7 +176,7 @@ MUTANTS = (
     Mutant(
         "refused-reset-unfiled",
         "engine_integration/hooks.py",
-        r"                self\.free_block_queue\.remove\(block\)\n                protected\.add\(block, cls, priority, reuse_at\)",
+        r"                self\._kvh_unqueue\(block\)\n                protected\.add\(block, cls, priority, reuse_at\)",
         "                pass",
         "a reset vLLM refuses leaves the protected blocks in its free queue, ordinary",
     ),
