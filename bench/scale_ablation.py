@@ -20,6 +20,11 @@ the steady steps are measured. Variants:
   * no index on removal: `KvHintCore.on_removed` does nothing;
   * hooks only: the adapter's residency callbacks (`on_blocks_cached`, `on_keys_removed`,
     `on_prefix_hit`) do nothing, so what is left is the hooked vLLM methods themselves;
+  * stock methods: as hooks only, and every method KvHint's pool, manager and scheduler
+    classes override is taken off those classes for the run (put back after it), so vLLM's own
+    runs: what is left of KvHint on its side is its objects (the index the fill built), the
+    sidecar's threads and an empty journal's settle;
+  * stock methods, no sidecar: the same with the sidecar stopped (its gRPC and metrics threads);
   * re-classed: KvHint as shipped, except that after the fill its BlockPool and
     KVCacheManager objects get their own class assigned again (`obj.__class__ = type(obj)`),
     which is what hooks.install did before KvHint's classes were built by vLLM: CPython then
@@ -91,6 +96,46 @@ def _callbacks(pair: Pair) -> None:
     adapter.on_prefix_hit = _noop
 
 
+# vLLM's own method each KvHint class overrides, by owner: the pool's, the manager's, the
+# scheduler's (its step entry points, and add_request).
+def _stock_overrides() -> list[tuple[type, str]]:
+    from engine_integration.hooks import KvHintBlockPool, KvHintKVCacheManager
+    from engine_integration.scheduler import KvHintScheduler
+
+    return [(cls, name) for cls in (KvHintBlockPool, KvHintKVCacheManager, KvHintScheduler)
+            for name in ("get_num_free_blocks", "touch", "free_blocks", "get_new_blocks", "cache_full_blocks",
+                         "_emit_block_removed_events", "_maybe_evict_cached_block", "get_computed_blocks",
+                         "get_computed_blocks_for_connector", "free", "record_prefix_cache_stats", "schedule",
+                         "update_from_output", "add_request")
+            if name in vars(cls)]
+
+
+def _stock_methods(pair: Pair) -> Callable[[], None]:
+    """"hooks only", and every method KvHint's pool, manager and scheduler classes override is
+    vLLM's own again (taken off the classes, so lookups find vLLM's; the objects and their
+    attribute storage are untouched): what is left of KvHint on its side is its objects, the
+    sidecar's threads and the driver's settle (of an empty journal). Returns the undo."""
+    _callbacks(pair)
+    taken = [(cls, name, vars(cls)[name]) for cls, name in _stock_overrides()]
+    for cls, name, _ in taken:
+        delattr(cls, name)
+    sched = pair.kv.sched
+    pair.kv.time_steps(sched.schedule, sched.update_from_output)  # the timed entry points: vLLM's now
+
+    def undo() -> None:
+        for cls, name, fn in taken:
+            setattr(cls, name, fn)
+
+    return undo
+
+
+def _stock_methods_no_sidecar(pair: Pair) -> Callable[[], None]:
+    """"stock methods", with the sidecar stopped (its gRPC and metrics threads gone)."""
+    undo = _stock_methods(pair)
+    pair.kv.sched.kvhint_server.stop()
+    return undo
+
+
 def _reclassed(pair: Pair) -> None:
     manager = pair.kv.sched.kv_cache_manager
     for obj in (manager.block_pool, manager):
@@ -158,13 +203,15 @@ def _settles_nothing_collects_after(pair: Pair) -> None:
 
 
 # name -> (what it changes, collector on, pair: "kvhint" | "aa" | "aa-ballast")
-VARIANTS: dict[str, tuple[Callable[[Pair], None] | None, bool, str]] = {
+VARIANTS: dict[str, tuple[Callable[[Pair], Any] | None, bool, str]] = {
     "full": (None, True, "kvhint"),
     "no collector": (None, False, "kvhint"),
     "no event publishing": (_publish, True, "kvhint"),
     "no index on admission": (_stored, True, "kvhint"),
     "no index on removal": (_removed, True, "kvhint"),
     "hooks only": (_callbacks, True, "kvhint"),
+    "stock methods": (_stock_methods, True, "kvhint"),
+    "stock methods, no sidecar": (_stock_methods_no_sidecar, True, "kvhint"),
     "re-classed": (_reclassed, True, "kvhint"),
     "settled after the unit": (_settled_after_unit, True, "kvhint"),
     "settled inline after the unit": (_settled_inline, True, "kvhint"),
@@ -202,10 +249,11 @@ def measure(shape: Shape, name: str) -> dict[str, Any]:
     ballast: list[Any] = []
     if kind == "aa-ballast":
         _add_ballast(pair, ballast)
+    undo = None
     try:
         pair.fill_and_freeze()
         if change is not None:
-            change(pair)
+            undo = change(pair)  # a change of classes (shared by every pair) returns its undo
         pair.steps(shape.warmup_steps, "warmup")
         pair.units.clear()
         if not collector:
@@ -227,6 +275,8 @@ def measure(shape: Shape, name: str) -> dict[str, Any]:
             "extra_us_per_step": round((kv - stock) / len(units) / 1e3, 1),
         }
     finally:
+        if callable(undo):
+            undo()
         pair.close()
 
 

@@ -177,3 +177,34 @@ def test_the_settler_variants_need_the_settler_shape(capsys: pytest.CaptureFixtu
             scale_ablation.VARIANTS["settled after the unit"][0](pair)
     finally:
         pair.close()
+
+
+def test_stock_methods_runs_vllms_own_methods_and_puts_kvhints_back() -> None:
+    """"stock methods": during the run the KvHint side's pool, manager and scheduler run vLLM's
+    own methods (no KvHint override is found on their classes); after it every override is back."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from engine_integration.hooks import KvHintBlockPool, KvHintKVCacheManager
+    from engine_integration.scheduler import KvHintScheduler
+
+    before = {(cls, name): vars(cls)[name] for cls, name in scale_ablation._stock_overrides()}
+    assert {name for cls, name in before if cls is KvHintBlockPool} >= {"get_new_blocks", "cache_full_blocks"}
+    assert (KvHintScheduler, "schedule") in before
+    pair = Pair(SMALL)
+    try:
+        pair.fill()
+        pool = pair.kv.sched.kv_cache_manager.block_pool
+        undo = scale_ablation.VARIANTS["stock methods"][0](pair)
+        try:
+            assert type(pool).get_new_blocks is BlockPool.get_new_blocks
+            assert type(pool).cache_full_blocks is BlockPool.cache_full_blocks
+            assert KvHintKVCacheManager.free is KVCacheManager.free
+            assert not any(name in vars(cls) for cls, name in before)
+            pair.steps(3, "steady")
+            assert pair.units[-1].kv_ns > 0 and pair.kv.running() == pair.stock.running()
+        finally:
+            undo()
+        assert {(cls, name): vars(cls)[name] for cls, name in before} == before
+    finally:
+        pair.close()
