@@ -120,7 +120,8 @@ def _stock_methods(pair: Pair) -> Callable[[], None]:
     for cls, name, _ in taken:
         delattr(cls, name)
     sched = pair.kv.sched
-    pair.kv.time_steps(sched.schedule, sched.update_from_output)  # the timed entry points: vLLM's now
+    cls = type(sched)  # (the instance's own schedule / update_from_output are the Side's timers)
+    pair.kv.time_steps(cls.schedule.__get__(sched), cls.update_from_output.__get__(sched))  # vLLM's now
 
     def undo() -> None:
         for cls, name, fn in taken:
