@@ -291,7 +291,8 @@ class RetentionLedger:
         return set(self._by_owner.get(owner, ()))
 
     def owner_view(self, owner: str, now: float) -> RetentionView:
-        """The strongest unexpired grant `owner` holds on any block."""
+        """The strongest unexpired grant `owner` holds on any block; among equally strong ones,
+        the one that ends last (when that protection ends, as `view` reports for a block)."""
         best: RetentionView = ORDINARY
         for h in self._by_owner.get(owner, ()):
             g = self.grants[h][owner]
@@ -300,7 +301,9 @@ class RetentionLedger:
             candidate = RetentionView(
                 RetentionClass.PINNED if g.pinned else RetentionClass.RETAINED, 0 if g.pinned else g.priority, g.expires_at
             )
-            if candidate.cls > best.cls or (candidate.cls == best.cls and candidate.priority > best.priority):
+            if candidate.cls > best.cls or (
+                candidate.cls == best.cls and (candidate.priority, g.expires_at) > (best.priority, best.expires_at or 0.0)
+            ):
                 best = candidate
         return best
 
