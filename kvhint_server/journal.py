@@ -238,10 +238,13 @@ class ResidencyJournal:
             self.settle()
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        """Run `fn(*args)` now, after everything journaled before it."""
+        """Run `fn(*args)` now, after everything journaled before it. Its own error reaches the
+        caller (as an inline hook's would); an entry journaled before it that fails is logged
+        and counted, as when the settler applies it: it is not the caller's, and must not stop
+        `fn` or the entries after it."""
         with self.lock:
             if self._entries:
-                self._settle_locked(None, raise_errors=True)
+                self._settle_locked(None)
             fn(*args)
 
     # ------------------------------------------------------------ settling
@@ -251,9 +254,9 @@ class ResidencyJournal:
         started after `deadline`, a time.perf_counter() value; at least one);
         returns how many."""
         with self.lock:
-            return self._settle_locked(limit, raise_errors=False, deadline=deadline)
+            return self._settle_locked(limit, deadline=deadline)
 
-    def _settle_locked(self, limit: int | None, raise_errors: bool, deadline: float | None = None) -> int:
+    def _settle_locked(self, limit: int | None, deadline: float | None = None) -> int:
         entries = self._entries
         pop = entries.popleft
         n = 0
@@ -265,9 +268,6 @@ class ResidencyJournal:
                 fn(*args)
             except Exception:
                 self.errors += 1
-                if raise_errors:
-                    self.settled += n
-                    raise
                 log.exception("kvhint: residency bookkeeping entry %s failed", getattr(fn, "__qualname__", fn))
         self.settled += n
         return n

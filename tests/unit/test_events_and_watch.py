@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import duration_pb2
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvhint_unit_support import Harness, h, session_sel
 
@@ -26,6 +26,7 @@ from kvhint_client.follower import EngineTracker, ResidencyIndex
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.events import AllBlocksCleared, EventBus, EventKind
 from kvhint_server.model import RemovalCause, RequestCoords, Tier
+from kvhint_server.snapshot import SnapshotCursor
 
 # --------------------------------------------------------------------------- EventBus
 
@@ -47,9 +48,27 @@ def test_sequences_start_at_one_and_increase_within_an_epoch():
     assert all(e.kind is EventKind.ALL_BLOCKS_CLEARED and e.sessions == ("s",) and e.tier is Tier.DEVICE for e in events)
 
 
+@st.composite
+def _cursors(draw: st.DrawFn) -> tuple[int, int, int, int]:
+    """(window, published, cursor, limit): the cursor anywhere from 0 to past the last event, or (half
+    the time) at or next to an edge: oldest_sequence - 1 (the earliest resume point whose events
+    are all kept; one less has lost one) or the last event; a limit that can cut the window."""
+    window, published = draw(st.integers(1, 8)), draw(st.integers(0, 30))
+    oldest = max(1, published - window + 1)
+    edges = [oldest - 2, oldest - 2, oldest - 1, oldest - 1, oldest, published - 1, published, published + 1]
+    cursor = draw(st.one_of(st.integers(0, published + 4), st.sampled_from([c for c in edges if c >= 0])))
+    return window, published, cursor, draw(st.integers(1, window + 2))
+
+
+@example(case=(4, 10, 6, 3))  # the cursor at oldest - 1: every event after it is kept
+@example(case=(4, 10, 5, 3))  # one before: event 6 was dropped, resync
+@example(case=(1, 3, 2, 1))  # a window of one event
+@example(case=(8, 8, 0, 10))  # the window just full: nothing dropped yet
+@example(case=(8, 9, 0, 10))  # one more: event 1 dropped
 @settings(max_examples=300, deadline=None)
-@given(window=st.integers(1, 8), published=st.integers(0, 30), cursor=st.integers(0, 34), limit=st.integers(1, 10))
-def test_read_after_is_none_exactly_when_events_after_the_cursor_were_dropped(window, published, cursor, limit):
+@given(case=_cursors())
+def test_read_after_is_none_exactly_when_events_after_the_cursor_were_dropped(case):
+    window, published, cursor, limit = case
     bus = EventBus(replay_window=window)
     for _ in range(published):
         bus.publish(_cleared())
@@ -266,6 +285,111 @@ def test_resume_with_a_wrong_epoch_or_compacted_sequence_gets_one_resync(make_ha
     reader = watch(harness, start=pb.WatchEventsRequest.START_RESUME, resume_epoch=epoch, resume_after_sequence=12)
     assert [m.sequence for m in reader.take(8)] == list(range(13, 21))
     reader.cancel()
+
+
+@pytest.mark.parametrize("past_last", [False, True], ids=["at-last", "last-plus-one"])
+def test_resume_at_the_last_sequence_goes_live_and_one_past_it_is_a_future_sequence(make_harness, past_last):
+    """The other edge of the resume range: after the latest event there is nothing to replay and
+    the stream continues live; one further is a sequence this epoch never had."""
+    harness = make_harness(event_replay_window=8)
+    store_many(harness, 0, 20)
+    reader = watch(harness, start=pb.WatchEventsRequest.START_RESUME, resume_epoch=harness.bus.epoch,
+                   resume_after_sequence=20 + past_last)
+    if past_last:
+        resync = _single_resync(reader)
+        assert (resync.cause, resync.oldest_sequence) == (pb.Resync.CAUSE_FUTURE_SEQUENCE, 13)
+        return
+    harness.wait_subscribers(1)
+    store_many(harness, 100, 2)
+    assert [m.sequence for m in reader.take(2)] == [21, 22]
+    reader.cancel()
+
+
+class _FrozenLoop:
+    """Holds the server's asyncio loop (no stream reads the bus) until the block ends."""
+
+    def __init__(self, harness: Harness) -> None:
+        self.loop = harness.server._loop
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __enter__(self) -> None:
+        def hold() -> None:
+            self.entered.set()
+            self.release.wait(10)
+
+        self.loop.call_soon_threadsafe(hold)
+        assert self.entered.wait(5)
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+
+
+WINDOW = 8
+
+
+@pytest.mark.parametrize("start", ["now", "snapshot"])
+@pytest.mark.parametrize("burst", [WINDOW, WINDOW + 1], ids=["burst-fills-the-window", "burst-passes-the-cursor"])
+def test_a_watcher_the_replay_window_passes_gets_one_compacted_resync_never_a_gap(make_harness, monkeypatch, start, burst):
+    """A subscriber that has read up to sequence c while `burst` events are published before it
+    reads again: with burst == window every event after c is still kept and arrives, in order;
+    one more and event c + 1 is gone: the stream ends with one Resync(COMPACTED) whose
+    oldest_sequence is past c + 1 (never a silent gap), and a resume from oldest_sequence - 1
+    gets the rest. Live (START_NOW, the server's loop held while the burst is published) and
+    inside a snapshot (the burst published between its pieces)."""
+    harness = make_harness(event_replay_window=WINDOW)
+    store_many(harness, 0, 3)  # sequences 1..3
+    if start == "now":
+        reader = watch(harness, start=pb.WatchEventsRequest.START_NOW)
+        harness.wait_subscribers(1)
+        store_many(harness, 10, 2)
+        assert [m.sequence for m in reader.take(2)] == [4, 5]
+        with _FrozenLoop(harness):
+            store_many(harness, 100, burst)
+    else:
+        real_step, bursts = SnapshotCursor.step, [burst]
+
+        def step_after_a_burst(self, deadline):  # type: ignore[no-untyped-def]
+            while bursts:  # the engine thread, between SnapshotBegin and the first piece
+                for i in range(bursts.pop()):
+                    hashes = [h(100 + i)]
+                    harness.engine.device[hashes[0]] = False
+                    harness.core.on_stored(hashes, first_position=0, parent=None, tier=Tier.DEVICE, medium="GPU",
+                                           coords=RequestCoords(session_id="s"))
+            return real_step(self, deadline)
+
+        monkeypatch.setattr(SnapshotCursor, "step", step_after_a_burst)
+        store_many(harness, 10, 2)  # sequences 4, 5: before the snapshot
+        reader = watch(harness, start=pb.WatchEventsRequest.START_SNAPSHOT)
+        begin = reader.get()
+        assert (begin.WhichOneof("payload"), begin.sequence) == ("snapshot_begin", 5)
+    last = 5 + burst
+    if burst <= WINDOW:
+        msgs = reader.take(burst)
+        assert [(m.WhichOneof("payload"), m.sequence) for m in msgs] == [("blocks_stored", s) for s in range(6, last + 1)]
+        while start == "snapshot":  # then the snapshot's pieces, taken after those events
+            msg = reader.get()
+            assert (msg.WhichOneof("payload"), msg.sequence) in {("snapshot_chunk", last), ("snapshot_end", last)}
+            if msg.WhichOneof("payload") == "snapshot_end":
+                break
+        reader.cancel()
+        return
+    rest = reader.rest()
+    assert harness.bus.last_sequence == last
+    if start == "snapshot":
+        assert kinds(rest) == ["resync"], "no chunk and no SnapshotEnd after events were lost"
+    resync = _single_resync_of(rest)
+    assert resync.cause == pb.Resync.CAUSE_COMPACTED
+    assert resync.oldest_sequence == last - WINDOW + 1 > 5 + 1, "the resync says events after 5 are gone"
+    resumed = watch(harness, start=pb.WatchEventsRequest.START_RESUME, resume_epoch=harness.bus.epoch,
+                    resume_after_sequence=resync.oldest_sequence - 1)
+    assert [m.sequence for m in resumed.take(WINDOW)] == list(range(resync.oldest_sequence, last + 1))
+    resumed.cancel()
+
+
+def _single_resync_of(rest: list[Any]) -> pb.Resync:
+    assert len(rest) == 1 and isinstance(rest[0], pb.WatchEventsResponse), f"expected one Resync then the end, got {rest}"
+    assert rest[0].WhichOneof("payload") == "resync"
+    return rest[0].resync
 
 
 def test_watch_request_validation(harness):

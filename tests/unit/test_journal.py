@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvhint_server.config import ConfigError, ServerConfig
@@ -22,37 +22,101 @@ def _wait(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-d
     return predicate()
 
 
-# Each step: ("defer", x), ("run", x) (an inline record) or ("settle", limit).
-_ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("defer"), st.integers(0, 99)),
-        st.tuples(st.just("run"), st.integers(0, 99)),
-        st.tuples(st.just("settle"), st.one_of(st.none(), st.integers(0, 3))),
-    ),
-    max_size=40,
-)
+# Each step: ("record", x) (what the engine thread's hooks call: journaled or run now, as the
+# journal's mode and open holds say), ("defer", x) (append), ("run", x) (an inline record),
+# ("settle", limit), ("deadline", None) (a settle whose deadline has passed: one entry),
+# ("hold", None) / ("release", None) (an exclusive section: everything journaled settled, then
+# records run now until its end), ("start", None) / ("stop", None) (deferred mode on, off).
+# x < 0 is an entry that fails.
+_entry = st.integers(-2, 9)  # one in six fails
+_kinds = st.sampled_from(["record"] * 4 + ["defer", "run", "settle", "deadline", "hold", "release", "start", "stop"])
 
 
+@st.composite
+def _op(draw: st.DrawFn) -> tuple[str, int | None]:
+    kind = draw(_kinds)
+    if kind in ("record", "defer", "run"):
+        return kind, draw(_entry)
+    return kind, draw(st.one_of(st.none(), st.integers(0, 3))) if kind == "settle" else None
+
+
+_ops = st.lists(_op(), min_size=10, max_size=40)
+
+
+# An entry journaled before an inline record fails: logged, and the record still applies (the
+# journal used to raise the earlier entry's error to the record's caller and drop the record).
+@example(deferred=False, ops=[("defer", -1), ("record", 0), ("record", 1)], max_entries=2)
+@example(deferred=True, ops=[("record", -1), ("run", 0), ("record", 1), ("settle", None)], max_entries=4)
+# Back-pressure settles a failing entry; a hold opened while deferring books inline until it ends.
+@example(deferred=True, ops=[("record", 0), ("record", -1), ("hold", None), ("record", 1), ("release", None),
+                             ("record", 2)], max_entries=2)
 @settings(max_examples=200, deadline=None)
-@given(ops=_ops, max_entries=st.integers(1, 8))
-def test_entries_apply_once_in_record_order_whatever_the_settle_points(ops: list[tuple[str, object]], max_entries: int) -> None:
+@given(deferred=st.booleans(), ops=_ops, max_entries=st.integers(1, 8))
+def test_entries_apply_once_in_record_order_whatever_the_settle_points(
+    deferred: bool, ops: list[tuple[str, object]], max_entries: int
+) -> None:
+    """Whatever the mode, the open holds, back-pressure and settle points: every entry is applied
+    once, in record order; a record runs at once outside deferred mode or inside a hold, and is
+    journaled otherwise (never more than max_entries pending); an entry that fails is logged when
+    the journal settles it, or raised to its own caller when it runs at once, and never costs a
+    later entry its turn."""
     journal = ResidencyJournal(max_entries=max_entries)
-    applied: list[object] = []
-    recorded: list[object] = []
+    if deferred:
+        journal.start(thread=False)
+    attempted: list[int] = []  # entries applied (or, failing ones, tried), in order
+    recorded: list[int] = []
+
+    def entry(x: int) -> None:
+        attempted.append(x)
+        if x < 0:
+            raise ValueError(f"entry {x} fails")
+
+    holds = failed_inline = 0
     for kind, x in ops:
-        if kind == "defer":
+        if kind in ("record", "defer", "run"):
+            assert isinstance(x, int)
             recorded.append(x)
-            journal.append(applied.append, (x,))
-            assert journal.pending() < max_entries  # back-pressure settles a full journal
-        elif kind == "run":
-            recorded.append(x)
-            journal.run(applied.append, (x,))
-            assert journal.pending() == 0  # an inline record applies everything before it first
-        else:
+            direct = kind == "run" or (kind == "record" and (not journal.deferring or holds > 0))
+            call = (
+                (lambda: journal.record(entry, x)) if kind == "record"
+                else (lambda: journal.append(entry, (x,))) if kind == "defer"
+                else (lambda: journal.run(entry, (x,)))
+            )
+            pending, backpressure = journal.pending(), journal.backpressure
+            if direct and x < 0:
+                with pytest.raises(ValueError, match=f"entry {x} fails"):
+                    call()  # its own failure reaches the caller, as inline
+                failed_inline += 1
+            else:
+                call()  # a failure journaled before it is not this caller's
+            if direct:
+                assert journal.pending() == 0 and attempted[-1] == x  # applied now, after all before it
+            elif journal.backpressure == backpressure:
+                assert journal.pending() == pending + 1 < max_entries  # journaled, not applied
+            else:
+                assert journal.pending() == 0 and pending + 1 == max_entries  # back-pressure settled the full journal
+        elif kind == "settle":
             journal.settle(x)  # type: ignore[arg-type]
-        assert applied == recorded[: len(applied)]  # never out of order, never twice
-    journal.settle()
-    assert applied == recorded
+        elif kind == "deadline":
+            pending = journal.pending()
+            assert journal.settle(deadline=time.perf_counter() - 1) == min(1, pending)
+        elif kind == "hold":  # as KvHintCore.exclusive()
+            with journal.lock:
+                journal.settle()
+                journal.hold()
+            holds += 1
+        elif kind == "release" and holds:
+            journal.release()
+            holds -= 1
+        elif kind == "start":
+            journal.start(thread=False)
+        elif kind == "stop":
+            journal.stop()
+        assert attempted == recorded[: len(attempted)]  # never out of order, never twice
+        assert journal.pending() == len(recorded) - len(attempted)
+        assert journal.errors == sum(1 for e in attempted if e < 0) - failed_inline  # the journal's own, logged
+    journal.stop()
+    assert attempted == recorded
 
 
 def test_a_failing_entry_is_logged_and_later_entries_still_apply(caplog: pytest.LogCaptureFixture) -> None:
