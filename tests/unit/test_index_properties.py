@@ -8,11 +8,17 @@ mirror what an engine adapter reports (see engine_integration/adapter.py):
   before the new part, only the new part is recorded (with its parent);
   otherwise the cached prefix is recorded as a prefix hit from position 0 and
   the new part after it (both `record_chain`, the same call the adapter uses);
+  a request may also name a continuation and no session;
 * a connector copy of a known device-resident block appearing on HOST
   (`mark_resident`);
 * the removal of a copy the index knows about, on DEVICE or HOST
   (`mark_removed`), and of untracked blocks (anonymous traffic);
-* `clear_tier` and an explicit `forget_session`.
+* `clear_tier`, an explicit `forget_session`, and the index's continuation
+  bound (`forget_oldest_continuations`).
+
+Sequences the random rules rarely draw (a member set emptied one by one, then
+joined; continuations trimmed over a shared prefix) run as explicit steps of
+the same machine (`_replay`), every invariant checked after each step.
 
 Membership (the semantics WatchEvents followers reproduce): a session joins
 blocks by `record_chain` only, leaves a block with the block's last copy, and
@@ -26,9 +32,10 @@ The reference model keeps plain dicts and sets and derives everything
 from __future__ import annotations
 
 import hashlib
+import inspect
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, reject, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -102,7 +109,10 @@ class RefIndex:
         self.members: dict[bytes, set[str]] = {}  # tracked node -> sessions
         self.parent_session: dict[str, str | None] = {}  # live sessions
         self.session_conts: dict[str, set[str]] = {}
+        # continuation -> block; insertion order is the order continuations were first recorded
+        # (re-pointing one keeps its place), which forget_oldest_continuations follows.
         self.conts: dict[str, bytes] = {}
+        self.admit: dict[bytes, tuple[str | None, str | None]] = {}  # tracked node -> (session, continuation) that created it
 
     # ---- derived views
     def tracked(self, h: bytes) -> bool:
@@ -157,6 +167,8 @@ class RefIndex:
             elif self.parent_session[s] is None and ps is not None:
                 self.parent_session[s] = ps
         for h in hashes:
+            if h not in self.tiers:
+                self.admit[h] = (s or None, coords.continuation_id or None)
             self.tiers.setdefault(h, set()).add(tier)
             self.members.setdefault(h, set())
             if s:
@@ -184,12 +196,24 @@ class RefIndex:
         self._settle()
         return last, members
 
-    def clear_tier(self, tier: Tier) -> None:
+    def clear_tier(self, tier: Tier) -> set[str]:
+        """Returns the sessions that held a block with a copy on `tier`."""
+        held = set().union(*(self.members[h] for h, tiers in self.tiers.items() if tier in tiers))
         for h, tiers in self.tiers.items():
             tiers.discard(tier)
             if not tiers:
                 self.members[h].clear()
         self._settle()
+        return held
+
+    def forget_oldest_continuations(self, n: int) -> list[str]:
+        """The index's continuation bound: the `n` continuations recorded first go (their
+        sessions keep their memberships and still list them); their blocks may go with them."""
+        oldest = list(self.conts)[:n]
+        for c in oldest:
+            del self.conts[c]
+        self._prune()
+        return oldest
 
     def forget(self, s: str) -> bool:
         if s not in self.parent_session:
@@ -228,6 +252,7 @@ class RefIndex:
                     continue
                 del self.tiers[h]
                 del self.members[h]
+                del self.admit[h]
                 for c, at in list(self.conts.items()):
                     if at == h:
                         if PARENT[h] is not None and PARENT[h] in self.tiers:
@@ -280,6 +305,21 @@ class IndexMachine(RuleBasedStateMachine):
         prefix cache hits the longest device-resident prefix (tracked blocks
         on DEVICE, then up to `anonymous_hits` untracked blocks that anonymous
         traffic cached); the rest is stored."""
+        self._request(s, leaf, depth, anonymous_hits, cont, parent_session)
+
+    @rule(
+        leaf=st.sampled_from(LEAVES),
+        depth=st.integers(1, DEPTH),
+        anonymous_hits=st.integers(0, DEPTH),
+        cont=st.sampled_from(CONTINUATIONS),
+    )
+    def continuation_only_request(self, leaf, depth, anonymous_hits, cont):
+        """A request naming a continuation and no session (the proto allows either): its
+        blocks are held by the continuation alone, so moving the continuation elsewhere or
+        trimming it must let them go."""
+        self._request(None, leaf, depth, anonymous_hits, cont, None)
+
+    def _request(self, s, leaf, depth, anonymous_hits, cont, parent_session):
         path = [HASH[leaf[:i]] for i in range(1, depth + 1)]
         j = 0
         while j < len(path) and self.ref.tracked(path[j]) and Tier.DEVICE in self.ref.tiers[path[j]]:
@@ -298,11 +338,14 @@ class IndexMachine(RuleBasedStateMachine):
             self._record(path[:j], 0, None, coords)
             self._record(path[j:], j, path[j - 1] if j else None, coords)
 
-    @rule(p=st.sampled_from(PATHS))
-    def connector_store_host(self, p):
-        """A HOST copy of a device-resident block appears (connector offload)."""
-        h = HASH[p]
-        assume(self.ref.tracked(h) and Tier.DEVICE in self.ref.tiers[h])
+    @rule(i=st.integers(0, len(PATHS) - 1))
+    def connector_store_host(self, i):
+        """A HOST copy of a device-resident block appears (connector offload). Picked among
+        the tracked device-resident blocks: a block drawn from the whole tree is rarely one
+        (about 1% of runs used to see a HOST copy at all)."""
+        candidates = [h for h in ALL_HASHES if self.ref.tracked(h) and Tier.DEVICE in self.ref.tiers[h]]
+        assume(candidates)
+        h = candidates[i % len(candidates)]
         assert self.index.mark_resident(h, Tier.HOST) is True
         self.ref.mark_resident(h, Tier.HOST)
 
@@ -317,8 +360,10 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(p=st.sampled_from(PATHS), tier=st.sampled_from(TIERS))
     def remove_copy(self, p, tier):
         h = HASH[p]
-        assume(not self.ref.tracked(h) or tier in self.ref.tiers[h])
+        if self.ref.tracked(h) and tier not in self.ref.tiers[h]:
+            reject()  # the engine reports the removal of copies it holds (explicit runs never get here)
         before_members = set(self.ref.members.get(h, ()))
+        admit = self.ref.admit.get(h)
         removal = self.index.mark_removed(h, tier)
         expected = self.ref.mark_removed(h, tier)
         if expected is None:
@@ -330,12 +375,24 @@ class IndexMachine(RuleBasedStateMachine):
         assert removal.position == POSITION[h]
         assert removal.last_copy is last
         assert set(removal.sessions) == before_members == members
+        # BlocksRemoved carries the coordinates of the request that created the node, and its
+        # own session leads the member list when it is still a member.
+        assert (removal.admit_session, removal.admit_continuation) == admit
+        if admit[0] in before_members:
+            assert removal.sessions[0] == admit[0]
         assert not self.left, "a removal is published as BlocksRemoved, not as a leave"
 
     @rule(tier=st.sampled_from(TIERS))
     def clear_tier(self, tier):
-        self.index.clear_tier(tier)
-        self.ref.clear_tier(tier)
+        # The sessions returned are those AllBlocksCleared is routed to: every member of a
+        # block with a copy on the tier, whether or not another copy keeps it.
+        assert self.index.clear_tier(tier) == self.ref.clear_tier(tier)
+
+    @rule(n=st.integers(1, len(CONTINUATIONS)))
+    def trim_continuations(self, n):
+        """The index's continuation bound (KvHintCore._trim_index): the oldest go; blocks only
+        they held go with them, and sessions keep their memberships."""
+        assert self.index.forget_oldest_continuations(n) == len(self.ref.forget_oldest_continuations(n))
 
     @rule(s=st.sampled_from(SESSIONS), cause=st.sampled_from(list(LeaveCause)))
     def forget_session(self, s, cause):
@@ -360,6 +417,20 @@ class IndexMachine(RuleBasedStateMachine):
             assert node.parent == PARENT[h]
             assert node.tiers == mask(ref.tiers[h]), f"tiers of {PATH_OF[h]}"
             assert node.sessions == ref.members[h], f"sessions of {PATH_OF[h]}"
+
+    @invariant()
+    def membership_lookups_match(self):
+        """has_member (the adapter's "the session owns this prefix already": no hit is recorded)
+        and resident_sessions_of (Release's "no other session holds it") agree with membership,
+        whichever way a node keeps its members (none, one id, a set that grew or shrank)."""
+        idx, ref = self.index, self.ref
+        for h, node in idx.nodes.items():
+            assert sorted(idx.resident_sessions_of(h)) == sorted(ref.members[h])
+            for s in SESSIONS:
+                assert node.has_member(s) is (s in ref.members[h]), f"has_member({s}) on {PATH_OF[h]}"
+        for h in ALL_HASHES:
+            if h not in idx.nodes:
+                assert idx.resident_sessions_of(h) == () and idx.members(h) == ()
 
     @invariant()
     def only_resident_blocks_have_members(self):
@@ -407,6 +478,9 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def frontiers_are_resident_branch_ends(self):
         idx, ref = self.index, self.ref
+        for s in SESSIONS:
+            if s not in ref.parent_session:
+                assert idx.frontiers(s) == set(), f"frontiers of {s}, which is not live"
         for s, _state in idx.iter_sessions():
             mine = ref.resident_blocks_of(s)
             frontiers = idx.frontiers(s)
@@ -615,6 +689,76 @@ def test_removal_of_unknown_copy_does_not_expire_a_live_session():
     assert C in index.resolve_session("s")
 
 
+# ---- explicit runs of the state machine: sequences its random rules rarely or never draw
+
+
+def _replay(steps: list[tuple[str, dict]], machine: IndexMachine | None = None) -> IndexMachine:
+    """Run `steps` (rule name, arguments) on an IndexMachine (a new one, or `machine` to go
+    on), checking every invariant (the reference model) after each step, as a Hypothesis run
+    would."""
+    machine = machine or IndexMachine()
+    # @invariant marks its function with this attribute (hypothesis.stateful.INVARIANT_MARKER).
+    invariants = [f for _, f in inspect.getmembers(IndexMachine, inspect.isfunction) if hasattr(f, "hypothesis_stateful_invariant")]
+    assert {f.__name__ for f in invariants} >= {"nodes_match", "sessions_match", "membership_lookups_match"}, "invariants not found"
+    for name, kwargs in steps:
+        getattr(machine, name)(**kwargs)
+        for check in invariants:
+            check(machine)
+    return machine
+
+
+def _req(s: str | None, depth: int, leaf: tuple[int, ...] = (0, 0, 0, 0), cont: str | None = None) -> tuple[str, dict]:
+    if s is None:
+        return ("continuation_only_request", dict(leaf=leaf, depth=depth, anonymous_hits=0, cont=cont))
+    return ("request", dict(s=s, leaf=leaf, depth=depth, anonymous_hits=0, cont=cont, parent_session=None))
+
+
+def _forget(s: str) -> tuple[str, dict]:
+    return ("forget_session", dict(s=s, cause=LeaveCause.RELEASED))
+
+
+def test_a_member_set_emptied_one_by_one_takes_a_new_member():
+    """A shared prefix kept by a descendant that only a continuation holds: its members leave
+    one by one (a set of three, two, one, none) and the node stays; a session joining it then
+    is a member (its queries select the prefix). No random run drew an emptied member set."""
+    machine = _replay([
+        _req(None, 3, cont="c0"),  # A, B, C held by c0 alone
+        _req("s0", 2), _req("s1", 2), _req("s2", 2),  # prefix hits: A and B get three members
+        _forget("s0"), _forget("s1"), _forget("s2"),
+    ])
+    index = machine.index
+    assert index.node(A).members == set() and index.node(B).members == set(), "emptied sets, nodes kept"
+    _replay([
+        _req("s3", 2),  # joins the emptied member sets
+        ("remove_copy", dict(p=(0,), tier=Tier.DEVICE)),  # A's last copy goes: s3 keeps B
+        _req("s0", 3),  # s0 comes back: A is recomputed, B and C are hits
+    ], machine)
+    assert index.resolve_session("s3") == [B] and index.node(B).has_member("s3")
+    assert index.resolve_session("s0") == [A, B, C] and index.frontiers("s0") == {C}
+
+
+def test_trimming_continuations_frees_only_what_they_alone_held():
+    """The continuation bound (KvHintCore._trim_index) over a shared prefix: the oldest goes
+    first, a chain only it held goes with it, a session's blocks and a later continuation stay;
+    a trimmed continuation its session still lists goes for good when the session goes."""
+    machine = _replay([
+        _req(None, 3, cont="c0"),  # A, B, C held by c0 alone
+        _req("s0", 3, leaf=(0, 0, 1, 0), cont="c1"),  # A, B hit, C2 stored: s0 and c1
+        ("trim_continuations", dict(n=1)),  # c0 goes, and C with it
+    ])
+    index = machine.index
+    assert index.node(C) is None and index.resolve_continuation("c1") == [A, B, C2]
+    assert index.resolve_session("s0") == [A, B, C2]
+    _replay([
+        ("trim_continuations", dict(n=1)),  # c1 goes; s0's blocks stay, and s0 still lists it
+        _req("s1", 3, leaf=(0, 0, 1, 0), cont="c1"),  # c1 comes back on s1's request
+        _forget("s1"),  # s0 still lists c1: it stays
+    ], machine)
+    assert index.resolve_continuation("c1") == [A, B, C2] and index.resolve_session("s0") == [A, B, C2]
+    _replay([_forget("s0")], machine)
+    assert index.nodes == {} and index.continuations == {} and not index.sessions
+
+
 # ---- membership of widely shared blocks
 
 
@@ -671,6 +815,14 @@ _OP = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_OP, max_size=30))
+# Two runs recorded before their common parent, one of them gone before the parent comes: the
+# parent starts with the one that is left (random lists rarely draw this).
+@example([("record", (0, 0, 0, 0), 2, 2, Tier.DEVICE, "s0", None), ("record", (0, 0, 1, 0), 2, 1, Tier.DEVICE, "s0", None),
+          ("remove", (0, 0, 1), Tier.DEVICE), ("record", (0, 0, 0, 0), 0, 2, Tier.DEVICE, "s0", None)])
+# A block whose node went while a HOST copy stayed cached, tracked again by a DEVICE store: the
+# new node has both copies, so the session keeps the block when the DEVICE copy goes.
+@example([("record", (0, 0, 0, 0), 0, 1, Tier.HOST, "s0", None), ("forget", "s0"),
+          ("record", (0, 0, 0, 0), 0, 1, Tier.DEVICE, "s1", None), ("remove", (0,), Tier.DEVICE)])
 def test_runs_recorded_before_their_parent_are_counted_and_nothing_leaks(ops):
     """A run may be recorded before the block before it (a sliding-window model stores only its
     prompt's tail; core.on_stored takes any parent). Every node's `children` is the number of
@@ -702,6 +854,8 @@ def test_runs_recorded_before_their_parent_are_counted_and_nothing_leaks(ops):
             index.clear_tier(op[1])
         for h, node in index.nodes.items():
             assert node.children == sum(1 for c in CHILDREN[h] if c in index.nodes), f"children of {PATH_OF[h]}"
+            # A node's tiers are the tiers holding a copy, including copies from before it was tracked.
+            assert node.tiers == sum(t.bit for t in TIERS if h in resident[t]), f"tiers of {PATH_OF[h]}"
     for tier in TIERS:
         for h in list(resident[tier]):
             index.mark_removed(h, tier)
