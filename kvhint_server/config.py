@@ -96,8 +96,9 @@ class ServerConfig:
     # How long an RPC waits for the engine thread before failing UNAVAILABLE.
     engine_task_timeout_s: float = 30.0
     # Blocks the SessionPrefixIndex tracks at most. Past it, the least recently
-    # active sessions are forgotten (as if released) until 90% remain; this
-    # bounds memory when a lower tier never evicts (a persistent file tier).
+    # active sessions, and continuations recorded longer ago than they were active,
+    # are forgotten (as if released) until 90% remain; this bounds memory when a
+    # lower tier never evicts (a persistent file tier).
     max_index_blocks: int = 1_000_000
     # Sessions the index tracks at most: past it the least recently active go (as
     # above) until 90% remain. Sessions that read a hot shared prefix stay members of

@@ -656,30 +656,26 @@ class KvHintCore:
         return router.tenants_of(ids())
 
     def _trim_index(self) -> None:
-        """Forget the least recently active sessions until the index is at 90% of
-        max_index_blocks and of max_index_sessions, and the oldest continuations until 90% of
+        """Forget the least recently active sessions (and, for the block bound, continuations
+        recorded longer ago: SessionPrefixIndex.forget_least_active) until the index is at 90%
+        of max_index_blocks and of max_index_sessions, and the oldest continuations until 90% of
         max_index_continuations remain (their blocks stay cached, anonymously). Sessions and
         continuations, not only blocks: every session that reads a hot shared prefix is a
         member of its blocks, which are rarely evicted, so without their own bound they would
-        accumulate while the block count stays small."""
+        accumulate while the block count stays small. A continuation holds its blocks whether
+        or not a session does: with sessions alone, blocks continuations held kept the index
+        over its block bound, and every later store forgot every live session."""
         index, config = self.index, self.config
-        block_target = int(config.max_index_blocks * 0.9)
-        session_target = int(config.max_index_sessions * 0.9)
-        forgotten = 0
+        forgotten = dropped = 0
         if len(index.nodes) > config.max_index_blocks or len(index.sessions) > config.max_index_sessions:
-            by_age = sorted(index.sessions, key=lambda s: index.sessions[s].last_active)
-            for session in by_age:
-                if len(index.nodes) <= block_target and len(index.sessions) <= session_target:
-                    break
-                index.forget_session(session, LeaveCause.INDEX_LIMIT)
-                forgotten += 1
-        dropped = 0
+            forgotten, dropped = index.forget_least_active(
+                int(config.max_index_blocks * 0.9), int(config.max_index_sessions * 0.9), LeaveCause.INDEX_LIMIT)
         if len(index.continuations) > config.max_index_continuations:
             excess = len(index.continuations) - int(config.max_index_continuations * 0.9)
-            dropped = index.forget_oldest_continuations(excess)
+            dropped += index.forget_oldest_continuations(excess)
         log.warning(
             "kvhint: index over its bounds (%d blocks, %d sessions, %d continuations); forgot %d least recently "
-            "active sessions and %d oldest continuations", config.max_index_blocks, config.max_index_sessions,
+            "active sessions and %d continuations", config.max_index_blocks, config.max_index_sessions,
             config.max_index_continuations, forgotten, dropped,
         )
 

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvhint.v1 import kvhint_pb2 as pb
 

@@ -36,6 +36,7 @@ Not thread-safe: the engine thread owns it.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 
 import enum
@@ -144,6 +145,9 @@ class SessionPrefixIndex:
         self.sessions: dict[str, SessionState] = {}
         self.children_of: dict[str, set[str]] = {}
         self.continuations: dict[str, bytes] = {}
+        # When each continuation was first recorded (the order of `continuations`): the block
+        # bound weighs a continuation against the sessions' last activity (forget_least_active).
+        self._continuation_since: dict[str, float] = {}
         self._continuations_at: dict[bytes, set[str]] = {}
         # continuation -> number of live sessions listing it (SessionState.continuations),
         # so forgetting a session asks "does another session hold it?" in O(1).
@@ -219,6 +223,8 @@ class SessionPrefixIndex:
             holders = self._continuation_holders
             holders[coords.continuation_id] = holders.get(coords.continuation_id, 0) + 1
         if coords.continuation_id:
+            if coords.continuation_id not in self.continuations:
+                self._continuation_since[coords.continuation_id] = now
             self._point_continuation(coords.continuation_id, last)
 
     def mark_resident(self, h: bytes, tier: Tier) -> bool:
@@ -445,6 +451,7 @@ class SessionPrefixIndex:
                     self._point_continuation(c, parent)
                 else:
                     self.continuations.pop(c, None)
+                    self._continuation_since.pop(c, None)
             if parent is not None:
                 if (parent_node := self.nodes.get(parent)) is not None:
                     parent_node.children -= 1
@@ -471,6 +478,30 @@ class SessionPrefixIndex:
                     del self._continuations_at[old]
                     self._delete_upwards(old)
 
+    def forget_least_active(self, block_target: int, session_target: int, cause: LeaveCause) -> tuple[int, int]:
+        """The index's block and session bounds: until at most `block_target` blocks and
+        `session_target` sessions are tracked, forget the least recently active session, or,
+        while the blocks are over their target, the continuation recorded longest ago when it
+        is older. A continuation holds its block and the chain before it whether or not a
+        session does, so forgetting sessions alone cannot bring the blocks down where
+        continuations hold them. Returns how many sessions and continuations were forgotten.
+        O((sessions + continuations) log) per call: only when a bound is passed."""
+        by_age = heapq.merge(
+            sorted((state.last_active, 0, s) for s, state in self.sessions.items()),
+            sorted((since, 1, c) for c, since in self._continuation_since.items()),
+        )
+        sessions = continuations = 0
+        for _, kind, key in by_age:
+            over_blocks = len(self.nodes) > block_target
+            if not over_blocks and len(self.sessions) <= session_target:
+                break
+            if kind == 0:
+                sessions += self.forget_session(key, cause)
+            elif over_blocks and key in self.continuations:  # (a forgotten session may have taken it)
+                self._unpoint_continuation(key)
+                continuations += 1
+        return sessions, continuations
+
     def forget_oldest_continuations(self, n: int) -> int:
         """Forget the `n` continuations recorded first (the index's bound; their blocks stay
         cached and their sessions' memberships stay). Returns how many were forgotten."""
@@ -482,6 +513,7 @@ class SessionPrefixIndex:
     def _unpoint_continuation(self, c: str) -> None:
         """Forget a continuation; the block it held may go with it."""
         h = self.continuations.pop(c, None)
+        self._continuation_since.pop(c, None)
         if h is None:
             return
         holders = self._continuations_at.get(h)

@@ -9,15 +9,16 @@ and from the event bus.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from google.protobuf import duration_pb2
 from kvhint_server.adapter import TierRefusal
 from kvhint_server.model import Reason, Tier
-from kvhint_unit_support import FakeClock, error_info, h, pin, retain, session_sel, tiered_engine_info
+from kvhint_unit_support import FakeClock, Harness, error_info, h, pin, retain, session_sel, tiered_engine_info
 
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.events import HintApplied
@@ -488,3 +489,291 @@ def test_the_index_forgets_the_least_recently_active_sessions_past_its_cap(make_
     assert sessions(harness) == ["mid", "new"]
     r = harness.apply(pin("old", 10)).results[0]
     assert r.outcome == pb.OUTCOME_MISSING
+
+
+def test_blocks_that_continuations_hold_count_against_the_block_bound_and_live_sessions_stay(make_harness):
+    """Requests with a continuation id and no session hold their chains through the continuation:
+    forgetting sessions cannot free those blocks. Past max_index_blocks the index forgets what
+    was active longest ago, continuations included, so it comes back under its bound and a
+    session that just stored is not forgotten for blocks it never held (before: 16 blocks stayed
+    over a bound of 10, and every session's store forgot every live session)."""
+    harness = make_harness(max_index_blocks=10)
+    for c in range(4):  # 4 chains of 4 blocks, each held by a continuation alone
+        harness.engine.store([h(100 * c + k) for k in range(4)], continuation=f"c{c}")
+        time.sleep(0.01)  # distinct activity times
+    for s in ("alice", "bob"):
+        harness.engine.store([h(1000 if s == "alice" else 2000)], session=s)
+        time.sleep(0.01)
+    assert sessions(harness) == ["alice", "bob"]
+    assert harness.engine.run(lambda: len(harness.core.index.nodes)) <= 10
+    known = harness.engine.run(lambda: list(harness.core.index.continuations))
+    assert known and "c3" in known and "c0" not in known  # the continuation recorded first went first
+    cont = pb.Selector(continuation=pb.ContinuationSelector(continuation_id="c3"))
+    resp = harness.stub.QueryResidency(pb.QueryResidencyRequest(selector=cont), timeout=5)
+    assert [b.block_hash for b in resp.blocks] == [h(300 + k) for k in range(4)]
+
+
+def test_the_block_bound_forgets_sessions_and_continuations_by_activity(make_harness):
+    """An old session goes before a continuation recorded after its last activity, and an old
+    continuation before a session active since."""
+    harness = make_harness(max_index_blocks=10)
+    harness.engine.store([h(10 + k) for k in range(4)], session="old")
+    time.sleep(0.01)
+    harness.engine.store([h(20 + k) for k in range(4)], continuation="cont")
+    time.sleep(0.01)
+    harness.engine.store([h(30 + k) for k in range(4)], session="new")
+    # 12 blocks > 10: "old" was active before "cont" was recorded, so it goes, and nothing else.
+    assert sessions(harness) == ["new"]
+    assert harness.engine.run(lambda: list(harness.core.index.continuations)) == ["cont"]
+    time.sleep(0.01)
+    harness.engine.store([h(40 + k) for k in range(4)], session="newer")
+    # 12 again: "cont", recorded before "new" was last active, goes now.
+    assert sessions(harness) == ["new", "newer"]
+    assert harness.engine.run(lambda: list(harness.core.index.continuations)) == []
+
+
+# ---- mixed batches against a model of what each hint does
+#
+# Two sessions over 8 device blocks: a's chain A (6 blocks) and b, which shares A's first `shared`
+# blocks and adds 2 of its own; some blocks in use, some pinned beforehand by a block-hash Pin (the
+# pin budget is 4, so the batch's Pins can run out of it); the TTL cap is 60 s; 2 hint ids are
+# remembered. A batch of up to 5 Retain / Pin / Release / Evict hints on a, b or an unknown
+# session, with max_blocks, a TTL over the cap and a few hint ids (re-sent, reused, forgotten), is
+# applied at once; a model applies the same hints one after another to the same state and says
+# each hint's outcome, reason, clips and blocks applied to, and the state the batch leaves (device
+# blocks, their retention class, their sessions). Before it, the only random test here sent one
+# Pin or Evict with max_blocks: every example was CLIPPED/MAX_BLOCKS, in a batch of one hint.
+
+_A = [h(i) for i in range(1, 7)]
+_B_OWN = [h(20), h(21)]
+_PIN_BUDGET = 4  # pin_budget_fraction 0.4 of the 10 usable device blocks
+_TTL_CAP = 60.0
+_PRE = "pre"  # the owner of the block-hash Pin made before the batch
+_ID_WINDOW = 2  # hint ids remembered: the batch's three ids can push one out
+
+_hint_tuples = st.tuples(
+    st.sampled_from(["retain", "pin", "pin", "release", "evict", "evict"]),
+    st.sampled_from(["a", "a", "b", "b", "ghost"]),
+    st.sampled_from([0, 0, 1, 2, 3]),  # max_blocks
+    st.booleans(),  # a TTL over the cap (Retain, Pin)
+    st.sampled_from(["", "", "x", "y"]),  # hint ids: reused for another hint (conflict)
+)
+
+
+@st.composite
+def _batches(draw: st.DrawFn) -> list[tuple]:
+    """Up to 5 hints; half the time one of them is re-sent later in the batch, with an id."""
+    batch = draw(st.lists(_hint_tuples, min_size=1, max_size=5))
+    if len(batch) >= 2 and draw(st.booleans()):
+        j = draw(st.integers(0, len(batch) - 2))
+        batch[j] = batch[j][:4] + ("r",)
+        batch[draw(st.integers(j + 1, len(batch) - 1))] = batch[j]
+    return batch
+
+
+class _Model:
+    """What the executor should do, one hint at a time (device tier only, no tenancy)."""
+
+    def __init__(self, shared: int, in_use: set[bytes], pre_pinned: list[bytes]) -> None:
+        self.pos = {x: i for i, x in enumerate(_A)} | {x: shared + j for j, x in enumerate(_B_OWN)}
+        self.device = {x: x in in_use for x in _A + _B_OWN}
+        self.members = {"a": set(_A), "b": set(_A[:shared]) | set(_B_OWN)}
+        self.grants: dict[str, dict[bytes, bool]] = {_PRE: dict.fromkeys(pre_pinned, True)} if pre_pinned else {}
+        self.seen: OrderedDict[str, tuple[tuple, tuple]] = OrderedDict()  # the idempotency window, oldest first
+        self.demoted_first: list[bytes] = []
+
+    def pinned(self, x: bytes, but: str | None = None) -> bool:
+        return any(g.get(x) for o, g in self.grants.items() if o != but)
+
+    def resolve(self, s: str) -> list[bytes]:
+        return sorted(self.members.get(s, ()), key=self.pos.__getitem__)
+
+    def apply(self, hint: tuple) -> tuple:
+        """(outcome, reason, clips, device blocks applied to, replayed, effective ttl)."""
+        action, s, max_blocks, over, hint_id = hint
+        content = (action, s, max_blocks, over and action in ("retain", "pin"))  # what the id binds to
+        if hint_id in self.seen:
+            bound, first = self.seen[hint_id]
+            if content != bound:
+                return (pb.OUTCOME_REJECTED, pb.REASON_HINT_ID_CONFLICT, [], 0, False, None)
+            self.seen.move_to_end(hint_id)  # used again: the most recent
+            return first[:4] + (True,) + first[5:]
+        result = getattr(self, action)(s, max_blocks, over)
+        if hint_id:
+            self.seen[hint_id] = (content, result)
+            while len(self.seen) > _ID_WINDOW:
+                self.seen.popitem(last=False)  # forgotten: the id binds again when re-sent
+        return result
+
+    @staticmethod
+    def outcome(clips: list, applied: int, ttl: float | None = None) -> tuple:
+        if clips:
+            return (pb.OUTCOME_CLIPPED, clips[0][0], clips, applied, False, ttl)
+        return (pb.OUTCOME_ACCEPTED, pb.REASON_UNSPECIFIED, clips, applied, False, ttl)
+
+    def cap(self, hashes: list[bytes], max_blocks: int, from_end: bool, clips: list) -> list[bytes]:
+        if max_blocks and len(hashes) > max_blocks:
+            clips.append((pb.REASON_MAX_BLOCKS, len(hashes), max_blocks))
+            return hashes[-max_blocks:] if from_end else hashes[:max_blocks]
+        return hashes
+
+    def grant(self, s: str, max_blocks: int, over: bool, pinned: bool) -> tuple:
+        hashes = self.resolve(s)
+        if not hashes:
+            return (pb.OUTCOME_MISSING, pb.REASON_NOT_RESIDENT, [], 0, False, None)
+        clips: list = []
+        hashes = self.cap(hashes, max_blocks, False, clips)
+        if over:
+            clips.append((pb.REASON_TTL_CAPPED, 0, 0))
+        if pinned:
+            new = [x for x in hashes if not self.pinned(x)]
+            headroom = max(0, _PIN_BUDGET - len({x for g in self.grants.values() for x, p in g.items() if p}))
+            if len(new) > headroom:
+                allowed = set(new[:headroom])
+                granted = [x for x in hashes if self.pinned(x) or x in allowed]
+                clips.append((pb.REASON_PIN_BUDGET, len(hashes), len(granted)))
+                hashes = granted
+        if not hashes:
+            return self.outcome(clips, 0)
+        self.grants.setdefault(s, {}).update(dict.fromkeys(hashes, pinned))
+        return self.outcome(clips, len(hashes), _TTL_CAP if over else 30.0)
+
+    def retain(self, s: str, max_blocks: int, over: bool) -> tuple:
+        return self.grant(s, max_blocks, over, pinned=False)
+
+    def pin(self, s: str, max_blocks: int, over: bool) -> tuple:
+        return self.grant(s, max_blocks, over, pinned=True)
+
+    def release(self, s: str, max_blocks: int, over: bool) -> tuple:
+        clips: list = []
+        hashes = self.cap(self.resolve(s), max_blocks, True, clips)
+        held = self.grants.get(s, {})
+        released = {x for x in held if x in hashes} if max_blocks else set(held)
+        for x in released:
+            del held[x]
+        if not held:
+            self.grants.pop(s, None)
+        if not hashes and not released:
+            return (pb.OUTCOME_MISSING, pb.REASON_NOT_RESIDENT, [], 0, False, None)
+        moved = [
+            x for x in hashes
+            if not any(x in g for g in self.grants.values())
+            and all(x not in m for t, m in self.members.items() if t != s)
+            and not self.device[x]
+        ]
+        self.demoted_first += moved
+        if not max_blocks:
+            self.members.pop(s, None)
+        return self.outcome(clips, len(released | set(moved)))
+
+    def evict(self, s: str, max_blocks: int, over: bool) -> tuple:
+        hashes = self.resolve(s)
+        if not hashes:
+            return (pb.OUTCOME_MISSING, pb.REASON_NOT_RESIDENT, [], 0, False, None)
+        clips: list = []
+        hashes = self.cap(hashes, max_blocks, True, clips)
+        protected = [x for x in hashes if self.pinned(x, but=s)]
+        if protected:
+            clips.append((pb.REASON_PINNED_BY_OTHER_SESSION, len(hashes), len(hashes) - len(protected)))
+            hashes = [x for x in hashes if x not in protected]
+        evicted = [x for x in hashes if not self.device[x]]
+        if len(evicted) < len(hashes):
+            clips.append((pb.REASON_BLOCKS_IN_USE, len(hashes), len(evicted)))
+        for x in evicted:
+            del self.device[x]
+            for g in self.grants.values():
+                g.pop(x, None)
+            for m in self.members.values():
+                m.discard(x)
+        self.grants = {o: g for o, g in self.grants.items() if g}
+        return self.outcome(clips, len(evicted))
+
+    def retention_class(self, x: bytes) -> int:
+        held = [g[x] for g in self.grants.values() if x in g]
+        return R.CLASS_PINNED if any(held) else R.CLASS_RETAINED if held else R.CLASS_ORDINARY
+
+
+def _wire_hint(action: str, s: str, max_blocks: int, over: bool, hint_id: str) -> pb.Hint:
+    ttl = _TTL_CAP * 2 if over else 30.0
+    if action == "retain":
+        return retain(s, ttl, priority=1, hint_id=hint_id, max_blocks=max_blocks)
+    if action == "pin":
+        return pin(s, ttl, hint_id=hint_id, max_blocks=max_blocks)
+    hint = pb.Hint(hint_id=hint_id, selector=session_sel(s), max_blocks=max_blocks)
+    getattr(hint, action).SetInParent()
+    return hint
+
+
+def _observed(r: pb.HintResult) -> tuple:
+    clips = [(c.reason, c.requested_blocks, c.granted_blocks) for c in r.clips]
+    affected = {c.tier: c.blocks for c in r.affected_blocks}
+    assert set(affected) <= {pb.TIER_DEVICE}
+    ttl = r.effective_ttl.ToTimedelta().total_seconds() if r.HasField("effective_ttl") else None
+    return (r.outcome, r.reason, clips, affected.get(pb.TIER_DEVICE, 0), r.replayed, ttl)
+
+
+# The pin budget runs out partway through the batch (TTL clip first, then PIN_BUDGET: the blocks
+# pinned beforehand cost nothing more); an Evict ends one of b's pins and gives its budget back.
+@example(shared=0, in_use=set(), pre_pinned={_A[0], _A[1]}, batch=[
+    ("pin", "b", 0, False, ""), ("pin", "a", 0, True, ""), ("evict", "b", 1, False, ""), ("pin", "a", 0, False, "")])
+# An Evict clipped three ways, each clip starting from the previous one's granted count.
+@example(shared=2, in_use={_A[4]}, pre_pinned={_A[5]}, batch=[("evict", "a", 3, False, ""), ("release", "b", 0, False, "")])
+# A re-sent id within the batch replays (nothing re-granted after the Release); reused, it conflicts.
+@example(shared=1, in_use={_A[2]}, pre_pinned=set(), batch=[
+    ("retain", "a", 2, False, "r"), ("release", "a", 0, False, ""), ("retain", "a", 2, False, "r"),
+    ("retain", "a", 1, False, "r"), ("pin", "a", 0, False, "")])
+# The id window holds 2: a replay keeps x in it, r pushes y out, and y re-sent is applied again.
+@example(shared=0, in_use=set(), pre_pinned=set(), batch=[
+    ("retain", "a", 2, False, "x"), ("pin", "b", 1, False, "y"), ("retain", "a", 2, False, "x"),
+    ("evict", "b", 1, False, "r"), ("pin", "b", 1, False, "y")])
+# The budget is spent by an earlier hint of the batch: a Pin CLIPPED to 0 blocks.
+@example(shared=0, in_use=set(), pre_pinned={_A[3], _A[4], _A[5]}, batch=[("pin", "b", 0, False, ""), ("pin", "a", 2, False, "")])
+@settings(max_examples=60, deadline=None)
+@given(
+    shared=st.integers(0, 3),
+    in_use=st.sets(st.sampled_from(_A + _B_OWN), max_size=4),
+    pre_pinned=st.sets(st.sampled_from(_A + _B_OWN), max_size=3),
+    batch=_batches(),
+)
+def test_a_mixed_batch_gives_each_hint_the_outcome_of_what_it_did(shared, in_use, pre_pinned, batch):
+    """Every hint of a batch gets the outcome, reason, clips (each block clip starting from the
+    previous one's granted count) and affected count of what it did, given what the hints before
+    it in the same batch did; a re-sent id replays, a reused one conflicts; the batch leaves the
+    state the model says, and publishes one HintApplied per hint not replayed, in order."""
+    harness = Harness(max_ttl_s=_TTL_CAP, pin_budget_fraction=0.4, idempotency_window=_ID_WINDOW)
+    try:
+        engine = harness.engine
+        engine.store(_A, session="a")
+        if shared:
+            engine.store(_A[:shared], session="b", prefix_hit=True)
+        engine.store(_B_OWN, session="b", first_position=shared, parent=_A[shared - 1] if shared else None)
+        pre = sorted(pre_pinned, key=(_A + _B_OWN).index)
+        if pre:
+            sel = pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=pre))
+            assert harness.apply(pb.Hint(selector=sel, pin=pb.PinAction(ttl=duration_pb2.Duration(seconds=60)))).results[0].outcome == pb.OUTCOME_ACCEPTED
+        engine.set_in_use(sorted(in_use))
+        model = _Model(shared, in_use, pre)
+        expected = [model.apply(x) for x in batch]
+        before = harness.bus.last_sequence
+        resp = harness.apply(*[_wire_hint(*x) for x in batch])
+
+        got = [_observed(r) for r in resp.results]
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            assert g == e, f"hint {i} {batch[i]} of {batch}: got {g}, the model says {e}"
+        # Events: one HintApplied per hint not replayed, in request order, the last at applied_at_sequence.
+        applied = hint_events(harness, before)
+        assert [int(a.result.outcome) for a in applied] == [r.outcome for r in resp.results if not r.replayed]
+        assert resp.applied_at_sequence == harness.bus.last_sequence
+        # The state the batch left.
+        assert set(engine.device) == set(model.device)
+        assert engine.demoted_first == model.demoted_first
+        if model.device:
+            q = harness.stub.QueryResidency(pb.QueryResidencyRequest(
+                selector=pb.Selector(block_hashes=pb.BlockHashSelector(block_hashes=list(model.device)))), timeout=5)
+            assert {b.block_hash: b.retention.retention_class for b in q.blocks} == {
+                x: model.retention_class(x) for x in model.device}
+            assert {b.block_hash: set(b.session_ids) for b in q.blocks} == {
+                x: {s for s, m in model.members.items() if x in m} for x in model.device}
+    finally:
+        harness.close()
+    assert harness.engine.violations == []
