@@ -23,8 +23,14 @@ from typing import Any
 
 from .errors import RpcError, invalid_argument
 
-#: Longest token accepted, in characters (issued tokens are well under 1 KiB).
+#: Longest token accepted, in characters, unless the cursor's own bound allows a longer one
+#: (`PageTokens.max_token_chars`: a string cursor of max_len UTF-8 bytes, JSON-escaped and
+#: base64-encoded, can take up to about 8 characters a byte).
 MAX_TOKEN_CHARS = 2048
+#: Characters JSON (ASCII-escaped, as `issue` writes it) spends on one byte of a string at most:
+#: a control character becomes a six-character escape.
+_JSON_CHARS_PER_BYTE = 6
+_MAC_CHARS = 43  # unpadded base64 of a 32-byte HMAC-SHA256
 FIELD = "page_token"
 
 
@@ -55,14 +61,24 @@ class PageTokens:
         body = json.dumps({"e": self.epoch, "s": scope, key: value}, separators=(",", ":")).encode()
         return f"{_b64(body)}.{_b64(self._mac(body))}"
 
+    def max_token_chars(self, scope: str, key: str, max_len: int) -> int:
+        """The longest token `issue(scope, key, value)` makes for a string cursor of at most
+        `max_len` UTF-8 bytes (every byte escaped at worst), and never under MAX_TOKEN_CHARS."""
+        skeleton = len(json.dumps({"e": self.epoch, "s": scope, key: ""}, separators=(",", ":")).encode())
+        body = skeleton + _JSON_CHARS_PER_BYTE * max_len
+        return max(MAX_TOKEN_CHARS, -(-4 * body // 3) + 1 + _MAC_CHARS)
+
     def verify(self, token: str, scope: str, key: str, kind: type, max_len: int) -> Any:
         """The cursor value of a token issued by `issue(scope, key, ...)`.
 
         `kind` is int (a non-negative offset) or str (an id of at most
         `max_len` UTF-8 bytes). Raises RpcError(INVALID_ARGUMENT) otherwise.
+        A token longer than any `issue` makes for such a cursor is refused before it is
+        decoded (max_token_chars).
         """
-        if len(token) > MAX_TOKEN_CHARS:
-            raise _bad(f"page_token is longer than {MAX_TOKEN_CHARS} characters")
+        limit = MAX_TOKEN_CHARS if kind is int else self.max_token_chars(scope, key, max_len)
+        if len(token) > limit:
+            raise _bad(f"page_token is longer than {limit} characters")
         body_b64, dot, mac_b64 = token.partition(".")
         try:
             if not dot:

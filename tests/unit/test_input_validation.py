@@ -11,13 +11,17 @@ import json
 
 import grpc
 import pytest
+from google.protobuf import duration_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 from kvhint_unit_support import Harness, error_info, h, pin, session_sel
 
 from kvhint.v1 import kvhint_pb2 as pb
+from kvhint_server.config import ServerConfig
 from kvhint_server.errors import EXCERPT_CHARS, RpcError, excerpt
+from kvhint_server.model import Tier
 from kvhint_server.page_tokens import MAX_TOKEN_CHARS, PageTokens
+from kvhint_server.validation import MAX_FILTER_SESSIONS, parse_query_tiers, validate_watch_request
 
 
 def _invalid(call, field: str) -> grpc.RpcError:
@@ -41,7 +45,24 @@ def _b64json(payload: object) -> str:
 def test_issued_tokens_verify_to_their_cursor(scope, offset, after):
     tokens = PageTokens("epoch-1")
     assert tokens.verify(tokens.issue(scope, "o", offset), scope, "o", int, 0) == offset
-    assert tokens.verify(tokens.issue(scope, "a", after), scope, "a", str, 4 * len(after)) == after
+    # A cursor of exactly the limit's UTF-8 bytes (a session id at max_id_length) verifies.
+    assert tokens.verify(tokens.issue(scope, "a", after), scope, "a", str, len(after.encode())) == after
+
+
+@pytest.mark.parametrize(("cursor", "max_id_length"), [("\x01" * 256, 256), ("a" + "é" * 511, 1024)],
+                         ids=["256-control-chars", "1023-bytes-of-2-byte-chars"])
+def test_a_token_issued_for_any_valid_session_id_verifies(cursor: str, max_id_length: int) -> None:
+    """ListSessions' next_page_token carries the page's last session id, which may be any
+    1..max_id_length bytes of UTF-8 (256 by default, configurable): the server must accept
+    back every token it issued."""
+    tokens = PageTokens("0123456789abcdef")
+    token = tokens.issue("0123456789abcdef", "a", cursor)
+    assert len(token) > 2048  # (MAX_TOKEN_CHARS alone refused these)
+    assert tokens.verify(token, "0123456789abcdef", "a", str, max_id_length) == cursor
+    # Still bounded: a longer token than any cursor of that many bytes makes is refused undecoded.
+    with pytest.raises(RpcError, match="longer than"):
+        tokens.verify(token + "A" * (tokens.max_token_chars("0123456789abcdef", "a", max_id_length) - len(token) + 1),
+                      "0123456789abcdef", "a", str, max_id_length)
 
 
 @pytest.mark.parametrize("value", [-1, "x", True, None, 1.5, [1], {"o": 1}])
@@ -167,6 +188,52 @@ def test_get_operation_with_a_5000_byte_id_is_invalid_argument_with_a_short_mess
     assert len(missing.value.details()) < 2 * EXCERPT_CHARS + 40
 
 
+_WATCH = pb.WatchEventsRequest
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (_WATCH(heartbeat_interval=duration_pb2.Duration(seconds=1, nanos=-1)), "heartbeat_interval"),
+        (_WATCH(heartbeat_interval=duration_pb2.Duration(nanos=1_000_000_000)), "heartbeat_interval"),
+        (_WATCH(heartbeat_interval=duration_pb2.Duration(seconds=315_576_000_001)), "heartbeat_interval"),
+        (_WATCH(filter=pb.EventFilter(session_ids=["s"] * (MAX_FILTER_SESSIONS + 1))), "filter.session_ids"),
+        (_WATCH(filter=pb.EventFilter(session_ids=["ok", ""])), "filter.session_ids[1]"),
+        (_WATCH(filter=pb.EventFilter(tiers=[pb.TIER_HOST, 5])), "filter.tiers[1]"),
+        (_WATCH(start=_WATCH.START_RESUME), "resume_epoch"),
+        (_WATCH(start=9), "start"),
+    ],
+    ids=["heartbeat-mixed-signs", "heartbeat-nanos-range", "heartbeat-seconds-range", "4097-session-ids",
+         "empty-session-id", "unknown-tier", "resume-without-epoch", "unknown-start"],
+)
+def test_a_malformed_watch_request_names_the_field(request_: pb.WatchEventsRequest, field: str) -> None:
+    with pytest.raises(RpcError) as exc:
+        validate_watch_request(request_, ServerConfig())
+    assert (exc.value.code, exc.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, field), exc.value.message
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        _WATCH(heartbeat_interval=duration_pb2.Duration(seconds=-5)),  # 0 or negative: the server default
+        _WATCH(heartbeat_interval=duration_pb2.Duration(seconds=0, nanos=-1)),
+        _WATCH(heartbeat_interval=duration_pb2.Duration(seconds=10**6)),  # clamped, not refused
+        _WATCH(filter=pb.EventFilter(session_ids=["s"] * MAX_FILTER_SESSIONS, tiers=[pb.TIER_DEVICE, pb.TIER_REMOTE])),
+        _WATCH(start=_WATCH.START_RESUME, resume_epoch="e" * ServerConfig().max_id_length),
+    ],
+    ids=["negative-heartbeat", "negative-nanos-heartbeat", "long-heartbeat", "4096-session-ids", "epoch-at-limit"],
+)
+def test_a_watch_request_at_its_bounds_is_accepted(request_: pb.WatchEventsRequest) -> None:
+    validate_watch_request(request_, ServerConfig())
+
+
+def test_query_tiers_name_the_unknown_entry():
+    assert parse_query_tiers([pb.TIER_DISK, pb.TIER_DEVICE]) == [Tier.DISK, Tier.DEVICE]
+    with pytest.raises(RpcError) as exc:
+        parse_query_tiers([pb.TIER_HOST, 7])
+    assert (exc.value.code, exc.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, "tiers[1]")
+
+
 def test_every_request_id_is_length_checked(harness):
     long = "s" * (harness.config.max_id_length + 1)
     _invalid(lambda: harness.stub.ListSessions(pb.ListSessionsRequest(session_id_prefix=long), timeout=5), "session_id_prefix")
@@ -206,7 +273,12 @@ def test_a_hint_id_binds_to_content_whether_the_hint_was_valid_or_not(sessions):
     assert (again.outcome, again.reason, again.replayed) == (pb.OUTCOME_REJECTED, pb.REASON_INVALID_HINT, True)
     conflict = sessions.apply(pin("s1", 5, hint_id="i")).results[0]
     assert conflict.reason == pb.REASON_HINT_ID_CONFLICT
-    # An over-long id is rejected and never bound (each attempt is judged alone).
+    # An id of exactly max_hint_id_length bytes (in multi-byte characters) is bound like any other ...
+    edge = "é" * (sessions.config.max_hint_id_length // 2)
+    first = sessions.apply(pin("s1", 5, hint_id=edge)).results[0]
+    again = sessions.apply(pin("s1", 5, hint_id=edge)).results[0]
+    assert (first.replayed, again.replayed, again.outcome) == (False, True, first.outcome)
+    # ... while an over-long one is rejected and never bound (each attempt is judged alone).
     long = "L" * (sessions.config.max_hint_id_length + 1)
     for _ in range(2):
         result = sessions.apply(pin("s1", 5, hint_id=long)).results[0]
