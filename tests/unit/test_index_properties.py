@@ -113,6 +113,10 @@ class RefIndex:
         # (re-pointing one keeps its place), which forget_oldest_continuations follows.
         self.conts: dict[str, bytes] = {}
         self.admit: dict[bytes, tuple[str | None, str | None]] = {}  # tracked node -> (session, continuation) that created it
+        # Activity, for the block and session bounds (forget_least_active): a session's last
+        # record, and when a continuation was recorded while it was not known.
+        self.active: dict[str, float] = {}
+        self.cont_since: dict[str, float] = {}
 
     # ---- derived views
     def tracked(self, h: bytes) -> bool:
@@ -157,9 +161,10 @@ class RefIndex:
         return chain_to(h) if h is not None else []
 
     # ---- updates
-    def record(self, hashes: list[bytes], tier: Tier, coords: RequestCoords) -> None:
+    def record(self, hashes: list[bytes], tier: Tier, coords: RequestCoords, now: float = 0.0) -> None:
         s = coords.session_id
         if s:
+            self.active[s] = now
             ps = coords.parent_session_id if coords.parent_session_id and coords.parent_session_id != s else None
             if s not in self.parent_session:
                 self.parent_session[s] = ps
@@ -176,6 +181,8 @@ class RefIndex:
         if s and coords.continuation_id:
             self.session_conts[s].add(coords.continuation_id)
         if coords.continuation_id:
+            if coords.continuation_id not in self.conts:
+                self.cont_since[coords.continuation_id] = now
             self.conts[coords.continuation_id] = hashes[-1]
         self._settle()
 
@@ -214,6 +221,26 @@ class RefIndex:
             del self.conts[c]
         self._prune()
         return oldest
+
+    def forget_least_active(self, block_target: int, session_target: int) -> tuple[list[str], list[str]]:
+        """The block and session bounds: oldest activity first, a session (by its last record)
+        or, while more than `block_target` blocks are tracked, a continuation (by when it was
+        recorded unknown), until both bounds hold. Returns what went, of each kind."""
+        order = sorted([(self.active[x], 0, x) for x in self.parent_session] + [(self.cont_since[c], 1, c) for c in self.conts])
+        sessions: list[str] = []
+        continuations: list[str] = []
+        for _, kind, key in order:
+            over = len(self.tiers) > block_target
+            if not over and len(self.parent_session) <= session_target:
+                break
+            if kind == 0 and key in self.parent_session:
+                self._forget(key)
+                sessions.append(key)
+            elif kind == 1 and over and key in self.conts:
+                del self.conts[key]
+                continuations.append(key)
+            self._prune()
+        return sessions, continuations
 
     def forget(self, s: str) -> bool:
         if s not in self.parent_session:
@@ -288,7 +315,7 @@ class IndexMachine(RuleBasedStateMachine):
             return
         self.now += 1.0
         self.index.record_chain(hashes, first, parent, Tier.DEVICE, coords, self.now)
-        self.ref.record(hashes, Tier.DEVICE, coords)
+        self.ref.record(hashes, Tier.DEVICE, coords, self.now)
 
     # ---- rules
 
@@ -393,6 +420,20 @@ class IndexMachine(RuleBasedStateMachine):
         """The index's continuation bound (KvHintCore._trim_index): the oldest go; blocks only
         they held go with them, and sessions keep their memberships."""
         assert self.index.forget_oldest_continuations(n) == len(self.ref.forget_oldest_continuations(n))
+
+    @rule(blocks=st.integers(0, len(PATHS)), sessions=st.integers(0, len(SESSIONS)))
+    def trim_to_bounds(self, blocks, sessions):
+        """The index's block and session bounds (KvHintCore._trim_index): what was active longest
+        ago goes first, sessions and (for the blocks) continuations alike, until both hold; the
+        listener hears INDEX_LIMIT for each session that held blocks."""
+        before = {x: self.ref.blocks_of(x) for x in self.ref.parent_session}
+        expected, dropped = self.ref.forget_least_active(blocks, sessions)
+        assert self.index.forget_least_active(blocks, sessions, LeaveCause.INDEX_LIMIT) == (len(expected), len(dropped))
+        assert len(self.index.nodes) <= blocks and len(self.index.sessions) <= sessions
+        # (which sessions, continuations and blocks remain: the invariants, against the model)
+        assert sorted((x, frozenset(b), cause) for x, b, cause in self.left) == sorted(
+            (x, frozenset(before[x]), LeaveCause.INDEX_LIMIT) for x in expected if before[x])
+        self.left.clear()
 
     @rule(s=st.sampled_from(SESSIONS), cause=st.sampled_from(list(LeaveCause)))
     def forget_session(self, s, cause):
