@@ -187,6 +187,41 @@ MUTANTS = (
         "plain_id = next(reversed(self.plain), None)",
         "within a priority, the chain's head is given up before its tail",
     ),
+    Mutant(
+        "bound-sessions-only",
+        "kvhint_server/index.py",
+        r"            elif over_blocks and key in self\.continuations:",
+        "            elif False:",
+        "the index's block bound forgets sessions only, never the continuations that hold blocks",
+    ),
+    Mutant(
+        "owner-view-first-tie",
+        "kvhint_server/retention.py",
+        r"candidate\.cls == best\.cls and \(candidate\.priority, g\.expires_at\) > \(best\.priority, best\.expires_at or 0\.0\)",
+        "candidate.cls == best.cls and candidate.priority > best.priority",
+        "a session's protection ends with whichever equally strong grant comes first",
+    ),
+    Mutant(
+        "page-token-fixed-limit",
+        "kvhint_server/page_tokens.py",
+        r"limit = MAX_TOKEN_CHARS if kind is int else self\.max_token_chars\(scope, key, max_len\)",
+        "limit = MAX_TOKEN_CHARS",
+        "page tokens issued for long session ids are refused as too long",
+    ),
+    Mutant(
+        "index-join-emptied-set",
+        "kvhint_server/index.py",
+        r"                elif session not in m:  # type: ignore\[operator\]",
+        "                elif m and session not in m:  # type: ignore[operator]",
+        "a session joining a block whose member set was emptied is not recorded",
+    ),
+    Mutant(
+        "index-admit-overwritten",
+        "kvhint_server/index.py",
+        r"(            else:\n                node\.tiers \|= bit\n)",
+        r"\1                node.admit_session = session\n",
+        "a block's admitting session is overwritten by every session that joins it",
+    ),
 )
 
 
