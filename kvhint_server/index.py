@@ -36,7 +36,6 @@ Not thread-safe: the engine thread owns it.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 
 import enum
@@ -486,10 +485,8 @@ class SessionPrefixIndex:
         session does, so forgetting sessions alone cannot bring the blocks down where
         continuations hold them. Returns how many sessions and continuations were forgotten.
         O((sessions + continuations) log) per call: only when a bound is passed."""
-        by_age = heapq.merge(
-            sorted((state.last_active, 0, s) for s, state in self.sessions.items()),
-            sorted((since, 1, c) for c, since in self._continuation_since.items()),
-        )
+        by_age = sorted([(state.last_active, 0, s) for s, state in self.sessions.items()]
+                        + [(since, 1, c) for c, since in self._continuation_since.items()])
         sessions = continuations = 0
         for _, kind, key in by_age:
             over_blocks = len(self.nodes) > block_target
