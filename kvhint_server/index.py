@@ -148,9 +148,12 @@ class SessionPrefixIndex:
         # bound weighs a continuation against the sessions' last activity (forget_least_active).
         self._continuation_since: dict[str, float] = {}
         self._continuations_at: dict[bytes, set[str]] = {}
-        # continuation -> number of live sessions listing it (SessionState.continuations),
-        # so forgetting a session asks "does another session hold it?" in O(1).
-        self._continuation_holders: dict[str, int] = {}
+        # continuation -> the live sessions listing it (SessionState.continuations): one session
+        # (a str, the usual case) or a set of them. Forgetting a session asks "does another
+        # session hold it?" in O(1), and a continuation the index stops tracking (its chain gone,
+        # or the bounds forgot it) leaves its sessions' lists, so a long-lived session lists the
+        # continuations a selector can still resolve rather than every one it ever had.
+        self._continuation_sessions: dict[str, Members] = {}
         # Children recorded before their parent: parent hash -> how many tracked nodes name it
         # as parent while it is not tracked itself. A parent recorded later starts with that
         # count (a run may be recorded before the block before it: a sliding-window tail, a
@@ -219,8 +222,14 @@ class SessionPrefixIndex:
         last = hashes[-1]
         if state is not None and coords.continuation_id and coords.continuation_id not in state.continuations:
             state.continuations.add(coords.continuation_id)
-            holders = self._continuation_holders
-            holders[coords.continuation_id] = holders.get(coords.continuation_id, 0) + 1
+            listing = self._continuation_sessions
+            held = listing.get(coords.continuation_id)
+            if held is None:
+                listing[coords.continuation_id] = session
+            elif held.__class__ is str:
+                listing[coords.continuation_id] = {held, session}  # type: ignore[assignment]
+            else:
+                held.add(session)  # type: ignore[union-attr]
         if coords.continuation_id:
             if coords.continuation_id not in self.continuations:
                 self._continuation_since[coords.continuation_id] = now
@@ -305,13 +314,16 @@ class SessionPrefixIndex:
                 node.members = None
             elif m is not None and m.__class__ is not str:
                 m.discard(session)  # type: ignore[union-attr]
-        holders = self._continuation_holders
-        for c in state.continuations:
-            n = holders.get(c, 0) - 1
-            if n > 0:
-                holders[c] = n
-                continue  # another live session holds it
-            holders.pop(c, None)
+        listing = self._continuation_sessions
+        for c in list(state.continuations):  # (unpointing one may drop others from the set)
+            held = listing.get(c)
+            if held is not None and held.__class__ is not str:
+                held.discard(session)  # type: ignore[union-attr]
+                if held:
+                    if len(held) == 1:  # type: ignore[arg-type]
+                        listing[c] = next(iter(held))  # type: ignore[call-overload]
+                    continue  # another live session holds it
+            listing.pop(c, None)
             if c in self.continuations:
                 self._unpoint_continuation(c)
         for h in state.blocks:
@@ -451,6 +463,7 @@ class SessionPrefixIndex:
                 else:
                     self.continuations.pop(c, None)
                     self._continuation_since.pop(c, None)
+                    self._unlist_continuation(c)
             if parent is not None:
                 if (parent_node := self.nodes.get(parent)) is not None:
                     parent_node.children -= 1
@@ -501,7 +514,7 @@ class SessionPrefixIndex:
 
     def forget_oldest_continuations(self, n: int) -> int:
         """Forget the `n` continuations recorded first (the index's bound; their blocks stay
-        cached and their sessions' memberships stay). Returns how many were forgotten."""
+        cached and their sessions' memberships stay; the sessions stop listing them). Returns how many were forgotten."""
         oldest = list(itertools.islice(self.continuations, max(0, n)))
         for c in oldest:
             self._unpoint_continuation(c)
@@ -513,6 +526,7 @@ class SessionPrefixIndex:
         self._continuation_since.pop(c, None)
         if h is None:
             return
+        self._unlist_continuation(c)
         holders = self._continuations_at.get(h)
         if holders is not None:
             holders.discard(c)
@@ -520,3 +534,12 @@ class SessionPrefixIndex:
                 del self._continuations_at[h]
                 self._delete_upwards(h)
 
+    def _unlist_continuation(self, c: str) -> None:
+        """The index no longer tracks continuation `c`: it leaves the lists of the sessions that
+        had it (SessionState.continuations, GetSession's continuation_ids)."""
+        held = self._continuation_sessions.pop(c, None)
+        sessions = self.sessions
+        for s in _iter(held):
+            state = sessions.get(s)
+            if state is not None:
+                state.continuations.discard(c)

@@ -1747,8 +1747,11 @@ class SessionInfo(_message.Message):
 
     @_builtins.property
     def continuation_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Continuations seen for this session, at most 16 of them (the same cap as
-        BlockResidency.session_ids), in sorted order.
+        """Continuations recorded for this session that the index still tracks, at
+        most 16 of them (the same cap as BlockResidency.session_ids), in sorted
+        order: each one a ContinuationSelector resolves. One the index stops
+        tracking (its whole chain gone, or forgotten by the index's bounds) leaves
+        the list; recorded for the session again, it is listed again.
         """
 
     @_builtins.property

@@ -480,6 +480,26 @@ def test_continuations_are_bounded_by_max_index_continuations(make_harness):
     assert [b.block_hash for b in resp.blocks] == prefix
 
 
+def test_a_long_lived_session_lists_only_the_continuations_the_index_still_tracks(make_harness):
+    """An agent session that runs for days records a continuation per tool call. Past
+    max_index_continuations the index forgets the oldest, and the session stops listing them:
+    ListSessions' continuation_ids names continuations a selector still resolves, and the
+    session's own list stays within the bound instead of growing with every call it ever made
+    (before: all 40 were kept in the session's list, and listed, after 30 had been forgotten)."""
+    harness = make_harness(max_index_continuations=10)
+    prefix = [h(700 + k) for k in range(2)]
+    for i in range(40):
+        harness.engine.store(prefix, session="agent", continuation=f"c{i}", prefix_hit=i > 0)
+    known = set(harness.engine.run(lambda: list(harness.core.index.continuations)))
+    listed = harness.engine.run(lambda: set(harness.core.index.sessions["agent"].continuations))
+    assert listed == known and len(known) <= 10 and "c39" in known and "c0" not in known
+    (info,) = harness.stub.ListSessions(pb.ListSessionsRequest(), timeout=5).sessions
+    assert set(info.continuation_ids) <= known and "c0" not in info.continuation_ids
+    for c in info.continuation_ids:  # every listed continuation resolves
+        sel = pb.Selector(continuation=pb.ContinuationSelector(continuation_id=c))
+        assert [b.block_hash for b in harness.stub.QueryResidency(pb.QueryResidencyRequest(selector=sel), timeout=5).blocks] == prefix
+
+
 def test_the_index_forgets_the_least_recently_active_sessions_past_its_cap(make_harness):
     harness = make_harness(max_index_blocks=10)
     for i, s in enumerate(("old", "mid", "new")):

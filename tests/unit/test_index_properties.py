@@ -215,7 +215,7 @@ class RefIndex:
 
     def forget_oldest_continuations(self, n: int) -> list[str]:
         """The index's continuation bound: the `n` continuations recorded first go (their
-        sessions keep their memberships and still list them); their blocks may go with them."""
+        sessions keep their memberships, and stop listing them); their blocks may go with them."""
         oldest = list(self.conts)[:n]
         for c in oldest:
             del self.conts[c]
@@ -287,6 +287,11 @@ class RefIndex:
                         else:
                             del self.conts[c]
                 changed = True
+        # A session lists the continuations it recorded that the index still tracks: one the index
+        # stopped tracking leaves every list (recorded again later, it is listed by that record's
+        # session only).
+        for conts in self.session_conts.values():
+            conts.intersection_update(self.conts)
 
 
 # --------------------------------------------------------------------------- state machine
@@ -781,7 +786,8 @@ def test_a_member_set_emptied_one_by_one_takes_a_new_member():
 def test_trimming_continuations_frees_only_what_they_alone_held():
     """The continuation bound (KvHintCore._trim_index) over a shared prefix: the oldest goes
     first, a chain only it held goes with it, a session's blocks and a later continuation stay;
-    a trimmed continuation its session still lists goes for good when the session goes."""
+    a trimmed continuation leaves its session's list, so a session that records it again later
+    is the only one holding it."""
     machine = _replay([
         _req(None, 3, cont="c0"),  # A, B, C held by c0 alone
         _req("s0", 3, leaf=(0, 0, 1, 0), cont="c1"),  # A, B hit, C2 stored: s0 and c1
@@ -789,13 +795,15 @@ def test_trimming_continuations_frees_only_what_they_alone_held():
     ])
     index = machine.index
     assert index.node(C) is None and index.resolve_continuation("c1") == [A, B, C2]
-    assert index.resolve_session("s0") == [A, B, C2]
+    assert index.resolve_session("s0") == [A, B, C2] and index.sessions["s0"].continuations == {"c1"}
+    _replay([("trim_continuations", dict(n=1))], machine)  # c1 goes; s0's blocks stay
+    assert index.resolve_continuation("c1") == [] and index.sessions["s0"].continuations == set()
     _replay([
-        ("trim_continuations", dict(n=1)),  # c1 goes; s0's blocks stay, and s0 still lists it
         _req("s1", 3, leaf=(0, 0, 1, 0), cont="c1"),  # c1 comes back on s1's request
-        _forget("s1"),  # s0 still lists c1: it stays
+        _forget("s1"),  # s1 alone lists c1: it goes with s1
     ], machine)
-    assert index.resolve_continuation("c1") == [A, B, C2] and index.resolve_session("s0") == [A, B, C2]
+    assert index.resolve_continuation("c1") == [] and index.resolve_session("s0") == [A, B, C2]
+    assert index.sessions["s0"].continuations == set()
     _replay([_forget("s0")], machine)
     assert index.nodes == {} and index.continuations == {} and not index.sessions
 

@@ -3349,8 +3349,11 @@ type SessionInfo struct {
 	Blocks []*TierBlockCount `protobuf:"bytes,4,rep,name=blocks,proto3" json:"blocks,omitempty"`
 	// The strongest protection the session holds, if any.
 	Retention *RetentionState `protobuf:"bytes,5,opt,name=retention,proto3" json:"retention,omitempty"`
-	// Continuations seen for this session, at most 16 of them (the same cap as
-	// BlockResidency.session_ids), in sorted order.
+	// Continuations recorded for this session that the index still tracks, at
+	// most 16 of them (the same cap as BlockResidency.session_ids), in sorted
+	// order: each one a ContinuationSelector resolves. One the index stops
+	// tracking (its whole chain gone, or forgotten by the index's bounds) leaves
+	// the list; recorded for the session again, it is listed again.
 	ContinuationIds []string `protobuf:"bytes,6,rep,name=continuation_ids,json=continuationIds,proto3" json:"continuation_ids,omitempty"`
 	// Last time a request of this session stored or hit a block.
 	LastActive *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=last_active,json=lastActive,proto3" json:"last_active,omitempty"`
