@@ -761,9 +761,17 @@ Global___PinAction: _TypeAlias = PinAction  # noqa: Y015
 class ReleaseAction(_message.Message):
     """ReleaseAction drops the retention and pins that the selected session holds.
     Its blocks become the first candidates for eviction (still reusable until
-    evicted). Blocks retained or pinned by other sessions keep that protection.
+    evicted). Blocks retained or pinned by other sessions keep that protection,
+    and blocks another session is a member of (a shared prefix) keep their place
+    in the eviction order.
     Outcome: ACCEPTED, CLIPPED (MAX_BLOCKS), or MISSING when nothing was
-    selected.
+    selected. HintResult.affected_blocks counts, each once, the blocks whose
+    retention or pins it dropped and the blocks it made first candidates. A
+    selected block it leaves as it was (in use by a running request with no
+    grant of the session's on it, protected by another session, or in another
+    session's prefix) is not counted there, and is no reason for a clip: it
+    still counts in a MAX_BLOCKS clip's granted_blocks, so for Release the last
+    clip's granted_blocks can exceed affected_blocks.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -945,7 +953,9 @@ class Clip(_message.Message):
     how many blocks reached this reduction (for the first clip, as resolved
     by the selector; for a later one, the previous clip's granted_blocks) and
     how many passed it. The last clip's granted_blocks is how many blocks the
-    action applied to.
+    action went on to apply to: equal to HintResult.affected_blocks' total,
+    except for Release, which leaves some of those blocks as they were
+    (ReleaseAction).
     """
     granted_blocks: _builtins.int
     @_builtins.property

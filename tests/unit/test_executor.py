@@ -780,6 +780,11 @@ def test_a_mixed_batch_gives_each_hint_the_outcome_of_what_it_did(shared, in_use
         got = [_observed(r) for r in resp.results]
         for i, (g, e) in enumerate(zip(got, expected, strict=True)):
             assert g == e, f"hint {i} {batch[i]} of {batch}: got {g}, the model says {e}"
+            # The proto's Clip contract: the last block clip's granted_blocks is what the action
+            # applied to (affected_blocks), for every action but Release (ReleaseAction's comment).
+            block_clips = [c for c in g[2] if c[0] != pb.REASON_TTL_CAPPED]
+            if block_clips and batch[i][0] != "release":
+                assert block_clips[-1][2] == g[3], f"hint {i} {batch[i]}: last clip {block_clips[-1]}, affected {g[3]}"
         # Events: one HintApplied per hint not replayed, in request order, the last at applied_at_sequence.
         applied = hint_events(harness, before)
         assert [int(a.result.outcome) for a in applied] == [r.outcome for r in resp.results if not r.replayed]
