@@ -2,8 +2,9 @@
 
 An operation is created PENDING when a hint is DEFERRED. Whoever performs the
 work moves it to RUNNING and finally completes it exactly once (SUCCEEDED or
-FAILED); completion publishes an OperationCompleted event. Completed
-operations are remembered up to a bounded history. Thread-safe.
+FAILED); completion publishes an OperationCompleted event. The last `history`
+operations to finish are remembered (those in flight neither count nor go).
+Thread-safe.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class OperationRegistry:
     def __init__(self, bus: EventBus, history: int = 10_000) -> None:
         self._bus = bus
         self._history = history
-        self._ops: OrderedDict[str, Operation] = OrderedDict()
+        self._ops: dict[str, Operation] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()  # finished ids, oldest first
         self._lock = threading.Lock()
 
     def create(self, hint_id: str, action: Action, sessions: tuple[str, ...] = (), destination: str = "", scope: str = "") -> Operation:
@@ -69,7 +71,6 @@ class OperationRegistry:
         )
         with self._lock:
             self._ops[op.operation_id] = op
-            self._trim()
         return op
 
     def discard(self, operation_id: str) -> None:
@@ -114,7 +115,8 @@ class OperationRegistry:
                 bytes_moved=bytes_moved,
             )
             self._ops[operation_id] = op
-            self._ops.move_to_end(operation_id)
+            self._finished[operation_id] = None
+            self._trim()
         self._bus.publish(OperationCompleted(op), sessions=op.sessions)
         return op
 
@@ -123,16 +125,10 @@ class OperationRegistry:
             return [op for op in self._ops.values() if not op.state.done]
 
     def _trim(self) -> None:
-        """Forget the oldest finished operations past the history; unfinished ones stay
-        (one that never finishes must not stop the others from going)."""
-        excess = len(self._ops) - self._history
-        if excess <= 0:
-            return
-        done: list[str] = []
-        for op_id, op in self._ops.items():  # oldest first; stops at the excess
-            if op.state.done:
-                done.append(op_id)
-                if len(done) == excess:
-                    break
-        for op_id in done:
+        """Forget the oldest finished operations past the history. Unfinished ones neither
+        count nor go: the history is of finished operations (KVHINT_OPERATION_HISTORY), so
+        operations in flight do not shorten it, and one that never finishes does not stop
+        the others from going."""
+        while len(self._finished) > self._history:
+            op_id, _ = self._finished.popitem(last=False)
             del self._ops[op_id]

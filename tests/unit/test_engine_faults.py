@@ -11,6 +11,8 @@ import time
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvhint_server.adapter import TierRefusal
 from kvhint_server.model import Tier
 from kvhint_unit_support import FakeClock, error_info, h, pin, retain, session_sel, tiered_engine_info
@@ -134,3 +136,53 @@ def test_query_residency_reports_only_the_tiers_asked_for(make_harness):
     )
     assert [list(b.tiers) for b in resp.blocks] == [[pb.TIER_HOST]]
     assert {c.tier: c.blocks for c in resp.totals} == {pb.TIER_HOST: 1}
+
+
+def test_operations_in_flight_do_not_shorten_the_history_of_finished_ones(make_harness):
+    """KVHINT_OPERATION_HISTORY counts finished operations: with as many still in flight, the
+    last one to finish stays readable (GetOperation), however many more are started."""
+    harness = make_harness(info=tiered_engine_info(), operation_history=2)
+    harness.engine.store([h(1)], session="a")
+    demote = pb.Hint(selector=session_sel("a"), demote=pb.DemoteAction())
+    in_flight = [harness.apply(demote).results[0].operation_id for _ in range(2)]
+    (done,) = harness.apply(demote).results
+    harness.core.operations.complete(done.operation_id, ok=True, blocks={Tier.HOST: 1})
+    harness.apply(demote)  # one more started while the first two are still running
+    op = harness.stub.GetOperation(pb.GetOperationRequest(operation_id=done.operation_id), timeout=5).operation
+    assert op.state == pb.Operation.STATE_SUCCEEDED
+    for op_id in in_flight:
+        assert harness.stub.GetOperation(pb.GetOperationRequest(operation_id=op_id), timeout=5).operation.state in (
+            pb.Operation.STATE_PENDING, pb.Operation.STATE_RUNNING)
+
+
+@settings(max_examples=200, deadline=None)
+@given(history=st.integers(0, 4), steps=st.lists(st.tuples(st.sampled_from(["create", "finish", "discard"]), st.integers(0, 7)),
+                                                  max_size=40))
+def test_the_operation_history_keeps_every_unfinished_and_the_last_finished_operations(history, steps):
+    """Whatever mix of operations is in flight: every unfinished one is found, the last
+    `history` to finish are found with their outcome, and nothing more is kept."""
+    from kvhint_server.events import EventBus
+    from kvhint_server.model import Action
+    from kvhint_server.operations import OperationRegistry, OperationState
+
+    ops = OperationRegistry(EventBus(1024), history)
+    unfinished: list[str] = []
+    finished: list[str] = []  # in the order they finished
+    for kind, pick in steps:
+        if kind == "create":
+            unfinished.append(ops.create("hint", Action.DEMOTE, ("s",)).operation_id)
+        elif unfinished:
+            op_id = unfinished.pop(pick % len(unfinished))
+            if kind == "finish":
+                assert ops.complete(op_id, ok=pick % 2 == 0) is not None
+                finished.append(op_id)
+            else:
+                ops.discard(op_id)
+        kept = finished[max(0, len(finished) - history):] if history else []
+        for op_id in unfinished:
+            assert ops.get(op_id) is not None and not ops.get(op_id).state.done
+        for op_id in kept:
+            op = ops.get(op_id)
+            assert op is not None, f"{op_id} finished among the last {history} and was forgotten"
+            assert op.state in (OperationState.SUCCEEDED, OperationState.FAILED)
+        assert len(ops._ops) == len(unfinished) + len(kept)
