@@ -53,12 +53,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import islice
 from typing import TYPE_CHECKING
 
 import grpc
 
 from kvhint.v1 import kvhint_pb2 as pb
 
+from . import index as index_module
 from . import wire
 from .errors import RpcError, excerpt
 from .events import AllBlocksCleared, Event, HintApplied, OperationCompleted, Payload, PinBroken
@@ -160,11 +162,12 @@ class TenantGuard:
         self.tenant = tenant
         # (blocks the tenant pins, blocks it protects), counted once per batch and kept up to date.
         self._use: tuple[set[bytes], set[bytes]] | None = None
-        # What the last Retain/Pin added to `_use` before the executor granted it: (its owner,
-        # blocks newly protected, blocks newly pinned). The engine-wide pin budget may clip a Pin
-        # after this guard counted it, so the next Retain/Pin first keeps only what the ledger
-        # shows was granted (`_settle_counted`).
-        self._counted: tuple[str, list[bytes], list[bytes]] | None = None
+        # What the last Retain/Pin changed in `_use` before the executor granted it: (its owner,
+        # blocks newly protected, blocks newly pinned, blocks a Retain stopped counting as
+        # pinned). The engine-wide pin budget may clip a Pin, and a window-tail trim any Retain
+        # or Pin, after this guard counted it, so the next Retain/Pin first keeps only what the
+        # ledger shows was granted (`_settle_counted`).
+        self._counted: tuple[str, list[bytes], list[bytes], list[bytes]] | None = None
 
     def admit(self, spec: HintSpec) -> HintSpec | HintResult:
         """The spec to apply (block hashes narrowed to the tenant's), or a
@@ -228,10 +231,12 @@ class TenantGuard:
             if len(hashes) < before:
                 clips.append(Clip.of_blocks(reason, f"tenant {tenant.name!r} {name} budget of {budget} blocks: "
                                                     f"{verb} {len(hashes)} of {requested}", requested, len(hashes)))
+        unpinned: list[bytes] = []
         self._counted = (
             spec.selector.owner,
             [h for h in hashes if h not in protected],
             [h for h in hashes if h not in pinned] if spec.action is Action.PIN else [],
+            unpinned,
         )
         protected.update(hashes)
         if spec.action is Action.PIN:
@@ -247,15 +252,18 @@ class TenantGuard:
                     for o, g in grants.get(h, {}).items()
                 ):
                     pinned.discard(h)
+                    unpinned.append(h)
         return hashes
 
     def _settle_counted(self) -> None:
         """Uncount what the last Retain/Pin added to the tenant's use but was not granted (the
-        engine-wide pin budget clipped the Pin after `clip_budget`, or the hint failed): the
-        blocks it newly counted held no grant of the tenant's before, so each counts now iff
-        the hint's owner holds (a pin on) it."""
+        engine-wide pin budget clipped the Pin after `clip_budget`, a window-tail trim dropped
+        blocks, or the hint failed): the blocks it newly counted held no grant of the tenant's
+        before, so each counts now iff the hint's owner holds (a pin on) it. A block a Retain
+        stopped counting as pinned counts again when the Retain was not granted on it (the
+        owner's Pin is still there)."""
         assert self._use is not None and self._counted is not None
-        (owner, new_protected, new_pinned), self._counted = self._counted, None
+        (owner, new_protected, new_pinned, unpinned), self._counted = self._counted, None
         pinned, protected = self._use
         grants = self.core.ledger.grants
         for h in new_protected:
@@ -265,6 +273,10 @@ class TenantGuard:
             g = grants.get(h, {}).get(owner)
             if g is None or not g.pinned:
                 pinned.discard(h)
+        for h in unpinned:
+            g = grants.get(h, {}).get(owner)
+            if g is not None and g.pinned:
+                pinned.add(h)
 
     @staticmethod
     def _within(hashes: list[bytes], held: set[bytes], budget: int) -> list[bytes]:
@@ -292,16 +304,22 @@ def check_query_selector(tenant: Tenant | None, selector: Selector) -> None:
 
 def scope_residency(core: KvHintCore, tenants: Tenants, tenant: Tenant, residency: Residency) -> Residency:
     """Engine thread: only the tenant's blocks, with only its session ids and the protection
-    its own grants give them (another tenant's pin on a shared block is not shown)."""
+    its own grants give them (another tenant's pin on a shared block is not shown). A block
+    whose reported members reach the cap (index.MAX_MEMBERS_REPORTED) may have more: its
+    session ids are then up to that many of the tenant's own members (O(members), as
+    `own_block`), not the cut of a cap that other tenants' sessions may fill."""
     views = []
     totals: dict = {}
     now = core.monotonic()
     mine = grants_of(tenants, tenant)
+    cap = index_module.MAX_MEMBERS_REPORTED
     for v in residency.blocks:
         if not own_block(core, tenants, tenant, v.block_hash):
             continue
-        views.append(dataclasses.replace(v, sessions=tuple(s for s in v.sessions if tenant.owns(s)),
-                                         retention=core.ledger.view_of(v.block_hash, now, mine)))
+        sessions = tuple(s for s in v.sessions if tenant.owns(s))
+        if len(v.sessions) >= cap and (node := core.index.node(v.block_hash)) is not None:
+            sessions = tuple(sorted(islice((s for s in node.sessions if tenant.owns(s)), cap)))
+        views.append(dataclasses.replace(v, sessions=sessions, retention=core.ledger.view_of(v.block_hash, now, mine)))
     wanted = 0
     for t in residency.totals:
         wanted |= t.bit

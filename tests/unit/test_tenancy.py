@@ -187,6 +187,26 @@ def test_lists_and_queries_see_only_own_sessions(hx: Harness) -> None:
     assert device_of(hx, B, hashes_sel(h(9))) == []
 
 
+def test_a_block_shared_past_the_member_cap_lists_the_tenants_own_sessions(hx: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BlockInfo.session_ids lists at most a cap of members (16; 2 here). A tenant's view is cut to
+    its own sessions: the cap must not be filled by another tenant's sessions first, leaving the
+    tenant's own blocks listed with none of its sessions."""
+    from kvhint_server import index as index_module
+    from kvhint_server import queries as queries_module
+
+    monkeypatch.setattr(index_module, "MAX_MEMBERS_REPORTED", 2)
+    monkeypatch.setattr(queries_module, "MAX_MEMBERS_REPORTED", 2)
+    hx.engine.store([h(1), h(2)], session="a/0")
+    for i in range(1, 200):
+        hx.engine.store([h(1), h(2)], session=f"a/{i}", prefix_hit=True)
+    for s in ("b/y", "b/z"):
+        hx.engine.store([h(1), h(2)], session=s, prefix_hit=True)
+    for sel in (session_sel("b/y"), hashes_sel(h(1), h(2))):
+        assert [(b.block_hash, list(b.session_ids)) for b in device_of(hx, B, sel)] == [
+            (h(1), ["b/y", "b/z"]), (h(2), ["b/y", "b/z"])]
+    assert all(len(b.session_ids) == 2 for b in device_of(hx, ADMIN, session_sel("b/y")))
+
+
 def _watch(hx: Harness, who, into: list[pb.WatchEventsResponse], stop: threading.Event, **req) -> threading.Thread:
     call = hx.stub.WatchEvents(pb.WatchEventsRequest(**req), metadata=who, timeout=20)
 
