@@ -33,6 +33,7 @@ from kvhint.v1 import kvhint_pb2
 
 from .client import AsyncKvHintClient, KvHintClient, WatchStream
 from .config import ConfigLike, ConnectionConfig, RetryPolicy, as_config
+from .durations import to_duration
 from .errors import KvHintError
 from .follow_tracker import EngineStatus, EngineTracker, Verdict
 from .residency_index import EngineResidency, EngineResidencyState, ResidencyIndex, apply_to_state
@@ -105,6 +106,9 @@ class _FollowerBase:
     ) -> None:
         self.index = index or ResidencyIndex()
         self._configs = _named_engines(engines)
+        # Checked here as every subscription checks it: a heartbeat it refuses used to end each
+        # engine's thread (or task) at its first subscription, and the follower never synced.
+        to_duration(heartbeat, name="heartbeat")
         self._heartbeat = heartbeat
         self._reconnect = reconnect
         self._on_event = on_event
@@ -123,7 +127,7 @@ class EventFollower(_FollowerBase):
     """Follows several engines, one daemon thread each, into `index`.
 
     engines: {name: address or ConnectionConfig}, or a list of them (named by address).
-    heartbeat: the heartbeat period requested from servers (seconds).
+    heartbeat: the heartbeat period requested from servers (seconds, > 0: ValueError otherwise).
     reconnect: backoff between reconnects (max_attempts is ignored; it retries until stop()).
     on_event: called as on_event(engine, message) for every message, on the engine's thread,
         after the index was updated. Exceptions from it are logged and ignored.
@@ -314,6 +318,11 @@ class AsyncEventFollower(_FollowerBase):
                         except asyncio.TimeoutError:
                             log.info("engine %s: no message for %.1fs; reconnecting", engine, self._stall_timeout)
                             tracker.status.stalls += 1
+                            break
+                        if self._stopping:
+                            # stop() cancelled this task while a message arrived: before Python
+                            # 3.12, wait_for then returns the message and swallows the
+                            # cancellation, and this loop would follow on, stop() never returning.
                             break
                         verdict = tracker.handle(message)
                         if self._on_event is not None:

@@ -9,6 +9,7 @@ import asyncio
 import socket
 
 import grpc
+import pytest
 from fake_kvhint_server import (
     HANG,
     FakeKvHint,
@@ -395,3 +396,65 @@ def test_refused_resume_falls_back_to_a_snapshot() -> None:
     assert tracker.subscription() == ("resume", ("E1", 10))
     tracker.stream_ended(KvHintError(grpc.StatusCode.INVALID_ARGUMENT, "bad resume epoch"))
     assert tracker.subscription() == ("snapshot", None)
+
+
+def test_async_stop_is_not_lost_when_a_message_arrives_with_it(monkeypatch) -> None:
+    """stop() while a message has just been read: on Python < 3.12 asyncio.wait_for (the stall
+    timeout) returns that message and swallows the cancellation, and the follower used to keep
+    following, so `await stop()` never returned while the engine kept streaming."""
+    import kvhint_client.follower as follower_module
+
+    queue: asyncio.Queue = asyncio.Queue()
+
+    class Stream:
+        def __aiter__(self):
+            return self._messages()
+
+        async def _messages(self):
+            for message in snapshot("E1", 1, {"S": [(1, [DEVICE])]}):
+                yield message
+            while True:
+                yield await queue.get()
+
+        def cancel(self) -> None:
+            pass
+
+    class Client:
+        def __init__(self, config) -> None:
+            pass
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc) -> None:
+            pass
+
+        def watch(self, start, *, resume=None, heartbeat=None) -> Stream:
+            return Stream()
+
+    monkeypatch.setattr(follower_module, "AsyncKvHintClient", Client)
+
+    async def scenario() -> tuple[bool, bool]:
+        follower = AsyncEventFollower({"e1": "127.0.0.1:1"}, reconnect=FAST, stall_timeout=30)
+        await follower.start()
+        assert await follower.wait_synced(timeout=5)
+        queue.put_nowait(heartbeat("E1", 2))
+        await asyncio.sleep(0)  # the message is read; the follower has not resumed yet
+        stopping = asyncio.ensure_future(follower.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=2)
+        if not done:  # clean up: a second stop() cancels the task for good
+            await follower.stop()
+            await stopping
+        return bool(done), follower.index.is_live("e1")
+
+    assert asyncio.run(scenario()) == (True, False), "stop() must return and leave the engine not live"
+
+
+@pytest.mark.parametrize("follower_class", [EventFollower, AsyncEventFollower])
+@pytest.mark.parametrize("bad", [0, -1.0])
+def test_a_heartbeat_no_subscription_can_ask_for_is_refused_at_construction(follower_class, bad) -> None:
+    """Every subscription refuses a heartbeat <= 0 (ValueError). The follower used to accept it:
+    each engine's thread (or task) then ended at its first subscription, and the follower never
+    synced, with nothing raised to the caller."""
+    with pytest.raises(ValueError, match="heartbeat must be > 0 seconds"):
+        follower_class({"e1": "127.0.0.1:1"}, heartbeat=bad)
