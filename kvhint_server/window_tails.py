@@ -13,8 +13,9 @@ them kept) protect nothing a resume reads: `resumable` drops them.
 The engine's window copies are asked for through `EngineAdapter.device_groups`; the chain comes
 from the index's parent links. Where the rule cannot be judged, nothing is dropped: a group of
 another kind (Mamba state), a group whose block size is not the engine's hash block size, a
-kept block without a device copy (a Retain also covers blocks only a lower tier holds), or an
-ancestor the index does not know.
+kept block without a device copy (a Retain also covers blocks only a lower tier holds), or, for
+one group, a window reaching an ancestor the index does not know (the other groups' windows are
+still judged).
 
 Engine thread only (reads the index and asks the adapter).
 """
@@ -70,7 +71,7 @@ def resumable(core: KvHintCore, kept: list[bytes], tiers: Mapping[bytes, int]) -
             for _ in range(n):
                 node = nodes.get(b) if b is not None else None
                 if node is None:
-                    return True  # the chain above is unknown here: not judged
+                    break  # the chain above is unknown here: this group's window is not judged
                 if not held.get(b, 0) & bit:  # type: ignore[arg-type]
                     return False
                 if node.position == 0:

@@ -69,7 +69,8 @@ chains = st.integers(1, 10).flatmap(
 def test_resumable_keeps_exactly_the_blocks_a_kept_hit_end_follows(case: tuple) -> None:
     """Exactly the contract's blocks when the index knows every block a window reads; with
     untracked ancestors, never fewer (a resume could still read them) and never more than the
-    blocks an unjudged or a true hit end follows."""
+    blocks a possible hit end follows: one where every group holds the blocks of its window the
+    index knows (an untracked ancestor leaves its group's window unjudged, not the others')."""
     trunk, branch, windows, rnd, known_from = case
     blocks = [h(i) for i in range(trunk)]
     parent = {b: (blocks[i - 1] if i else None) for i, b in enumerate(blocks)}
@@ -105,8 +106,10 @@ def test_resumable_keeps_exactly_the_blocks_a_kept_hit_end_follows(case: tuple) 
         return all(all(held[b] & (1 << g.group_id) for b in chain[: -(-(g.sliding_window_tokens - 1) // BLOCK)])
                    for g in groups)
 
-    def judged(e: bytes) -> bool:  # the index knows every block of every group's window ending at e
-        return all(b in known for g in groups for b in path(e)[: -(-(g.sliding_window_tokens - 1) // BLOCK)])
+    def possible_end(e: bytes) -> bool:  # every group holds the blocks of its window ending at e the index knows
+        chain = path(e)
+        return all(all(held[b] & (1 << g.group_id) for b in chain[: -(-(g.sliding_window_tokens - 1) // BLOCK)] if b in known)
+                   for g in groups)
 
     keep = set(kept)
 
@@ -115,12 +118,28 @@ def test_resumable_keeps_exactly_the_blocks_a_kept_hit_end_follows(case: tuple) 
 
     expected = [b for b in kept if followed(b, hit_end)]
     assert set(expected) <= set(got), "dropped a block a resume can read"
-    assert set(got) <= {b for b in kept if followed(b, lambda e: hit_end(e) or not judged(e))}
+    assert set(got) <= {b for b in kept if followed(b, possible_end)}, "kept a block no resume can read"
     assert got == [b for b in kept if b in set(got)], "not in the clip's order"
     if known_from == 0:
         assert got == expected
     if not groups:
         assert got == kept  # a model without sliding-window groups: every kept block stays
+
+
+def test_an_untracked_ancestor_leaves_only_its_own_groups_window_unjudged() -> None:
+    """Two sliding-window groups, a 3-block window (40 tokens) and a 1-block one (16), over a chain
+    whose first block the index does not know (a prompt's tail was stored alone). The last kept
+    block has no copy in the 1-block window's group, so no resume can end its hit there, whichever
+    group comes first; the walk of the 3-block window reached the untracked block first and kept
+    it (a clipped Pin spent its budget on a block no resume reads)."""
+    blocks = [h(i) for i in range(3)]
+    wide, narrow = window(1, 40), window(2, 16)
+    for groups in ((wide, narrow), (narrow, wide)):
+        with engine(*groups) as eng:
+            eng.store(blocks[1:], session="s", first_position=1, parent=blocks[0])
+            eng.groups_held.update({blocks[1]: 0b111, blocks[2]: 0b011})  # blocks[2]: no narrow-window copy
+            kept = blocks[1:]
+            assert eng.run(lambda: resumable(eng.core, kept, {b: Tier.DEVICE.bit for b in kept})) == [blocks[1]]
 
 
 def test_a_kept_block_only_a_lower_tier_holds_leaves_the_clip_as_it_is() -> None:
