@@ -223,6 +223,55 @@ MUTANTS = (
         r"\1                node.admit_session = session\n",
         "a block's admitting session is overwritten by every session that joins it",
     ),
+    Mutant(
+        "continuation-stays-listed",
+        "kvhint_server/index.py",
+        r"                state\.continuations\.discard\(c\)",
+        "                pass",
+        "a session keeps listing continuations the index forgot (its list grows with every one it named)",
+    ),
+    Mutant(
+        "operation-history-counts-running",
+        "kvhint_server/operations.py",
+        r"        while len\(self\._finished\) > self\._history:",
+        "        while self._finished and len(self._ops) > self._history:",
+        "operations in flight take places of the finished-operation history (GetOperation: NOT_FOUND early)",
+    ),
+    Mutant(
+        "tenant-retain-unpin-forgotten",
+        "kvhint_server/tenant_guard.py",
+        r"                    unpinned\.append\(h\)",
+        "                    pass",
+        "a Retain the window-tail trim left off a pinned block stops counting it against the tenant's pin budget",
+    ),
+    Mutant(
+        "tenant-members-cut-first",
+        "kvhint_server/tenant_guard.py",
+        r"        if len\(v\.sessions\) >= cap and",
+        "        if False and",
+        "a widely shared block lists none of the tenant's own sessions once other tenants fill the member cap",
+    ),
+    Mutant(
+        "window-tail-unknown-skips-groups",
+        "kvhint_server/window_tails.py",
+        r"                    break  # the chain above is unknown here: this group's window is not judged",
+        "                    return True",
+        "an ancestor the index does not know leaves every later window group unjudged (a clipped hint keeps blocks no resume hits)",
+    ),
+    Mutant(
+        "follower-heartbeat-unchecked",
+        "kvhint_client/follower.py",
+        r"        to_duration\(heartbeat, name=\"heartbeat\"\)",
+        "        pass",
+        "a follower built with a heartbeat no subscription accepts starts, and never syncs",
+    ),
+    Mutant(
+        "async-follower-stop-lost",
+        "kvhint_client/follower.py",
+        r"                        if self\._stopping:\n                            # stop\(\) cancelled this task",
+        "                        if False:\n                            # stop() cancelled this task",
+        "AsyncEventFollower.stop() hangs when a message arrives with the cancellation (Python < 3.12)",
+    ),
 )
 
 
