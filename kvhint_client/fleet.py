@@ -59,7 +59,7 @@ from .builders import Target
 from .client import KvHintClient
 from .config import ConnectionConfig, as_config, check_timeout
 from .errors import KvHintError
-from .follower import EnginesLike, EventFollower, ResidencyIndex, _named_engines
+from .follower import AsyncEventFollower, EnginesLike, EventFollower, ResidencyIndex, _named_engines
 from .results import ApplyResult
 
 _T = TypeVar("_T")
@@ -77,7 +77,8 @@ class FleetApplyResult:
 
     per_engine: dict[str, ApplyResult] = field(default_factory=dict)
     errors: dict[str, KvHintError] = field(default_factory=dict)
-    #: hint_id -> engines the hint was sent to.
+    #: hint_id -> engines the hint was routed to. An engine in `errors` did not apply its batch
+    #: (its error says whether the batch was sent: one not sent before the deadline says so).
     routes: dict[str, list[str]] = field(default_factory=dict)
     #: Hints no engine holds (sent nowhere).
     unrouted: list[kvhint_pb2.Hint] = field(default_factory=list)
@@ -158,14 +159,22 @@ class FleetClient:
         self,
         endpoints: EnginesLike,
         *,
-        follower: Optional[Union[EventFollower, ResidencyIndex]] = None,
+        follower: Optional[Union[EventFollower, AsyncEventFollower, ResidencyIndex]] = None,
         max_workers: Optional[int] = None,
     ) -> None:
         if max_workers is not None and max_workers < 1:
             raise ValueError(f"max_workers must be >= 1 (or None: {CALLS_IN_PARALLEL} per engine), got {max_workers!r}")
+        # Either follower's index (ResidencyIndex is thread-safe: an AsyncEventFollower's loop
+        # updates it while apply() reads it on the caller's thread). Anything else is refused
+        # here; it used to fail at the first apply() with an AttributeError.
+        if isinstance(follower, (EventFollower, AsyncEventFollower)):
+            follower = follower.index
+        if follower is not None and not isinstance(follower, ResidencyIndex):
+            raise TypeError(f"follower must be an EventFollower, an AsyncEventFollower or a ResidencyIndex, "
+                            f"got {type(follower).__name__}")
         self._configs = _named_engines(endpoints)
         self._clients = {name: KvHintClient(cfg) for name, cfg in self._configs.items()}
-        self._index = follower.index if isinstance(follower, EventFollower) else follower
+        self._index = follower
         self._workers = max_workers or CALLS_IN_PARALLEL * len(self._clients)
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvhint-fleet")
 

@@ -272,6 +272,13 @@ MUTANTS = (
         "                        if False:\n                            # stop() cancelled this task",
         "AsyncEventFollower.stop() hangs when a message arrives with the cancellation (Python < 3.12)",
     ),
+    Mutant(
+        "fleet-async-follower-kept",
+        "kvhint_client/fleet.py",
+        r"        if isinstance\(follower, \(EventFollower, AsyncEventFollower\)\):",
+        "        if isinstance(follower, EventFollower):",
+        "FleetClient keeps an AsyncEventFollower instead of its index, and apply() fails",
+    ),
 )
 
 

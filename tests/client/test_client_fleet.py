@@ -14,7 +14,7 @@ from kvhint_client.builders import blocks, continuation, session
 from kvhint_client.config import ConnectionConfig
 from kvhint_client.errors import KvHintError
 from kvhint_client.fleet import FleetClient, data_parallel_endpoints
-from kvhint_client.follower import EngineTracker, ResidencyIndex
+from kvhint_client.follower import AsyncEventFollower, EngineTracker, EventFollower, ResidencyIndex
 
 
 def _two_engines():
@@ -95,6 +95,28 @@ def test_engines_not_live_in_the_index_are_asked_too() -> None:
     finally:
         dp0.stop()
         dp1.stop()
+
+
+@pytest.mark.parametrize("kind", [EventFollower, AsyncEventFollower])
+def test_either_followers_index_routes_hints(kind) -> None:
+    """An asyncio router's AsyncEventFollower routes like an EventFollower: FleetClient reads its
+    index (before, only EventFollower was unwrapped, and apply() raised AttributeError)."""
+    a, b = _two_engines()
+    index = _index_with({"a": {"S": [(1, [1])]}, "b": {"V": [(7, [2])]}})
+    follower = kind({"a": a.address, "b": b.address}, index=index)  # not started: the index is fed above
+    try:
+        with FleetClient({"a": a.address, "b": b.address}, follower=follower) as fleet:
+            out = fleet.apply(session("S").retain(ttl=5, hint_id="r"), blocks(h(7)).evict(hint_id="e"), timeout=5)
+        assert out.routes == {"r": ["a"], "e": ["b"]} and out.all_accepted
+        assert a.servicer.count("ListSessions") == 0 and b.servicer.count("ListSessions") == 0, "the index answered"
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_follower_of_another_type_is_refused_at_construction() -> None:
+    with pytest.raises(TypeError, match="follower must be an EventFollower, an AsyncEventFollower or a ResidencyIndex, got dict"):
+        FleetClient({"a": "127.0.0.1:1"}, follower={"a": "S"})  # type: ignore[arg-type]
 
 
 def test_a_repeated_hint_id_is_refused_before_anything_is_sent() -> None:
