@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import random
+import secrets
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -108,8 +109,19 @@ def rpc_error(error: grpc.RpcError, method: str, address: str) -> KvHintError:
 # -- requests -----------------------------------------------------------------------------------
 
 
-def prepare_hints(hints: Iterable[kvhint_pb2.Hint]) -> list[kvhint_pb2.Hint]:
-    """Copies of `hints`, each without a hint_id given a uuid4 one, so retries are idempotent."""
+def new_hint_id(max_length: int = 0) -> str:
+    """A fresh hint id: a uuid4, or, when the server takes shorter ids (limits.max_hint_id_length
+    under 36 bytes), `max_length` characters of random URL-safe text (6 random bits each)."""
+    hint_id = str(uuid.uuid4())
+    if max_length and len(hint_id) > max_length:
+        hint_id = secrets.token_urlsafe(max_length)[:max_length]
+    return hint_id
+
+
+def prepare_hints(hints: Iterable[kvhint_pb2.Hint], limits: Optional[kvhint_pb2.Limits] = None) -> list[kvhint_pb2.Hint]:
+    """Copies of `hints`, each without a hint_id given a fresh one (new_hint_id, within the server's
+    max_hint_id_length once its limits are known), so retries are idempotent."""
+    max_length = limits.max_hint_id_length if limits is not None else 0
     prepared = []
     for hint in hints:
         if not isinstance(hint, kvhint_pb2.Hint):
@@ -117,7 +129,7 @@ def prepare_hints(hints: Iterable[kvhint_pb2.Hint]) -> list[kvhint_pb2.Hint]:
         copy = kvhint_pb2.Hint()
         copy.CopyFrom(hint)
         if not copy.hint_id:
-            copy.hint_id = str(uuid.uuid4())
+            copy.hint_id = new_hint_id(max_length)
         prepared.append(copy)
     if not prepared:
         raise ValueError("apply() needs at least one hint")

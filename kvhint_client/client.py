@@ -8,7 +8,8 @@ Contracts (both clients):
 - Every failure raises KvHintError (status code + ErrorInfo); see errors.py.
 - Unary calls retry on UNAVAILABLE only, per ConnectionConfig.retry, within one deadline
   (and on RESOURCE_EXHAUSTED with RetryInfo, after its delay, when the policy opts in).
-- apply() gives every hint without a hint_id a uuid4 id before the first attempt, so a retried
+- apply() gives every hint without a hint_id a uuid4 id before the first attempt (shorter random
+  text when the server's limits.max_hint_id_length, once read, is under 36 bytes), so a retried
   batch is idempotent (the server replays the first result with `replayed=true`).
 - query_residency() / list_sessions() follow next_page_token to the end; the *_page forms
   return one page.
@@ -169,7 +170,7 @@ class KvHintClient(_ClientBase):
         """ApplyHints: one batch, one result per hint, in order. Once `capabilities()`
         was read, a batch over the server's limits raises ValueError before sending."""
         _rpc.check_limits(hints, self._limits)
-        prepared = _rpc.prepare_hints(hints)
+        prepared = _rpc.prepare_hints(hints, self._limits)
         request = kvhint_pb2.ApplyHintsRequest(hints=prepared)
         response = self._unary("ApplyHints", self._stub.ApplyHints, request, timeout)
         return _rpc.apply_result(prepared, response, self.address)
@@ -365,7 +366,7 @@ class AsyncKvHintClient(_ClientBase):
 
     async def apply(self, *hints: kvhint_pb2.Hint, timeout: Optional[float] = None) -> ApplyResult:
         _rpc.check_limits(hints, self._limits)
-        prepared = _rpc.prepare_hints(hints)
+        prepared = _rpc.prepare_hints(hints, self._limits)
         request = kvhint_pb2.ApplyHintsRequest(hints=prepared)
         response = await self._unary("ApplyHints", self._stub.ApplyHints, request, timeout)
         return _rpc.apply_result(prepared, response, self.address)

@@ -1,7 +1,9 @@
 """Time values the client accepts (seconds as int/float, or timedelta) and their protobuf forms.
 
 Contract: conversions are exact to the nanosecond for every value a float prints exactly
-(`0.1` becomes 100 ms, not 99.999999 ms), and invalid values raise ValueError naming the field.
+(`0.1` becomes 100 ms, not 99.999999 ms), and invalid values raise ValueError naming the field,
+among them values past google.protobuf.Duration's range (+-315,576,000,000 s, about 10,000 years),
+which a server refuses as a malformed Duration.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from google.protobuf import duration_pb2
 Seconds = Union[int, float, _dt.timedelta, duration_pb2.Duration]
 
 _NANOS = 1_000_000_000
+#: google.protobuf.Duration's range: seconds within +-315,576,000,000 (about 10,000 years).
+MAX_DURATION_SECONDS = 315_576_000_000
 _ONE_NANO = Decimal("1e-9")
 
 
@@ -33,9 +37,10 @@ def to_decimal_seconds(value: Seconds, *, name: str = "duration") -> Decimal:
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
             raise ValueError(f"{name} must be finite, got {value!r}")
-        # repr() is the shortest decimal that reads back as the same float.
+        # float's repr() is the shortest decimal that reads back as the same float (float(), for
+        # subclasses such as numpy.float64, whose own repr reads "np.float64(0.1)").
         try:
-            return Decimal(repr(value)).quantize(_ONE_NANO, rounding=ROUND_HALF_EVEN)
+            return Decimal(repr(float(value))).quantize(_ONE_NANO, rounding=ROUND_HALF_EVEN)
         except InvalidOperation:  # more digits than Decimal's context holds: far out of any range
             raise ValueError(f"{name} {value!r} is out of range") from None
     raise ValueError(f"{name} must be a number of seconds or a timedelta, got {value!r}")
@@ -54,6 +59,9 @@ def to_duration(value: Seconds, *, name: str = "duration", positive: bool = True
     seconds = to_decimal_seconds(value, name=name)
     if positive and seconds <= 0:
         raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+    if abs(seconds) >= MAX_DURATION_SECONDS + 1:
+        raise ValueError(f"{name} must be at most {MAX_DURATION_SECONDS} seconds (google.protobuf.Duration's range, "
+                         f"about 10,000 years), got {value!r}")
     return duration_from_decimal(seconds)
 
 

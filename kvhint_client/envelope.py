@@ -170,7 +170,7 @@ def _seconds(value: Any, key: str, *, zero: bool = False) -> duration_pb2.Durati
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"{key} must be a number of seconds, got {value!r}")
     try:
-        seconds = Decimal(value) if isinstance(value, (int, str)) else Decimal(repr(value))
+        seconds = Decimal(value) if isinstance(value, (int, str)) else Decimal(repr(float(value)))
     except ArithmeticError:
         raise ValueError(f"{key} must be a number of seconds, got {value!r}") from None
     if not seconds.is_finite() or seconds < 0 or (seconds == 0 and not zero):

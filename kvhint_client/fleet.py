@@ -330,7 +330,7 @@ class FleetClient:
         longest of the engines' default_timeout (None, no deadline, when one of them has none).
         ValueError, before anything is sent, for a bad timeout (config.check_timeout) or a hint_id
         that repeats an earlier hint's."""
-        prepared = _rpc.prepare_hints(hints)
+        prepared = _rpc.prepare_hints(hints, self._id_limits())
         _check_unique_ids(prepared)
         if timeout is not None:
             check_timeout(timeout, "timeout")
@@ -361,6 +361,14 @@ class FleetClient:
         per_engine, apply_errors = self._fan_out(order, send, until=deadline, method=lambda _: "ApplyHints")
         errors.update(apply_errors)
         return FleetApplyResult(per_engine=per_engine, errors=errors, routes=routes, unrouted=unrouted)
+
+    def _id_limits(self) -> Optional[kvhint_pb2.Limits]:
+        """The limits the ids apply() gives hints must fit (one id per hint, for every engine it is
+        routed to): the shortest max_hint_id_length among the engines whose limits were read
+        (KvHintClient.capabilities()); None when none was."""
+        known = [c.limits.max_hint_id_length for c in self._clients.values()
+                 if c.limits is not None and c.limits.max_hint_id_length]
+        return kvhint_pb2.Limits(max_hint_id_length=min(known)) if known else None
 
     def _default_timeout(self) -> Optional[float]:
         timeouts = [cfg.default_timeout for cfg in self._configs.values()]

@@ -52,6 +52,46 @@ def test_ttl_accepts_float_and_timedelta_exactly() -> None:
     assert (ttl.seconds, ttl.nanos) == (120, 5_000_000)
 
 
+class ReprFloat(float):
+    """A float subclass whose repr is not a number, as numpy.float64's is under NumPy 2."""
+
+    def __repr__(self) -> str:
+        return f"np.float64({float(self)!r})"
+
+
+def float_subclasses(value: float) -> list[float]:
+    values: list[float] = [ReprFloat(value)]
+    try:
+        import numpy
+    except ImportError:
+        return values
+    return [*values, numpy.float64(value)]
+
+
+@pytest.mark.parametrize("value", float_subclasses(0.1), ids=lambda v: type(v).__name__)
+def test_float_subclass_seconds_convert_like_floats(value: float) -> None:
+    """A TTL a router computed with numpy (numpy.float64 is a float) used to raise
+    "ttl np.float64(0.1) is out of range"."""
+    assert session("S").pin(ttl=value) == session("S").pin(ttl=0.1)
+    assert session("S").retain(ttl=1, expected_reuse_in=value).retain.expected_reuse_in.nanos == 100_000_000
+    assert session("S").prefetch(deadline=value).prefetch.deadline.nanos == 100_000_000
+
+
+def test_a_duration_past_protobufs_range_is_refused_before_sending() -> None:
+    """google.protobuf.Duration holds +-315,576,000,000 s; past it the server REJECTs the hint as a
+    malformed Duration (INVALID_HINT, not a TTL capped at max_ttl). The builders used to build it."""
+    message = r"must be at most 315576000000 seconds \(google.protobuf.Duration's range"
+    with pytest.raises(ValueError, match="ttl " + message):
+        session("S").pin(ttl=4e11)
+    with pytest.raises(ValueError, match="ttl " + message):
+        session("S").retain(ttl=315_576_000_001)
+    with pytest.raises(ValueError, match="expected_reuse_in " + message):
+        session("S").pin(ttl=1, expected_reuse_in=10**12)
+    with pytest.raises(ValueError, match="deadline " + message):
+        session("S").prefetch(deadline=dt.timedelta(days=4_000_000))
+    assert session("S").pin(ttl=315_576_000_000).pin.ttl.seconds == 315_576_000_000
+
+
 def test_int_block_hash_is_8_byte_big_endian() -> None:
     assert blocks(1).selector.block_hashes.block_hashes[0] == b"\x00" * 7 + b"\x01"
     assert blocks(-1).selector.block_hashes.block_hashes[0] == b"\xff" * 8

@@ -124,6 +124,24 @@ def test_non_canonical_input_normalises() -> None:
     assert again["actions"][1]["payload"] == {"selector": {"session_id": "S"}, "ttl_seconds": 1.5}
 
 
+class ReprFloat(float):
+    """A float subclass whose repr is not a number, as numpy.float64's is under NumPy 2."""
+
+    def __repr__(self) -> str:
+        return f"np.float64({float(self)!r})"
+
+
+def test_float_subclass_seconds_in_a_payload_lower_like_floats() -> None:
+    """An envelope dict a router filled with numpy.float64 seconds used to be refused
+    ("ttl_seconds must be a number of seconds, got np.float64(2.5)")."""
+    payload = {"selector": {"session_id": "S"}, "ttl_seconds": ReprFloat(2.5), "expected_reuse_in_seconds": ReprFloat(0.1)}
+    (hint,) = envelope_to_hints(_envelope(_action(payload=payload)))
+    assert hint == session("S").pin(ttl=2.5, expected_reuse_in=0.1, hint_id="a1")
+    prefetch = {"selector": {"session_id": "S"}, "deadline_seconds": ReprFloat(0.5)}
+    (hint,) = envelope_to_hints(_envelope(_action("kv.prefetch", payload=prefetch)))
+    assert hint == session("S").prefetch(deadline=0.5, hint_id="a1")
+
+
 def test_int_hash_format_matches_dynamo_style() -> None:
     envelope = hints_to_envelope([blocks(11, 22).evict(hint_id="e")], message_id="m", block_hash_format="int")
     assert envelope["actions"][0]["payload"]["selector"]["block_hashes"] == [11, 22]
@@ -186,6 +204,7 @@ def test_unknown_version_names_the_supported_one() -> None:
         ({"selector": {"session_id": "S"}}, "kv.pin needs ttl_seconds"),
         ({"selector": {"session_id": "S"}, "ttl_seconds": 0}, "ttl_seconds must be > 0"),
         ({"selector": {"session_id": "S"}, "ttl_seconds": "soon"}, "ttl_seconds must be a number"),
+        ({"selector": {"session_id": "S"}, "ttl_seconds": 1e12}, "ttl must be at most 315576000000 seconds"),
         ({"selector": {"session_id": "S"}, "ttl_seconds": 1, "priority": 3}, r"unknown payload key\(s\) \['priority'\]"),
         ({"selector": {"session_id": ""}, "ttl_seconds": 1}, "session_id must not be empty"),
         ({"selector": {"session_id": "S", "continuation_id": "c"}, "ttl_seconds": 1}, "exactly one of"),

@@ -3,6 +3,7 @@ copies of the defaults; and UNAVAILABLE says why (engine stopped vs no step boun
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -12,8 +13,9 @@ import pytest
 from kvhint_unit_support import Harness, error_info, h, pin
 
 from kvhint.v1 import kvhint_pb2 as pb
-from kvhint_client import KvHintClient
+from kvhint_client import AsyncKvHintClient, KvHintClient
 from kvhint_client.builders import session
+from kvhint_client.fleet import FleetClient
 
 
 def test_client_checks_the_servers_limits_once_known(make_harness: Callable[..., Harness]) -> None:
@@ -48,6 +50,44 @@ def test_ids_longer_than_the_default_go_through_when_the_server_allows_them(make
         kv.capabilities()
         (result,) = kv.apply(session("s" * 600).release())
         assert result.hint_id  # answered by the server, not refused by a client-side 256-byte copy
+
+
+def test_ids_the_client_assigns_fit_the_servers_hint_id_limit(make_harness: Callable[..., Harness]) -> None:
+    """A server whose max_hint_id_length is under a uuid4's 36 bytes: once its limits are known,
+    the ids apply() gives hints without one fit them (a 36-byte uuid4 made every such hint
+    REJECTED/INVALID_HINT, "hint_id is longer than 16 bytes"). Both clients, distinct ids."""
+    harness = make_harness(max_hint_id_length=16)
+    harness.engine.store([h(1), h(2)], session="S")
+    address = f"127.0.0.1:{harness.port}"
+    with KvHintClient(address) as kv:
+        kv.capabilities()
+        result = kv.apply(session("S").retain(ttl=5), session("S").pin(ttl=5))
+
+    async def scenario():
+        async with AsyncKvHintClient(address) as kv:
+            await kv.capabilities()
+            return await kv.apply(session("S").retain(ttl=5), session("S").pin(ttl=5))
+
+    for applied in (result, asyncio.run(scenario())):
+        assert [r.reason for r in applied] == [pb.REASON_UNSPECIFIED] * 2, [r.message for r in applied]
+        assert applied.all_applied
+        ids = [hint.hint_id for hint in applied.hints]
+        assert all(1 <= len(i.encode("utf-8")) <= 16 for i in ids) and len(set(ids)) == 2
+        assert [r.hint_id for r in applied] == ids
+
+
+def test_ids_a_fleet_gives_fit_the_shortest_hint_id_limit_it_read(make_harness: Callable[..., Harness]) -> None:
+    """FleetClient gives an id to each hint without one, the same id on every engine it routes
+    to: once an engine's limits were read, the id fits its max_hint_id_length (a uuid4 made
+    apply() raise ValueError, "hint_id is 36 bytes", before sending anything)."""
+    harness = make_harness(max_hint_id_length=12)
+    harness.engine.store([h(1), h(2)], session="S")
+    with FleetClient({"e": f"127.0.0.1:{harness.port}"}) as fleet:
+        fleet.client("e").capabilities()
+        out = fleet.apply(session("S").retain(ttl=5), session("S").pin(ttl=5), timeout=5)
+    assert out.all_accepted, out
+    ids = list(out.routes)
+    assert len(ids) == 2 and all(1 <= len(i) <= 12 for i in ids) and out.routes == {i: ["e"] for i in ids}
 
 
 def test_no_step_boundary_is_unavailable_with_deadline_reason(make_harness: Callable[..., Harness]) -> None:
