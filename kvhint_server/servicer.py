@@ -6,8 +6,11 @@ INTERNAL. Work that touches engine state runs on the engine thread through
 KvHintCore.submit and is awaited with the RPC's deadline.
 
 Overload (kvhint_server/overload.py): each RPC that reaches the engine thread
-first spends its cost from the caller's rate limit, then submits bounded;
-either refusal is RESOURCE_EXHAUSTED with RetryInfo, with nothing applied.
+is validated, then spends its cost from the caller's rate limit, then submits
+bounded; either refusal is RESOURCE_EXHAUSTED with RetryInfo, with nothing
+applied. A request refused as a whole (INVALID_ARGUMENT, PERMISSION_DENIED)
+costs nothing, and a call refused after its cost was spent (a full queue, the
+open-stream bounds) gets it back: nothing of it ran.
 """
 
 from __future__ import annotations
@@ -102,9 +105,22 @@ class KvHintServicer:
             raise resource_exhausted(message, CAUSE_RATE_LIMITED, wait)
         return principal
 
-    async def _on_engine(self, fn: Callable[[], T], context: grpc.aio.ServicerContext) -> T:
-        """Run `fn` on the engine thread, bounded by the RPC deadline."""
-        return await self._await_engine(self._submit(fn), context)
+    def _give_back(self, principal: str, cost: int) -> None:
+        """Refund `cost` to `principal`'s bucket: the call it paid for was refused and nothing ran."""
+        if self.rate_limiter is not None:
+            self.rate_limiter.give_back(principal, cost)
+
+    async def _on_engine(self, fn: Callable[[], T], context: grpc.aio.ServicerContext, principal: str, cost: int) -> T:
+        """Run `fn` on the engine thread, bounded by the RPC deadline (`cost`: what `principal`
+        paid for the call, given back if the queue refuses it)."""
+        return await self._await_engine(self._submit_paid(fn, principal, cost), context)
+
+    def _submit_paid(self, fn: Callable[[], T], principal: str, cost: int) -> TaskFuture[T]:
+        """`_submit`, giving `cost` back to `principal` when the queue refuses the task at once."""
+        future = self._submit(fn)
+        if future.done() and isinstance(future.exception(), QueueFull):
+            self._give_back(principal, cost)  # refused at once: nothing ran, nothing spent
+        return future
 
     def _submit(self, fn: Callable[[], T]) -> TaskFuture[T]:
         """`fn` on the engine thread, bounded by the queue and, for a tenant, by its share of it
@@ -161,9 +177,7 @@ class KvHintServicer:
         parsed = parse_hints(request.hints, self.config, self.core.info)  # per-hint problems are results
         tenant = self._scoped()
         guard = tenant_guard.TenantGuard(self.core, self.tenants, tenant) if tenant is not None else None
-        future = self._submit(lambda: self.executor.apply_batch(parsed, guard))
-        if self.rate_limiter is not None and future.done() and isinstance(future.exception(), QueueFull):
-            self.rate_limiter.give_back(principal, cost)  # refused at once: nothing ran, nothing spent
+        future = self._submit_paid(lambda: self.executor.apply_batch(parsed, guard), principal, cost)
         applied = await self._await_engine(future, context)
         if future.deferred_steps:
             self.core.overload.deferred_batches += 1
@@ -183,7 +197,6 @@ class KvHintServicer:
         return min(asked or self.config.default_page_size, self.config.max_page_size)
 
     async def QueryResidency(self, request: pb.QueryResidencyRequest, context: grpc.aio.ServicerContext) -> pb.QueryResidencyResponse:
-        self._rate_limit(context, 1)
         selector = parse_query_selector(request.selector, request.HasField("selector"), self.config)
         tiers = parse_query_tiers(request.tiers)
         tenant = self._scoped()
@@ -193,12 +206,13 @@ class KvHintServicer:
                                + (tenant.name.encode() if tenant else b"")).hexdigest()[:16]
         offset = tokens.verify(request.page_token, scope, "o", int, 0) if request.page_token else 0
         size = self._page_size(request.page_size)
+        principal = self._rate_limit(context, 1)  # after validation: a request refused as a whole costs nothing
         if tenant is not None:
             tenants = self.tenants
             residency = await self._on_engine(lambda: tenant_guard.scope_residency(
-                self.core, tenants, tenant, self.queries.residency(selector, tiers)), context)
+                self.core, tenants, tenant, self.queries.residency(selector, tiers)), context, principal, 1)
         else:
-            residency = await self._on_engine(lambda: self.queries.residency(selector, tiers), context)
+            residency = await self._on_engine(lambda: self.queries.residency(selector, tiers), context, principal, 1)
         page = residency.blocks[offset : offset + size]
         block_size = self.core.info.block_size
         response = pb.QueryResidencyResponse(
@@ -212,17 +226,17 @@ class KvHintServicer:
         return response
 
     async def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext) -> pb.ListSessionsResponse:
-        self._rate_limit(context, 1)
         prefix = check_request_id(request.session_id_prefix, "session_id_prefix", self.config.max_id_length, required=False)
         tokens = self.page_tokens()
         scope = hashlib.sha256(prefix.encode()).hexdigest()[:16]
         after = tokens.verify(request.page_token, scope, "a", str, self.config.max_id_length) if request.page_token else None
         size = self._page_size(request.page_size)
+        principal = self._rate_limit(context, 1)  # after validation: a request refused as a whole costs nothing
         tenant = self._scoped()
         listed = tenant_guard.narrow_prefix(tenant, prefix)
         if listed is None:  # no session of the caller's namespace can match
             return pb.ListSessionsResponse(as_of_epoch=tokens.epoch, as_of_sequence=self.core.bus.last_sequence)
-        page = await self._on_engine(lambda: self.queries.sessions(listed, after, size), context)
+        page = await self._on_engine(lambda: self.queries.sessions(listed, after, size), context, principal, 1)
         response = pb.ListSessionsResponse(
             sessions=[wire.session_info(s) for s in page.sessions], as_of_epoch=tokens.epoch, as_of_sequence=page.sequence
         )
@@ -244,19 +258,26 @@ class KvHintServicer:
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchEventsResponse | bytes]:
         validate_watch_request(request, self.config)
-        self._rate_limit(context, 1)
         assert self.hub is not None
         tenant = self._scoped()
         scope = tenant_guard.WatchScope(tenant, self.tenants) if tenant is not None and self.tenants is not None else None
         if scope is not None:
             scope.check_filter(request.filter.session_ids)
+        payer = self._rate_limit(context, 1)  # after validation: a request refused as a whole costs nothing
         principal = current_principal() if self.tenants is not None else None
+        admitted = False
         try:
             with self.hub.admit(principal.name if principal is not None else None):  # open-stream bounds
+                admitted = True
                 async for message in self.hub.stream(request, scope):
                     yield message
         except QueueFull as exc:  # the snapshot's first task, before any message
+            self._give_back(payer, 1)
             raise resource_exhausted(f"{exc}; retry in {exc.retry_after:.3f}s", CAUSE_QUEUE_FULL, exc.retry_after) from None
+        except RpcError:
+            if not admitted:  # refused by the open-stream bounds: no stream, nothing ran
+                self._give_back(payer, 1)
+            raise
 
 
 # ---------------------------------------------------------------- registration

@@ -127,11 +127,12 @@ class WatchHub:
         return len(self._subs)
 
     def lag(self) -> tuple[int, int]:
-        """(open subscriptions, events the furthest-behind one has yet to
-        receive). Any thread: reads a copy of the subscriber set."""
+        """(open WatchEvents streams, snapshots in progress included as `admit` counts them;
+        events the furthest-behind live subscription has yet to receive). Any thread: reads a
+        copy of the subscriber set."""
         subs = list(self._subs)
         last = self._bus.last_sequence
-        return len(subs), max((last - s.cursor for s in subs), default=0)
+        return max(self._open, len(subs)), max((last - s.cursor for s in subs), default=0)
 
     @contextlib.contextmanager
     def admit(self, tenant: str | None = None) -> Iterator[None]:

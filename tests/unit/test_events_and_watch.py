@@ -19,7 +19,7 @@ import pytest
 from google.protobuf import duration_pb2
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from kvhint_unit_support import Harness, h, session_sel
+from kvhint_unit_support import Harness, error_info, h, session_sel
 
 from kvhint_client.follower import EngineTracker, ResidencyIndex
 
@@ -691,6 +691,26 @@ def test_shutdown_ends_streams_with_a_resync(make_harness):
     rest = reader.rest()
     assert rest and isinstance(rest[-1], pb.WatchEventsResponse)
     assert rest[-1].resync.cause == pb.Resync.CAUSE_SHUTTING_DOWN
+
+
+def test_a_watch_refused_at_the_stream_bound_keeps_the_callers_rate_limit_token(make_harness):
+    """A WatchEvents refused because the server's open streams are at their bound opened nothing: a
+    follower that retries until a place frees must not spend its caller's rate limit (which its
+    ApplyHints and queries share) on the refusals."""
+    harness = make_harness(max_watch_streams=1, rate_limit_hints_per_s=0.01, rate_limit_burst=2)
+    holder = watch(harness)  # another caller holds the one place
+    harness.wait_subscribers(1)
+    md = (("authorization", "Bearer follower"),)
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(harness.stub.WatchEvents(pb.WatchEventsRequest(), metadata=md, timeout=5)))
+        assert error_info(err.value).metadata["cause"] == "watch_streams", err.value.details()
+    holder.cancel()
+    for _ in range(2):  # the follower's bucket is still full: two calls
+        harness.stub.ListSessions(pb.ListSessionsRequest(), metadata=md, timeout=5)
+    with pytest.raises(grpc.RpcError) as err:
+        harness.stub.ListSessions(pb.ListSessionsRequest(), metadata=md, timeout=5)
+    assert error_info(err.value).metadata["cause"] == "rate_limited"
 
 
 def test_removed_events_carry_admitting_coordinates_and_prefix_tokens(harness):

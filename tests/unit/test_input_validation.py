@@ -283,3 +283,34 @@ def test_a_hint_id_binds_to_content_whether_the_hint_was_valid_or_not(sessions):
     for _ in range(2):
         result = sessions.apply(pin("s1", 5, hint_id=long)).results[0]
         assert (result.reason, result.replayed) == (pb.REASON_INVALID_HINT, False)
+
+
+# --------------------------------------------------------------------------- validation before the rate limit
+
+
+def test_a_malformed_query_is_invalid_argument_under_a_spent_rate_limit_and_costs_no_token(make_harness):
+    """A QueryResidency, ListSessions or WatchEvents request that is malformed can never succeed: it is
+    INVALID_ARGUMENT whatever the caller's bucket holds (never RESOURCE_EXHAUSTED with a RetryInfo
+    promising that a retry can succeed), and it is refused as a whole, so it spends no rate-limit
+    token, as a malformed ApplyHints batch spends none."""
+    harness = make_harness(rate_limit_hints_per_s=0.01, rate_limit_burst=1)
+    md = (("authorization", "Bearer q"),)
+    bad_token = pb.ListSessionsRequest(page_token="not-a-token")
+
+    def watch(**kw: object) -> None:
+        next(iter(harness.stub.WatchEvents(pb.WatchEventsRequest(**kw), metadata=md, timeout=5)))
+
+    malformed = [
+        (lambda: harness.stub.QueryResidency(pb.QueryResidencyRequest(), metadata=md, timeout=5), "selector"),
+        (lambda: harness.stub.QueryResidency(pb.QueryResidencyRequest(selector=session_sel("s"), tiers=[9]),
+                                             metadata=md, timeout=5), "tiers[0]"),
+        (lambda: harness.stub.ListSessions(bad_token, metadata=md, timeout=5), "page_token"),
+        (lambda: harness.stub.ListSessions(pb.ListSessionsRequest(session_id_prefix="p" * 300), metadata=md, timeout=5),
+         "session_id_prefix"),
+        (lambda: watch(filter=pb.EventFilter(kinds=[99])), "filter.kinds[0]"),
+    ]
+    for call, field in malformed:  # the bucket's one token is still there after each
+        _invalid(call, field)
+    harness.stub.ListSessions(pb.ListSessionsRequest(), metadata=md, timeout=5)  # spends it
+    for call, field in malformed:  # and with the bucket empty, still INVALID_ARGUMENT
+        _invalid(call, field)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from kvhint_server.metrics import KvHintMetrics, MetricsExporter
-from kvhint_unit_support import Harness, h, pin, retain
+from kvhint_unit_support import Harness, gate_engine_steps, h, pin, retain
+
+from kvhint.v1 import kvhint_pb2 as pb
 
 
 def _exporter(harness: Harness) -> tuple[CollectorRegistry, MetricsExporter]:
@@ -67,3 +71,30 @@ def test_an_exporter_that_falls_behind_the_replay_window_counts_what_it_skipped(
         assert skipped == 12
     finally:
         harness.close()
+
+
+def test_watch_subscribers_counts_streams_still_taking_their_snapshot(harness: Harness) -> None:
+    """kvhint_watch_subscribers is the open WatchEvents streams, the number the stream bound
+    (KVHINT_MAX_WATCH_STREAMS) refuses at: a stream still taking its snapshot (a busy engine, a
+    large index) is open and holds a place, so the gauge counts it."""
+    registry = CollectorRegistry()
+    hub = harness.server.servicer.hub
+    assert hub is not None
+    exporter = MetricsExporter(harness.core, KvHintMetrics(registry), subscribers=hub.lag)  # as KvHintServer wires it
+    live = harness.stub.WatchEvents(pb.WatchEventsRequest(), timeout=10)
+    harness.wait_subscribers(1)
+    steps = gate_engine_steps(harness)
+    steps.clear()  # the engine is in a long step: the snapshots wait for it
+    time.sleep(0.05)
+    snapshots = [harness.stub.WatchEvents(pb.WatchEventsRequest(start=pb.WatchEventsRequest.START_SNAPSHOT), timeout=10)
+                 for _ in range(2)]
+    deadline = time.monotonic() + 5
+    while harness.core.pending_tasks() < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    try:
+        exporter.poll()
+        assert registry.get_sample_value("kvhint_watch_subscribers") == 3
+    finally:
+        steps.set()
+        for call in (live, *snapshots):
+            call.cancel()

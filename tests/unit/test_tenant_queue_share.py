@@ -54,3 +54,35 @@ def test_a_tenant_flooding_the_engine_queue_leaves_room_for_another(tmp_path: Pa
         assert hx.core.overload.queue_full == 2
     finally:
         hx.close()
+
+
+def test_a_call_refused_for_a_full_share_gets_its_rate_limit_token_back(tmp_path: Path) -> None:
+    """A ListSessions or QueryResidency refused queue_full ran nothing, and its RetryInfo says a retry
+    can succeed soon: the retry must not then be refused rate_limited for the token the refused call
+    was charged (a tenant limited to 3 calls in the next 100 s makes 3 calls that run)."""
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"tenants": [
+        {"name": "team-a", "session_prefix": "a/", "tokens": ["tok-a"], "rate_limit_hints_per_s": 0.01, "rate_limit_burst": 3},
+    ]}))
+    hx = Harness(local_engine_info(), tenants_file=str(path), max_pending_tasks=4)
+    try:
+        steps = gate_engine_steps(hx)
+        steps.clear()
+        time.sleep(0.05)
+        queued = [hx.stub.ListSessions.future(pb.ListSessionsRequest(), metadata=A, timeout=10) for _ in range(2)]
+        _held(hx, "team-a", 2)  # two tokens spent on calls that will run
+        query = pb.QueryResidencyRequest(selector=pb.Selector(session=pb.SessionSelector(session_id="a/s")))
+        for refused in (lambda: hx.stub.ListSessions(pb.ListSessionsRequest(), metadata=A, timeout=10),
+                        lambda: hx.stub.QueryResidency(query, metadata=A, timeout=10)):
+            with pytest.raises(grpc.RpcError) as err:
+                refused()
+            assert error_info(err.value).metadata["cause"] == "queue_full"
+        steps.set()
+        assert all(f.result(timeout=10) is not None for f in queued)
+        _held(hx, "team-a", 0)
+        hx.stub.QueryResidency(query, metadata=A, timeout=10)  # the third token: still there
+        with pytest.raises(grpc.RpcError) as err:  # and the bucket is really 3
+            hx.stub.ListSessions(pb.ListSessionsRequest(), metadata=A, timeout=10)
+        assert error_info(err.value).metadata["cause"] == "rate_limited"
+    finally:
+        hx.close()
