@@ -279,6 +279,55 @@ MUTANTS = (
         "        if isinstance(follower, EventFollower):",
         "FleetClient keeps an AsyncEventFollower instead of its index, and apply() fails",
     ),
+    Mutant(
+        "client-ids-over-limit",
+        "kvhint_client/_rpc.py",
+        r"    if max_length and len\(hint_id\) > max_length:",
+        "    if False:",
+        "the ids the client gives hints are 36-byte uuid4s whatever the server's max_hint_id_length",
+    ),
+    Mutant(
+        "fleet-ids-over-limit",
+        "kvhint_client/fleet.py",
+        r"prepare_hints\(hints, self\._id_limits\(\)\)",
+        "prepare_hints(hints)",
+        "FleetClient gives hints 36-byte ids whatever its engines' max_hint_id_length",
+    ),
+    Mutant(
+        "duration-range-unchecked",
+        "kvhint_client/durations.py",
+        r"    if abs\(seconds\) >= MAX_DURATION_SECONDS \+ 1:",
+        "    if False:",
+        "builders send Durations past protobuf's range, which the server rejects as malformed",
+    ),
+    Mutant(
+        "float-subclass-repr",
+        "kvhint_client/durations.py",
+        r"Decimal\(repr\(float\(value\)\)\)\.quantize",
+        "Decimal(repr(value)).quantize",
+        "numpy.float64 seconds are refused as out of range",
+    ),
+    Mutant(
+        "query-charged-before-validation",
+        "kvhint_server/servicer.py",
+        r"        selector = parse_query_selector\(request\.selector",
+        "        self._rate_limit(context, 1)\n        selector = parse_query_selector(request.selector",
+        "a malformed QueryResidency spends a rate-limit token, and comes back RESOURCE_EXHAUSTED once they are spent",
+    ),
+    Mutant(
+        "queue-full-token-kept",
+        "kvhint_server/servicer.py",
+        r"            self\._give_back\(principal, cost\)  # refused at once",
+        "            pass  # refused at once",
+        "a call the full queue refused keeps its rate-limit token spent",
+    ),
+    Mutant(
+        "watch-gauge-live-only",
+        "kvhint_server/watch.py",
+        r"return max\(self\._open, len\(subs\)\),",
+        "return len(subs),",
+        "kvhint_watch_subscribers leaves out streams still taking their snapshot",
+    ),
 )
 
 
