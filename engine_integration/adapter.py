@@ -496,7 +496,10 @@ class VllmAdapter:
         coords = request_coords(request, self._max_id)
         if not coords:
             return
-        if coords.session_id and self._is_member(self.external(hashes[n - 1]), coords.session_id):
+        # A session already a member of the hit's last block joins nothing new, unless the request
+        # names a continuation: the hit is where that continuation lies (as for a request without
+        # a session), and a request that stores no full block of its own records it nowhere else.
+        if coords.session_id and not coords.continuation_id and self._is_member(self.external(hashes[n - 1]), coords.session_id):
             return
         self._record_hit(hashes, n, coords)
 

@@ -29,8 +29,12 @@ NO_COORDS = RequestCoords()
 def _valid(value: Any, what: str, request_id: str, max_len: int) -> str | None:
     if value is None:
         return None
-    if isinstance(value, str) and value and len(value.encode("utf-8")) <= max_len:
-        return value
+    if isinstance(value, str) and value:
+        try:
+            if len(value.encode("utf-8")) <= max_len:
+                return value
+        except UnicodeEncodeError:  # a lone surrogate: not text the proto can carry
+            pass
     log.warning("request %s: ignoring malformed %s %r (want 1..%d bytes of text)", request_id, what, value, max_len)
     return None
 

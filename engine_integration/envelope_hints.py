@@ -29,6 +29,9 @@ def apply_request_envelope(executor: HintExecutor, request: Any) -> None:
     except EnvelopeError as exc:
         log.warning("request %s: ignoring kv_hints envelope: %s", request.request_id, exc)
         return
+    except Exception as exc:  # noqa: BLE001 - a payload the parser trips on (a null block hash): not EngineCore's end
+        log.warning("request %s: ignoring malformed kv_hints envelope (%s: %s)", request.request_id, type(exc).__name__, exc)
+        return
     if not hints:
         return
     core = executor.core

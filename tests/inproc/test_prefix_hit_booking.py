@@ -15,10 +15,14 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from layout_support import apply
+from pool_support import retain
 from vllm.v1.request import RequestStatus
 
 from engine_integration import inproc
+from kvhint.v1 import kvhint_pb2 as pb
 from kvhint_server.events import BlocksStored
+from kvhint_server.model import Outcome, Tier
 
 BS = 16
 SHARED = list(range(100, 100 + 4 * BS))  # a 4-block prefix, cached by `base`
@@ -153,3 +157,25 @@ def test_prefix_hits_are_reported_once_per_admission_with_a_hit(
         reported = Counter(e[2] for e in seen if e[0])
         expected = Counter({f"c{r[1:]}": 1 for r, hit in admitted_hits.items() if r != "base" and hit >= BS})
         assert reported == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_member_sessions_hit_records_the_continuation_it_carries(async_scheduling: bool) -> None:
+    """A request of session B that names a continuation and hits B's own blocks (B is already a
+    member) records the continuation where the hit ends, as a request without a session does:
+    this one stores no full block of its own (3 tokens after the hit, 2 generated), so the hit
+    is the only place the continuation can lie. It was dropped with the hit, and a Retain of
+    the continuation came back MISSING."""
+    with inproc.running_scheduler(num_blocks=24, block_size=BS, async_scheduling=async_scheduling) as s:
+        s.add_request(inproc.make_request("base", SHARED + [1], session_id="B", max_tokens=1, block_size=BS))
+        inproc.run_until_idle(s)
+        turn = inproc.make_request("turn", SHARED + [7, 8, 9], session_id="B", max_tokens=2, block_size=BS)
+        turn.sampling_params.extra_args = {"continuation_id": "B/turn-2"}
+        s.add_request(turn)
+        hits: dict[str, int] = {}
+        while inproc.busy(s):
+            hits.update(inproc.step(s).prefix_hits)
+        assert hits["turn"] == 4 * BS
+        selector = pb.Selector(continuation=pb.ContinuationSelector(continuation_id="B/turn-2"))
+        [result] = apply(s, retain(selector))
+        assert (result.outcome, result.affected) == (Outcome.ACCEPTED, {Tier.DEVICE: 4})

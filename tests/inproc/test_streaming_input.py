@@ -40,3 +40,40 @@ def test_each_streamed_chunk_stores_its_blocks_under_its_own_continuation(bookke
                   for e in core.bus.read_after(0, 1000) or [] if isinstance(e.payload, BlocksStored)]
         assert stored == [("c1", 0), ("c2", 2)]
         assert set(core.index.continuations) == {"c1", "c2"}
+
+
+# ---------------------------------------------------------------- malformed input on a request
+
+
+def test_a_session_id_that_is_not_utf8_text_is_ignored_and_the_request_served() -> None:
+    """A session id with a lone surrogate (offline or in-process add_request; JSON's "\\ud800")
+    is malformed like any other: ignored and logged, the request served and its continuation
+    kept (coords' contract). Its UTF-8 length check raised UnicodeEncodeError out of vLLM's
+    cache_full_blocks instead, which ends EngineCore."""
+    with inproc.running_scheduler(num_blocks=32, block_size=BLOCK) as scheduler:
+        prompt = list(range(100, 100 + 2 * BLOCK + 1))
+        request = inproc.make_request("r", prompt, session_id="\ud800", max_tokens=1, block_size=BLOCK)
+        request.sampling_params.extra_args = {"continuation_id": "c1"}
+        scheduler.add_request(request)
+        assert inproc.run_until_idle(scheduler) == ["r"]
+        core = scheduler.kvhint_core
+        core.settle()
+        stored = [e.payload.coordinates for e in core.bus.read_after(0, 1000) or [] if isinstance(e.payload, BlocksStored)]
+        assert [(c.session_id, c.continuation_id) for c in stored] == [("", "c1")]
+        assert not core.index.sessions
+
+
+def test_an_envelope_the_parser_trips_on_is_ignored_and_the_request_served() -> None:
+    """A kv_hints envelope whose payload holds a null block hash (vLLM types the payload as any
+    JSON) is malformed: logged and ignored, the request served (envelope_hints' contract). Its
+    TypeError escaped KvHintScheduler.add_request, which ends EngineCore."""
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    action = KvHintAction(action_id="a1", action_type="kv.retain", action_version="1.0",
+                          payload={"selector": {"block_hashes": [None]}, "ttl_seconds": 30})
+    envelope = KvHintsEnvelope(protocol_version="0.1", message_id="m1", actions=[action])
+    with inproc.running_scheduler(num_blocks=32, block_size=BLOCK) as scheduler:
+        scheduler.add_request(inproc.make_request("r", list(range(100, 100 + 2 * BLOCK + 1)), session_id="s",
+                                                  max_tokens=1, block_size=BLOCK, kv_hints=envelope))
+        assert inproc.run_until_idle(scheduler) == ["r"]
+        assert not scheduler.kvhint_core.ledger.grants
