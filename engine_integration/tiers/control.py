@@ -388,9 +388,18 @@ class TierControl:
         its own such jobs (`_stale_job_threshold`); these complete only to unpin their device
         blocks, never against the reset manager (whose chunks for the same keys, if any, are a
         later request's, still being written; with a file tier, completing them would cascade
-        chunks the reset manager does not hold and fail the engine step)."""
-        for op in self._ops.values():
+        chunks the reset manager does not hold and fail the engine step).
+
+        A store whose job has not gone to the workers yet (force_store ran between steps, e.g. a
+        Demote started from EngineCore's idle loop) is dropped here: handed over after the reset,
+        its copy would write host chunks the reset manager hands out again, after the stores of
+        the same step (KvHint's jobs follow vLLM's in the metadata), overwriting another block's
+        host copy. vLLM itself has no such job at a reset."""
+        for job_id, op in list(self._ops.items()):
             op._stale = True
+            if op._job is not None:  # never handed to the workers: no completion will come
+                op._job = None
+                self._finish_store(self._ops.pop(job_id), success=False)
 
     def release_device_holds(self, reason: str) -> list[StoreOp]:
         """Engine thread, just before vLLM resets the device prefix cache with its running requests
@@ -480,6 +489,13 @@ class Prefetch:
     def promoted_copies(self) -> int:
         """Copies the host tier holds now that it did not hold at the first lookup."""
         return sum(1 for k, st in self.state.items() if st is LookupResult.HIT and self._first.get(k) is not LookupResult.HIT)
+
+    @property
+    def promoted_blocks(self) -> list[BlockHash]:
+        """Blocks a copy of which the host tier holds now and did not at the first lookup (on a
+        hybrid model also a block whose full-attention copy was there and whose window copy came)."""
+        return list(dict.fromkeys(h for k, h in self.keys.items()
+                                  if self.state.get(k) is LookupResult.HIT and self._first.get(k) is not LookupResult.HIT))
 
     @property
     def hits(self) -> list[BlockHash]:

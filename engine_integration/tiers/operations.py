@@ -365,10 +365,14 @@ class TierOperations:
             if not pf.closed:
                 return None
         if pf is not None:
-            op.promoted.extend(pf.hits)
+            # Progress is a copy promoted, not a hit: on a hybrid model a block whose full-attention
+            # copy is on the host is a hit every round while its window copy finds no room, and
+            # counting it kept the wait from ever ending before the deadline.
+            moved = set(pf.promoted_blocks)
+            op.promoted.extend(h for h in pf.hits if h in moved)
             op.promoted_copies += pf.promoted_copies
             op.prefetch = None
-            if pf.hits:
+            if pf.promoted_copies:
                 op.full_since = None  # progress: a later MISS starts its own wait
         staged, waiting, absent = [], 0, []
         for d in op.digests:

@@ -124,3 +124,23 @@ def test_a_plain_reset_still_waits_for_the_copy(scheduler: Any) -> None:
     _worker_reports_done(s, store.job_id)
     assert store.done and not store.failed and _all_free(s)
     assert s.reset_prefix_cache() is True
+
+
+def test_a_connector_reset_before_the_copy_is_sent_drops_it(scheduler: Any) -> None:
+    """The Demote ran between steps (EngineCore's idle loop), so its copy is not sent yet, and a
+    queued `/reset_prefix_cache?reset_external=true` resets the connector's cache (the device's
+    answers False: the copy's blocks are pinned). The next step's stores get the reset host
+    tier's chunks again; the stale copy must not go to the workers beside them, where it would
+    write the demoted blocks' KV over a request's fresh host copy."""
+    s = scheduler
+    operation_id, store = _demote_decode_blocks(s)
+    assert store._job is not None
+    assert s.reset_prefix_cache(reset_connector=True) is False  # the copy's blocks were in use
+    operation = s.kvhint_core.operations.get(operation_id)
+    assert operation.state is OperationState.FAILED and "reset" in operation.message
+    s.add_request(inproc.make_request("big", list(range(7000, 7000 + 3 * BS)), max_tokens=1, block_size=BS))
+    meta = inproc.step(s).scheduled.kv_connector_metadata
+    written = [int(c) for job in meta.store_jobs.values() for c in job.dst_spec.chunk_ids]
+    assert written and len(written) == len(set(written)), f"two copies to one host chunk in one step: {written}"
+    assert not s.kvhint_adapter.tiers.ctl.busy()
+    assert s.reset_prefix_cache() is True, "the dropped copy gave its device blocks back: a retry resets"

@@ -111,3 +111,32 @@ def test_a_store_in_flight_across_a_connector_reset_only_unpins_its_blocks(file_
     assert not ctl.busy()
     assert manager.lookup(ctl.key(hashes[0]), ctx) is LookupResult.HIT_PENDING, "the request's own copy is still pending"
     assert manager.lookup(ctl.key(hashes[1]), ReqContext(req_id="p")) is LookupResult.MISS
+
+
+@pytest.mark.parametrize("file_tier", [False, True], ids=["host tier", "host and file tiers"])
+def test_a_store_not_yet_sent_at_a_connector_reset_never_writes_the_reset_tiers_chunks(file_tier: bool) -> None:
+    """A Demote started between steps (EngineCore's idle loop runs the hint, then a queued
+    `/reset_prefix_cache?reset_external=true` before the next step) has its store prepared but not
+    yet handed to the workers. The reset gives its host chunks back; the next step's stores get
+    them again. Handed over in that step (after vLLM's own jobs), the stale copy would overwrite
+    a request's fresh host copy with the demoted block's KV."""
+    cache, manager, ctl = _setup(file_tier)
+    admitted = cache.run("r1", list(range(8)))
+    hashes = [bytes(h) for h in admitted.request.block_hashes]
+    store = ctl.force_store(hashes)
+    blocks = list(store._blocks)
+    assert store._job is not None, "prepared, not yet sent"
+    manager.reset_cache()  # between the steps
+    # The next step: a request's store is given host chunks of the reset tier ...
+    ctx = ReqContext(req_id="R")
+    manager.on_new_request(ctx)
+    fresh = manager.prepare_store([ctl.key(b"\x07" * 32)], ctx)
+    assert fresh is not None
+    taken = set(int(c) for c in fresh.store_spec.chunk_ids)
+    # ... and the step's metadata goes to the workers.
+    meta = ctl.connector.build_connector_meta(None)
+    written = {int(c) for job in meta.store_jobs.values() for c in job.dst_spec.chunk_ids}
+    assert not written & taken, f"a stale copy writes host chunks {sorted(written & taken)} the reset tier gave request R"
+    assert [b.ref_cnt for b in blocks] == [0, 0], "the device blocks are unpinned"
+    assert store.done and store.failed and "reset" in store.failed and not ctl.busy()
+    assert manager.lookup(ctl.key(b"\x07" * 32), ctx) is LookupResult.HIT_PENDING

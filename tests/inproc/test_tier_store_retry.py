@@ -241,7 +241,8 @@ class OneRoundPrefetch:
     def __init__(self, ctl: PromotingControl, digests: list[bytes]) -> None:
         ctl.rounds += 1
         self.hits = [d for d in digests if d in ctl.room]
-        self.promoted_copies = len([d for d in self.hits if d not in ctl.host])  # one group
+        self.promoted_blocks = [d for d in self.hits if d not in ctl.host]
+        self.promoted_copies = len(self.promoted_blocks)  # one group
         ctl.host.update(self.hits)
         self.closed = True
 

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 from pool_support import session, tokens
-from tier_support import BLOCK, copies, device_copies, host_copies, host_hit, operation, run, tiered
+from tier_support import BLOCK, apply, copies, device_copies, drive, host_copies, host_hit, operation, run, tiered
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
+from engine_integration.tiers import operations
 from kvhint.v1 import kvhint_pb2 as pb
-from kvhint_server.model import Tier
+from kvhint_server.model import Reason, Tier
 
 ORDERS = pytest.mark.parametrize("window_first", [False, True], ids=["full-first", "window-first"])
 A = tokens(1, 10 * BLOCK)
@@ -65,3 +67,30 @@ def test_a_prefetch_stages_the_window_tails_a_file_holds(window_first: bool, pol
         assert host_hit(s, RESUME) == expected, f"staged without its window tails: {before} -> {after}"
         assert op.bytes_moved == (copies(after) - copies(before)) * s.kvhint_adapter.tiers.ops.bytes_per_block > 0
 
+
+
+def test_a_prefetch_whose_window_copies_find_no_room_fails_after_the_grace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every host chunk is pinned by a request's load (no tier work in flight to wait for), and the
+    session's full-attention copies are on the host while its window tails are on files only:
+    no round can promote anything. The Prefetch fails RESOURCE_EXHAUSTED once the grace has
+    passed ("never a hang", README: KV tiers), as a dense one does; it counted the blocks whose
+    full-attention copy was already there as progress every round and kept the engine
+    stepping until its deadline (60 s by default)."""
+    monkeypatch.setattr(operations, "HOST_FULL_GRACE_S", 0.05)
+    with tiered(file_root=str(tmp_path)) as s:
+        run(s, "a", A, "A")
+        run(s, "p", PRESSURE, "P")
+        assert s.reset_prefix_cache()
+        s.kvhint_core.settle()
+        ctl = s.kvhint_adapter.tiers.ctl
+        assert ctl.host_used() == ctl.host_capacity()
+        landed = [k for k in list(ctl.primary._policy.chunks) if ctl.primary.lookup(k, ctl._probe) is LookupResult.HIT]
+        reader = ReqContext(req_id="reader")
+        ctl.primary.on_new_request(reader)
+        ctl.primary.prepare_load(landed, reader)  # a resume's load of every host copy
+        assert not ctl.host_work_in_flight()
+        (result,) = apply(s, pb.Hint(selector=session("A"), prefetch=pb.PrefetchAction()))
+        drive(s)  # 300 steps, over 0.6 s: more than ten graces
+        op = s.kvhint_core.operations.get(result.operation_id)
+        assert op.state.name == "FAILED" and op.reason is Reason.RESOURCE_EXHAUSTED, (op.state, op.message)
+        assert "the host tier is full" in op.message
