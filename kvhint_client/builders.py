@@ -268,7 +268,10 @@ def continuation(continuation_id: str) -> Target:
 def blocks(*hashes: BlockHashLike) -> Target:
     """Explicit block hashes (bytes, hex strings, or 64-bit ints); duplicates are dropped."""
     if len(hashes) == 1 and not isinstance(hashes[0], (bytes, bytearray, memoryview, str, int)):
-        hashes = tuple(hashes[0])  # blocks(list_of_hashes)
+        try:
+            hashes = tuple(hashes[0])  # blocks(list_of_hashes)
+        except TypeError:  # one value that is neither a hash nor a list of them (None, 1.5)
+            raise ValueError(f"block hash must be bytes, hex or int, got {type(hashes[0]).__name__}") from None
     unique = tuple(dict.fromkeys(block_hash(h) for h in hashes))
     if not unique:
         raise ValueError("blocks() needs at least one block hash")

@@ -206,7 +206,7 @@ def _target(selector: Any) -> Target:
         hashes = selector["block_hashes"]
         if not isinstance(hashes, list) or not hashes:
             raise ValueError("block_hashes must be a non-empty list")
-        target = blocks(*hashes)
+        target = blocks(hashes)  # (one list: a single item that is not a hash is not taken for a list)
     if "range" in selector:
         rng = selector["range"]
         if not isinstance(rng, Mapping) or set(rng) - {"start", "end"}:

@@ -117,6 +117,8 @@ def test_duplicate_hashes_are_dropped_in_order() -> None:
         (lambda: session("S").range(-1), "range start"),
         (lambda: blocks(), "at least one block hash"),
         (lambda: blocks("zz"), "not hexadecimal"),
+        (lambda: blocks(None), "block hash must be bytes, hex or int, got NoneType"),  # (was TypeError)
+        (lambda: blocks(1.5), "block hash must be bytes, hex or int, got float"),
         (lambda: blocks(b""), "1..64 bytes"),
         (lambda: blocks(b"x" * 65), "1..64 bytes"),
         (lambda: blocks(2**64), "does not fit in 64 bits"),

@@ -209,6 +209,10 @@ def test_unknown_version_names_the_supported_one() -> None:
         ({"selector": {"session_id": ""}, "ttl_seconds": 1}, "session_id must not be empty"),
         ({"selector": {"session_id": "S", "continuation_id": "c"}, "ttl_seconds": 1}, "exactly one of"),
         ({"selector": {"block_hashes": []}, "ttl_seconds": 1}, "non-empty list"),
+        # one item that is not a hash (it used to be taken for a list: TypeError, not EnvelopeError)
+        ({"selector": {"block_hashes": [None]}, "ttl_seconds": 1}, "block hash must be bytes, hex or int, got NoneType"),
+        ({"selector": {"block_hashes": [1.5]}, "ttl_seconds": 1}, "block hash must be bytes, hex or int, got float"),
+        ({"selector": {"block_hashes": ["ab", None]}, "ttl_seconds": 1}, "block hash must be bytes, hex or int, got NoneType"),
         ({"selector": {"session_id": "S", "range": {"start": 5, "end": 2}}, "ttl_seconds": 1}, "greater than start"),
         ({"selector": {"session_id": "S", "colour": 1}, "ttl_seconds": 1}, "unknown selector key"),
         ({"ttl_seconds": 1}, "needs a selector"),
