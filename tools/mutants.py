@@ -328,6 +328,48 @@ MUTANTS = (
         "return len(subs),",
         "kvhint_watch_subscribers leaves out streams still taking their snapshot",
     ),
+    Mutant(
+        "member-hit-drops-continuation",
+        "engine_integration/adapter.py",
+        r"        if coords\.session_id and not coords\.continuation_id and self\._is_member\(",
+        "        if coords.session_id and self._is_member(",
+        "a member session's request that stores no full block leaves the continuation it names unrecorded",
+    ),
+    Mutant(
+        "envelope-parser-error-escapes",
+        "engine_integration/envelope_hints.py",
+        r"    except Exception as exc:  # noqa: BLE001 - a payload the parser trips on",
+        "    except ZeroDivisionError as exc:  # noqa: BLE001 - a payload the parser trips on",
+        "an envelope the parser trips on raises out of add_request (EngineCore ends)",
+    ),
+    Mutant(
+        "coords-surrogate-raises",
+        "engine_integration/coords.py",
+        r"        except UnicodeEncodeError:  # a lone surrogate",
+        "        except ZeroDivisionError:  # a lone surrogate",
+        "a session id that is not UTF-8 text raises inside vLLM's cache_full_blocks",
+    ),
+    Mutant(
+        "envelope-one-bad-hash-typeerror",
+        "kvhint_client/envelope.py",
+        r"        target = blocks\(hashes\)  # \(one list",
+        "        target = blocks(*hashes)  # (one list",
+        "an envelope's block_hashes of one item that is not a hash raises TypeError, not EnvelopeError",
+    ),
+    Mutant(
+        "tier-unsent-store-kept",
+        "engine_integration/tiers/control.py",
+        r"            if op\._job is not None:  # never handed to the workers",
+        "            if False:  # never handed to the workers",
+        "a Demote's store not yet sent at a connector reset is sent after it, over chunks the reset tier gave out",
+    ),
+    Mutant(
+        "prefetch-hit-is-progress",
+        "engine_integration/tiers/operations.py",
+        r"            if pf\.promoted_copies:\n                op\.full_since = None",
+        "            if pf.hits:\n                op.full_since = None",
+        "a hybrid Prefetch whose window copies find no host room runs to its deadline",
+    ),
 )
 
 

@@ -63,11 +63,21 @@ def test_a_session_id_that_is_not_utf8_text_is_ignored_and_the_request_served() 
         assert not core.index.sessions
 
 
-def test_an_envelope_the_parser_trips_on_is_ignored_and_the_request_served() -> None:
+@pytest.mark.parametrize("parser_bug", [False, True], ids=["null-hash", "parser-raises"])
+def test_an_envelope_the_parser_trips_on_is_ignored_and_the_request_served(parser_bug, monkeypatch) -> None:
     """A kv_hints envelope whose payload holds a null block hash (vLLM types the payload as any
     JSON) is malformed: logged and ignored, the request served (envelope_hints' contract). Its
-    TypeError escaped KvHintScheduler.add_request, which ends EngineCore."""
+    TypeError escaped KvHintScheduler.add_request, which ends EngineCore. The parser now says
+    EnvelopeError for it; `parser-raises` stands for whatever else it may trip on."""
     from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    from engine_integration import envelope_hints
+
+    if parser_bug:
+        def tripped(*_a, **_k):
+            raise TypeError("a parser bug")
+
+        monkeypatch.setattr(envelope_hints, "envelope_to_hints", tripped)
 
     action = KvHintAction(action_id="a1", action_type="kv.retain", action_version="1.0",
                           payload={"selector": {"block_hashes": [None]}, "ttl_seconds": 30})
