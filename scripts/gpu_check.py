@@ -483,15 +483,22 @@ def _eager_cell(s: Step) -> str:
     return "" if eager is None else ("eager" if eager else "compiled")
 
 
-def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Step]], wall: float, error: str | None = None) -> bool:
+def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Step]], wall: float, error: str | None = None,
+                  pending: list[str] | None = None) -> bool:
     """Write OUT/gpu_check_results.md and .json; returns the overall verdict. `error`: why the
-    check could not start (then there are no steps and the verdict is FAIL)."""
+    check could not start (then there are no steps and the verdict is FAIL). `pending`: the
+    models not checked yet: the files are written after each model, so a run stopped from
+    outside (the device tool's hard limit) leaves the steps it finished, marked INCOMPLETE,
+    never PASS; the last write replaces them."""
     met, wall_line = wall_verdict(opts, wall)
     all_steps = [s for group in steps.values() for s in group]
     skipped_for_time = [f"{m}: {s.name}" for m, group in steps.items() for s in group if s.details.get("skipped") == SKIPPED_FOR_TIME]
-    ok = error is None and bool(steps) and all(s.status == "pass" for s in all_steps) and (met or opts.cpu)
+    ok = error is None and bool(steps) and not pending and all(s.status == "pass" for s in all_steps) and (met or opts.cpu)
+    verdict = "INCOMPLETE" if pending else "PASS" if ok else "FAIL"
     data = {
         "ok": ok,
+        "complete": not pending,
+        "pending_models": list(pending or ()),
         "error": error,
         "wall_s": round(wall, 1),
         "wall_limit_s": WALL_LIMIT_S,
@@ -519,7 +526,7 @@ def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Ste
         f"executor {info.get('engine_executor') or 'vLLM default'} ({EXECUTOR_ENV}); "
         f"{GPU_MEMORY_ENV}={info.get('gpu_memory_utilization', GPU_MEMORY_DEFAULT)} per engine; "
         f"residency bookkeeping {info.get('residency_bookkeeping', 'auto')}; {wall:.0f} s in all. "
-        f"Overall: **{'PASS' if ok else 'FAIL'}**.",
+        f"Overall: **{verdict}**.",
         "",
         wall_line + f" Budget: {opts.budget.describe()}."
         + (f" Skipped for lack of time: {', '.join(skipped_for_time)}." if skipped_for_time else ""),
@@ -527,6 +534,9 @@ def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Ste
     ]
     if data["note"]:
         lines += [f"Note: {data['note']}", ""]
+    if pending:
+        lines += [f"Written after {wall:.0f} s with {', '.join(pending)} still to check: a file that still says so "
+                  f"is from a run stopped before its end.", ""]
     if error is not None:
         lines += [f"The check could not start: {error}", ""]
     if opts.cpu:
@@ -539,7 +549,8 @@ def write_results(opts: Options, info: dict[str, Any], steps: dict[str, list[Ste
             summary = " ".join(s.summary.replace("|", "/").split())  # one table row (a log tail has newlines)
             lines.append(f"| {model} | {s.name} | {s.status} | {s.seconds} | {_eager_cell(s)} | {summary} | {s.log} |")
     (opts.out / "gpu_check_results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if not pending:
+        print("\n".join(lines))
     return ok
 
 
@@ -605,9 +616,11 @@ def run_checks(opts: Options, wanted: set[str], probe: Callable[[Options], dict[
     opts.engine_dtype = str(info.get("engine_dtype") or "")
     opts.engine_executor = str(info.get("engine_executor") or "")
     steps: dict[str, list[Step]] = {}
-    for name, preset in MODELS:
-        if name in wanted:
-            steps[name] = (steps_for or model_steps)(opts, name, preset, info)
+    todo = [(name, preset) for name, preset in MODELS if name in wanted]
+    for i, (name, preset) in enumerate(todo):
+        steps[name] = (steps_for or model_steps)(opts, name, preset, info)
+        if i + 1 < len(todo):  # what is done so far, in case the run is stopped from outside
+            write_results(opts, info, steps, opts.budget.elapsed(), pending=[n for n, _ in todo[i + 1:]])
     return 0 if write_results(opts, info, steps, opts.budget.elapsed()) else 1
 
 

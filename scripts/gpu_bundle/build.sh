@@ -65,7 +65,10 @@ unzip -q "$VLLM_WHEEL" 'vllm/_C_stable_libtorch.abi3.so' -d "$site"
 # raise; its flash_attn_interface already reports FA2/FA3 unavailable, and the shim keeps the
 # FlashAttention backend out of vLLM's choice. The build fails if vLLM's text is not as expected.
 python3 scripts/gpu_bundle/drop_fa_import_error.py "$site/vllm/vllm_flash_attn/__init__.py"
-python3 -m pip install -q --no-deps --no-compile "${plat[@]}" --target "$site" "$CACHE"/wheels/*.whl 2>&1 | grep -v "Running pip as the 'root'" || true
+# grep's own status is dropped (it is 1 when pip prints nothing else), pip's is not (pipefail): a
+# failed install stops the build instead of packing a bundle without these packages.
+python3 -m pip install -q --no-deps --no-compile "${plat[@]}" --target "$site" "$CACHE"/wheels/*.whl 2>&1 \
+  | { grep -v "Running pip as the 'root'" || true; }
 cp scripts/gpu_bundle/kvhint_gpu_bundle_shim.py "$site/"
 di="$site/kvhint_gpu_bundle_shim-0.1.dist-info"; mkdir -p "$di"
 printf 'Metadata-Version: 2.1\nName: kvhint-gpu-bundle-shim\nVersion: 0.1\n' >"$di/METADATA"

@@ -40,6 +40,9 @@ case "$mode" in
   check) ;;
   *) echo "usage: $0 stash | check [gpu_check.sh args]" >&2; exit 2 ;;
 esac
+# An earlier check's files in OUT never pass for this one's: a check that stops before gpu_check.sh
+# (exit 2 or 3), or whose gpu_check.sh writes no results, would leave them beside its bundle_env.txt.
+rm -f "$OUTDIR"/gpu_check_results.md "$OUTDIR"/gpu_check_results.json "$OUTDIR"/smoke.log "$OUTDIR"/gpu_check_logs.tgz
 
 ENV_TXT="$OUTDIR/bundle_env.txt"
 {

@@ -153,6 +153,22 @@ def test_run_refuses_a_bundle_with_a_part_missing(tmp_path):
     assert "bundle incomplete: 1 of 2 parts" in (tmp_path / "out" / "bundle_env.txt").read_text()
 
 
+def test_an_earlier_checks_results_do_not_outlive_a_check_that_stops_early(tmp_path):
+    """OUT (default ./gpu_bundle_out) is kept between checks run by hand: a check that stopped
+    before gpu_check.sh (here a part missing) left the earlier run's PASS results beside its own
+    bundle_env.txt."""
+    parts = _bundle(tmp_path)
+    shutil.rmtree(parts / "part2")
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = ["gpu_check_results.md", "gpu_check_results.json", "smoke.log", "gpu_check_logs.tgz"]
+    for name in stale:
+        (out / name).write_text("Overall: **PASS**.\n")
+    assert _run(tmp_path, parts, "check").returncode == 2
+    assert "bundle incomplete" in (out / "bundle_env.txt").read_text()
+    assert [name for name in stale if (out / name).exists()] == []
+
+
 def test_run_refuses_a_damaged_part_before_unpacking_anything(tmp_path):
     parts = _bundle(tmp_path, corrupt=True)
     r = _run(tmp_path, parts, "check")
@@ -186,3 +202,88 @@ def test_a_failed_smoke_check_stops_the_run_before_the_gpu_check(tmp_path):
     assert "smoke: dense FAILED" in env_txt and "smoke: hybrid FAILED" in env_txt and "smoke.py exit 1" in env_txt
     assert "the bundle test: no vLLM here" in (tmp_path / "out" / "smoke.log").read_text()
     assert "gpu_check.sh exit" not in env_txt
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# python3 for build.sh without a registry: `pip download` copies the test's wheels, `pip install`
+# does what PIP_INSTALL says; anything else is the real interpreter.
+if [ "$1" = -m ] && [ "$2" = pip ] && { [ "$3" = download ] || [ "$3" = install ]; }; then
+  cmd=$3; dest=; target=; vllm=; shift 3
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      -d) dest=$2; shift ;;
+      --target) target=$2; shift ;;
+      vllm==*) vllm=1 ;;
+    esac
+    shift
+  done
+  if [ "$cmd" = download ]; then
+    mkdir -p "$dest"
+    if [ -n "$vllm" ]; then cp "$FAKE_WHEELS"/vllm-*.whl "$dest"/; else cp "$FAKE_WHEELS"/dep/*.whl "$dest"/; fi
+    exit 0
+  fi
+  if [ "$PIP_INSTALL" = fail ]; then echo "ERROR: the test's pip install failed" >&2; exit 1; fi
+  mkdir -p "$target/fakedep" && touch "$target/fakedep/__init__.py"
+  exit 0
+fi
+exec %s "$@"
+"""
+
+
+def _fake_build_root(tmp_path: Path, pip_install: str) -> tuple[Path, dict[str, str]]:
+    """A copy of scripts/gpu_bundle/ in a repository of its own (build.sh writes ROOT/.gpu_bundle),
+    with a python3 that answers pip from local files: a vLLM wheel holding what build.sh carries
+    (its kernel library, vllm_flash_attn/__init__.py as vLLM ships it) and one dependency wheel."""
+    import zipfile
+
+    root = tmp_path / "repo"
+    shutil.copytree(BUNDLE, root / "scripts" / "gpu_bundle")
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    wheels = tmp_path / "wheels"
+    (wheels / "dep").mkdir(parents=True)
+    with zipfile.ZipFile(wheels / "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl", "w") as whl:
+        whl.writestr("vllm/__init__.py", "")
+        whl.writestr("vllm/_C_stable_libtorch.abi3.so", b"\0" * 64)
+        whl.writestr("vllm/_moe_C_stable_libtorch.abi3.so", b"\0" * 64)
+        whl.writestr("vllm/vllm_flash_attn/__init__.py", _vllm_flash_attn_init().read_text())
+        whl.writestr("vllm-0.32.0.dist-info/METADATA", "Name: vllm\nVersion: 0.32.0\n")
+    (wheels / "dep" / "fakedep-1.0-py3-none-any.whl").write_bytes(b"not read: pip install is stood in for")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON % sys.executable)
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_WHEELS": str(wheels),
+           "PIP_INSTALL": pip_install, "KVHINT_GPU_BUNDLE_CACHE": str(tmp_path / "cache")}
+    return root, env
+
+
+def test_build_stops_when_the_packages_do_not_install(tmp_path):
+    """build.sh filtered pip's output through `grep -v ... || true`, which also threw away pip's
+    own failure: a bundle without the packages the H200 lacks was packed and reported built, and
+    its failure showed only on the GPU machine, in lease time."""
+    root, env = _fake_build_root(tmp_path, pip_install="fail")
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_bundle" / "build.sh")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "the test's pip install failed" in r.stdout + r.stderr
+    assert not (root / ".gpu_bundle").exists()
+
+
+def test_build_packs_parts_that_run_sh_checks_and_unpacks(tmp_path):
+    """The same build with pip installing: parts with a MANIFEST that run.sh accepts, and a site
+    holding vLLM's kernel library (not its other compiled parts), the edited vllm_flash_attn, the
+    installed packages and the shim with its vLLM entry point."""
+    root, env = _fake_build_root(tmp_path, pip_install="ok")
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_bundle" / "build.sh")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (root / ".gpu_bundle" / "part1" / "MANIFEST").exists()
+    r = _run(tmp_path, root / ".gpu_bundle", "check", "--help")
+    assert r.returncode == 0, r.stdout + r.stderr
+    site = tmp_path / "store" / "site"
+    assert (site / "vllm" / "_C_stable_libtorch.abi3.so").exists()
+    assert not (site / "vllm" / "_moe_C_stable_libtorch.abi3.so").exists()
+    assert "raise ImportError" not in (site / "vllm" / "vllm_flash_attn" / "__init__.py").read_text()
+    assert (site / "fakedep" / "__init__.py").exists() and (site / "kvhint_gpu_bundle_shim.py").exists()
+    entry = (site / "kvhint_gpu_bundle_shim-0.1.dist-info" / "entry_points.txt").read_text()
+    assert "[vllm.general_plugins]" in entry and "kvhint_gpu_bundle_shim:register" in entry

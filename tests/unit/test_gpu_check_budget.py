@@ -97,6 +97,29 @@ def test_a_step_skipped_for_time_fails_the_run_and_is_reported(tmp_path: Path) -
     assert "Total wall time 560 s (limit 600 s): **met**." in text
 
 
+def test_a_run_stopped_after_the_first_model_leaves_its_steps_marked_incomplete(tmp_path: Path) -> None:
+    """The results are written after each model: a run the device tool kills during the second
+    model (its hard limit) leaves the first model's steps, marked INCOMPLETE and not ok, never a
+    PASS; the finished run's last write says PASS (before, a killed run left no results file)."""
+    opts = _opts(tmp_path, gc.Budget(570.0, clock=Clock()))
+    seen: list[str] = []
+
+    def steps_for(o: Any, name: str, preset: str, info: dict[str, Any]) -> list[Any]:
+        if name == "hybrid":  # the first model's results are on disk while the second runs
+            seen.append((tmp_path / "gpu_check_results.md").read_text())
+            seen.append((tmp_path / "gpu_check_results.json").read_text())
+        return [gc.Step("generate model", status="pass", summary="ok")]
+
+    assert gc.run_checks(opts, {"dense", "hybrid"}, probe=lambda o: _info(), steps_for=steps_for) == 0
+    text, data = seen[0], json.loads(seen[1])
+    assert "Overall: **INCOMPLETE**" in text and "with hybrid still to check" in text and "PASS" not in text
+    assert data["ok"] is False and data["complete"] is False and data["pending_models"] == ["hybrid"]
+    assert list(data["models"]) == ["dense"]
+    final = json.loads((tmp_path / "gpu_check_results.json").read_text())
+    assert final["ok"] is True and final["complete"] is True and list(final["models"]) == ["dense", "hybrid"]
+    assert "Overall: **PASS**" in (tmp_path / "gpu_check_results.md").read_text()
+
+
 @pytest.mark.parametrize(("wall", "cpu", "verdict", "ok"), [
     (420.0, False, "met", True),
     (612.0, False, "missed", False),
@@ -274,3 +297,29 @@ def test_a_note_from_the_caller_heads_the_results(tmp_path: Path, monkeypatch: p
     monkeypatch.delenv(gc.NOTE_ENV)
     gc.write_results(_opts(tmp_path, budget), _info(), {}, 1.0, error="no CUDA device visible")
     assert "Note:" not in (tmp_path / "gpu_check_results.md").read_text()
+
+
+def test_the_device_probe_exits_with_the_gpu_checks_status(tmp_path: Path) -> None:
+    """scripts/device_probe.sh pipes its commands through `tee`, so its exit status was tee's (0)
+    whatever gpu_check.sh did: a device call running the probe reported success for a failed check.
+    Run on a copy whose gpu_check.sh fails, with stand-ins for nvidia-smi and python3."""
+    import os
+    import shutil
+    import subprocess
+
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "device_probe.sh", root / "scripts" / "device_probe.sh")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for path, text in ((root / "scripts" / "gpu_check.sh", "#!/usr/bin/env bash\necho 'gpu_check: failed here'\nexit 1\n"),
+                       (bin_dir / "nvidia-smi", "#!/usr/bin/env bash\necho 'Fake GPU, 1.0, 1 MiB'\n"),
+                       (bin_dir / "python3", "#!/usr/bin/env bash\necho \"python3 $*\"\n")):
+        path.write_text(text)
+        path.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(root / "scripts" / "device_probe.sh"), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    log = (tmp_path / "out" / "probe.log").read_text()
+    assert "gpu_check: failed here" in log and "gpu_check exit 1" in log, log
+    assert proc.returncode == 1, log
