@@ -242,6 +242,9 @@ def _ttl_cap(reg: Registry, action: str) -> None:
             f"after the clipped {action}, QueryResidency classes are "
             f"{sorted({pb.RetentionState.Class.Name(b.retention.retention_class) for b in blocks})}",
         )
+        endless = [b.position for b in blocks if not b.retention.HasField("expires_at")]
+        check(not endless, f"after the clipped {action}, QueryResidency reports no expires_at for the blocks at positions "
+                           f"{endless[:5]}: their protection has no end")
         latest = max(b.retention.expires_at.seconds for b in blocks)
         check(
             latest <= before + cap + 5,

@@ -98,12 +98,26 @@ def register(reg: Registry) -> None:
     def heartbeat(ctx: CaseContext) -> None:
         plain = ctx.watch_now()
         hidden = ctx.watch_now(filter=pb.EventFilter(session_ids=[ctx.sid("nobody")]))
+        earlier = {"unfiltered": len(plain.messages), "filtered": len(hidden.messages)}  # received before the probe
         target = ctx.latest_sequence()
         for name, watch in (("unfiltered", plain), ("filtered", hidden)):
             watch.wait_for(
                 lambda ms: any(m.HasField("heartbeat") and m.sequence >= target for m in ms), 10,
                 f"a {name} heartbeat with sequence >= {target}",
             )
+        # A heartbeat sent before an event MUST NOT carry that event's sequence or a later one (a client
+        # resuming after it would miss events): those received before the probe are below `target`,
+        # those received since are below the sequence of the next probe.
+        received = {name: list(watch.messages) for name, watch in (("unfiltered", plain), ("filtered", hidden))}
+        following = ctx.latest_sequence()
+        for name, messages in received.items():
+            ahead = []
+            for i, m in enumerate(messages):
+                bound = target if i < earlier[name] else following
+                if m.HasField("heartbeat") and m.sequence >= bound:
+                    ahead.append((m.sequence, bound))
+            check(not ahead, f"{name} heartbeats carry sequences at or past that of the event applied after them "
+                             f"(heartbeat, event): {ahead[:3]}; a heartbeat must carry the latest sequence")
         leaked = [(kind(m), m.sequence) for m in hidden.stop() if kind(m) != "heartbeat"]
         check(not leaked, f"a subscription filtered to an unused session got {leaked[:3]}")
 

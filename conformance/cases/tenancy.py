@@ -68,6 +68,20 @@ def tenants(ctx: CaseContext) -> Iterator[tuple[Tenant, Tenant]]:
             channel.close()
 
 
+def _held_session(ctx: CaseContext, tenant: Tenant, name: str) -> str | None:
+    """A session in `tenant`'s namespace with resident blocks: the first it lists, else one the
+    suite stores through the OpenAI endpoint; None when it lists none and there is no endpoint
+    (then another tenant's hints and listings have nothing of it to reach)."""
+    listed = tenant.sessions(tenant.prefix)
+    if listed:
+        return listed[0].session_id
+    if not ctx.target.need("traffic")[0]:
+        return None
+    session = tenant.prefix + ctx.sid(name)
+    ctx.complete(ctx.small_prompt(name), session)  # the suite stands in for the gateway that sets session ids
+    return session
+
+
 def _status(call) -> grpc.StatusCode | None:  # type: ignore[no-untyped-def]
     try:
         call()
@@ -98,10 +112,10 @@ def register(reg: Registry) -> None:
     )
     def cross_hints(ctx: CaseContext) -> None:
         with tenants(ctx) as (a, b):
-            listed = a.sessions(a.prefix)
-            # A synthetic id, and one of A's live sessions when it has one (then a wrong answer shows).
-            victims = [a.prefix + ctx.sid("victim"), *[s.session_id for s in listed[:1]]]
-            seen_before = sorted(s.SerializeToString(deterministic=True) for s in listed)
+            # A synthetic id, and one of A's live sessions (stored when A has none), where a wrong answer shows.
+            held = _held_session(ctx, a, "held")
+            victims = [a.prefix + ctx.sid("victim"), *([held] if held else [])]
+            seen_before = sorted(s.SerializeToString(deterministic=True) for s in a.sessions(a.prefix))
             for victim in victims:
                 hints = [H.retain(victim, ttl=30), H.pin(victim, ttl=30), H.evict(victim), H.release(victim)]
                 hints.append(pb.Hint(selector=pb.Selector(continuation=pb.ContinuationSelector(
@@ -112,6 +126,9 @@ def register(reg: Registry) -> None:
                           f"{H.describe(result)}, expected REJECTED/PERMISSION_DENIED or MISSING")
             seen_after = sorted(s.SerializeToString(deterministic=True) for s in a.sessions(a.prefix))
             check(seen_after == seen_before, "what tenant A's ListSessions shows changed after tenant B's denied hints")
+            if held is None:
+                raise CaseSkipped("tenant A holds no session and no --openai-url is given to store one: B's hints "
+                                  "had nothing of A's to change")
 
     @reg.case(
         "tenancy", "list-sessions-own-namespace",
@@ -119,11 +136,16 @@ def register(reg: Registry) -> None:
     )
     def own_list(ctx: CaseContext) -> None:
         with tenants(ctx) as (a, b):
+            # A session of each tenant's, so that the other's listing without isolation shows one.
+            held = [_held_session(ctx, t, f"listed-{t.name.lower()}") for t in (a, b)]
             for me, other in ((a, b), (b, a)):
                 for prefix in ("", other.prefix):
                     foreign = [s.session_id for s in me.sessions(prefix) if not s.session_id.startswith(me.prefix)]
                     check(not foreign, f"tenant {me.name} listed {len(foreign)} sessions outside its namespace "
                                        f"(prefix {prefix!r}), e.g. {foreign[:1]}")
+            if not any(held):
+                raise CaseSkipped("neither tenant holds a session and no --openai-url is given to store one: no "
+                                  "listing could show another tenant's session")
 
     @reg.case(
         "tenancy", "foreign-query-and-watch-denied",
