@@ -55,6 +55,12 @@ def parse_tier(value: TierLike) -> kvhint_pb2.Tier.ValueType:
     raise ValueError(f"unknown tier {value!r}; choose one of {sorted(TIER_NAMES.values())}")
 
 
+def enum_name(enum: object, prefix: str, value: int) -> str:
+    """`value`'s name in `enum` without `prefix` ("EVICTED" for RemovalCause 1); the number for a
+    value this client does not know (a newer server's: proto3 enums are open), never an error."""
+    return _enum_short_name(enum, prefix, value)
+
+
 def _enum_short_name(enum: object, prefix: str, value: int) -> str:
     try:
         name: str = enum.Name(value)  # type: ignore[attr-defined]

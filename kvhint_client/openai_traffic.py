@@ -36,8 +36,8 @@ class Completion:
 
 class CompletionError(RuntimeError):
     """A completion that did not complete: an HTTP error status, an error chunk inside the
-    stream (`status`: its code), or a stream that ended before `[DONE]` (`status`: the
-    response's, 200)."""
+    stream (`status`: its code), or a stream that ended before `[DONE]` or carried a chunk that
+    is not a JSON object (`status`: the response's, 200)."""
 
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"HTTP {status}: {body[:500]}")
@@ -102,7 +102,12 @@ def complete(
                 if data == "[DONE]":
                     done = True
                     break
-                chunk = json.loads(data)
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    chunk = None
+                if not isinstance(chunk, dict):
+                    raise CompletionError(resp.status, f"not a completions stream chunk: {data[:300]}")
                 failed = _stream_error(chunk)
                 if failed is not None:
                     # The server failed after the 200 header went out (vLLM: the engine died

@@ -104,6 +104,10 @@ def _hints_from_envelope(path: str) -> list[kvhint_pb2.Hint]:
         hints = envelope_to_hints(text)
     except EnvelopeError as error:
         raise UsageError(f"envelope: {error}") from None
+    except ArithmeticError:  # a decimal string such as "1e999999" (decimal.Overflow)
+        raise UsageError(f"envelope {path}: a number is out of range") from None
+    except RecursionError:  # json.loads on arrays / objects nested thousands deep
+        raise UsageError(f"envelope {path}: not valid JSON (nested too deeply)") from None
     if not hints:
         raise UsageError("envelope: it has no actions (nothing to apply)")
     return hints
@@ -113,6 +117,15 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     if args.envelope:
         if args.action:
             raise UsageError("give either an action or --envelope, not both")
+        # the envelope's actions carry their own selectors and bounds: these flags would be ignored
+        ignored = [flag for flag, value in (
+            ("--session", args.session), ("--include-children", args.include_children),
+            ("--continuation", args.continuation), ("--block-hash", args.block_hash), ("--range", args.range),
+            *((_FLAG_NAMES[name], getattr(args, name) is not None) for name in _FLAG_NAMES),
+            ("--max-blocks", args.max_blocks), ("--hint-id", args.hint_id is not None)) if value]
+        if ignored:
+            raise UsageError(f"{', '.join(ignored)} does not apply with --envelope (the envelope's actions give "
+                             "their own selectors and bounds)")
         hints = _hints_from_envelope(args.envelope)
     elif not args.action:
         raise UsageError(f"choose an action ({', '.join(ACTIONS)}) or --envelope FILE")

@@ -50,4 +50,8 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     except ImportError as error:
         raise UsageError(f"bench needs the repository's bench package and numpy (and vllm for `run`): {error}") from None
     except SystemExit as exit_:  # argparse inside the tool: -h (0) or a usage error (2)
-        return int(exit_.code or 0) if isinstance(exit_.code, int) or exit_.code is None else 2
+        if isinstance(exit_.code, int) or exit_.code is None:
+            return int(exit_.code or 0)
+        # SystemExit("message"): the tool's own error (a missing trace, an unknown run); say it
+        print(exit_.code, file=ctx.err, flush=True)
+        return 2

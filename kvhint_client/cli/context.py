@@ -107,6 +107,10 @@ class CliContext:
         retries = getattr(args, "retries", 2)
         if retries < 0:
             raise UsageError("--retries must be >= 0")
+        token = getattr(args, "token", None) or None
+        if token is not None and not all(" " <= c <= "~" for c in token):
+            # gRPC refuses it as a header value only when the call is made (INTERNAL, exit 4)
+            raise UsageError(f"--token / ${TOKEN_ENV} must be printable ASCII (no newline, control or non-ASCII characters)")
         tls = None
         ca, cert, key, name = (getattr(args, a, None) for a in ("ca_cert", "cert", "key", "server_name"))
         for flag, path in (("--ca-cert", ca), ("--cert", cert), ("--key", key)):
@@ -121,7 +125,7 @@ class CliContext:
             return ConnectionConfig(
                 address=self.address,
                 tls=tls,
-                bearer_token=getattr(args, "token", None) or None,
+                bearer_token=token,
                 default_timeout=self.timeout,
                 retry=RetryPolicy(max_attempts=retries + 1, initial_backoff=0.1, max_backoff=1.0),
             )

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvhint.v1 import kvhint_pb2
 
-from ..names import action_name, parse_tier, tier_name
+from ..names import action_name, enum_name, parse_tier, tier_name
 from ..proto_json import message_to_dict
 from ..results import Residency
 from .context import EXIT_NEGATIVE, EXIT_OK, CliContext, UsageError
@@ -66,7 +66,7 @@ def run_capabilities(args: argparse.Namespace, ctx: CliContext) -> int:
     ]
     rows = []
     for support in caps.actions:
-        kinds = ",".join(kvhint_pb2.SelectorKind.Name(k).removeprefix("SELECTOR_KIND_").lower() for k in support.selectors)
+        kinds = ",".join(enum_name(kvhint_pb2.SelectorKind, "SELECTOR_KIND_", k).lower() for k in support.selectors)
         rows.append((action_name(support.action).lower(), "yes" if support.supported else "no", kinds,
                      "yes" if support.supports_range else "", support.notes))
     ctx.print("\n".join(lines) + table(("ACTION", "SUPPORTED", "SELECTORS", "RANGE", "NOTES"), rows))
@@ -97,7 +97,9 @@ def run_residency(args: argparse.Namespace, ctx: CliContext) -> int:
 def residency_json(residency: Residency) -> dict[str, Any]:
     return {
         "blocks": [message_to_dict(b) for b in residency.blocks],
-        "totals": [{"tier": kvhint_pb2.Tier.Name(t), "blocks": n} for t, n in sorted(residency.totals.items())],  # type: ignore[arg-type]
+        # a tier this client does not know (a newer server's) as its number, as message_to_dict writes it
+        "totals": [{"tier": kvhint_pb2.Tier.Name(t) if t in kvhint_pb2.Tier.values() else t, "blocks": n}  # type: ignore[arg-type]
+                   for t, n in sorted(residency.totals.items())],
         "as_of_epoch": residency.as_of_epoch,
         "as_of_sequence": residency.as_of_sequence,
     }

@@ -31,7 +31,11 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
         from engine_integration.tiny_model import make_tiny_model
     except ImportError as error:
         raise UsageError(f"make-tiny-model needs the engine extras (pip install 'kvhint[vllm]'): {error}") from None
-    model = make_tiny_model(args.dir, args.preset)
+    try:
+        model = make_tiny_model(args.dir, args.preset)
+    except OSError as error:  # DIR is a file, under a file, not writable, ...
+        where = error.filename or args.dir
+        raise UsageError(f"make-tiny-model: cannot write {where}: {error.strerror or error}") from None
     if ctx.json:
         ctx.emit_json({"path": str(model.path), "preset": model.preset})
     else:

@@ -10,7 +10,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from kvhint.v1 import kvhint_pb2
 
 from ..durations import duration_to_seconds
-from ..names import reason_name, tier_name
+from ..names import enum_name, reason_name, tier_name
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
@@ -48,7 +48,7 @@ def counts_text(counts: Iterable[kvhint_pb2.TierBlockCount]) -> str:
 def retention_text(state: Optional[kvhint_pb2.RetentionState]) -> str:
     if state is None or state.retention_class in (0, kvhint_pb2.RetentionState.CLASS_ORDINARY):
         return ""
-    name = kvhint_pb2.RetentionState.Class.Name(state.retention_class).removeprefix("CLASS_").lower()
+    name = enum_name(kvhint_pb2.RetentionState.Class, "CLASS_", state.retention_class).lower()
     if state.retention_class == kvhint_pb2.RetentionState.CLASS_RETAINED:
         name += f"(p={state.priority})"
     expires = time_text(state.expires_at)

@@ -16,7 +16,7 @@ from typing import Any
 from kvhint.v1 import kvhint_pb2
 
 from ..builders import event_filter
-from ..names import action_name, event_kind_name, operation_state_name, outcome_name, reason_name, tier_name
+from ..names import action_name, enum_name, event_kind_name, operation_state_name, outcome_name, reason_name, tier_name
 from ..proto_json import message_to_dict
 from .context import EXIT_NEGATIVE, EXIT_OK, CliContext, UsageError
 from .output import hashes_text, time_text
@@ -46,9 +46,12 @@ def _resume(text: str) -> tuple[str, int]:
     if not sep or not epoch:
         raise UsageError(f"--resume must look like EPOCH:SEQ, got {text!r}")
     try:
-        return epoch, int(seq)
+        sequence = int(seq)
     except ValueError:
         raise UsageError(f"--resume sequence must be an integer, got {seq!r}") from None
+    if not 0 <= sequence <= 2**64 - 1:
+        raise UsageError(f"--resume sequence must be in 0..{2**64 - 1}, got {seq!r}")
+    return epoch, sequence
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
@@ -121,7 +124,7 @@ def event_line(message: kvhint_pb2.WatchEventsResponse) -> str:
                        "hit" if e.prefix_hit else "", _coords(e.coordinates), f"[{hashes_text(e.block_hashes)}]")
     elif kind == "blocks_removed":
         r = message.blocks_removed
-        cause = kvhint_pb2.RemovalCause.Name(r.cause).removeprefix("REMOVAL_CAUSE_").lower()
+        cause = enum_name(kvhint_pb2.RemovalCause, "REMOVAL_CAUSE_", r.cause).lower()
         detail = _join(f"tier={tier_name(r.tier)} n={len(r.block_hashes)} cause={cause}",
                        "last_copy" if r.last_copy else "", _coords(r.coordinates), f"[{hashes_text(r.block_hashes)}]")
     elif kind == "tier_transfer_completed":
@@ -140,6 +143,10 @@ def event_line(message: kvhint_pb2.WatchEventsResponse) -> str:
         op = message.operation_completed.operation
         detail = _join(f"op={op.operation_id} {action_name(op.action).lower()} {operation_state_name(op.state)}",
                        reason_name(op.reason))
+    elif kind == "membership_changed":
+        m = message.membership_changed
+        cause = enum_name(kvhint_pb2.MembershipChanged.Cause, "CAUSE_", m.cause).lower()
+        detail = f"session={m.session_id} n={len(m.block_hashes)} cause={cause} [{hashes_text(m.block_hashes)}]"
     elif kind == "all_blocks_cleared":
         detail = f"tier={tier_name(message.all_blocks_cleared.tier)}"
     elif kind == "snapshot_begin":
@@ -150,6 +157,6 @@ def event_line(message: kvhint_pb2.WatchEventsResponse) -> str:
         detail = f"session={c.session_id or '(none)'} blocks={len(c.blocks)}"
     elif kind == "resync":
         r2 = message.resync
-        cause = kvhint_pb2.Resync.Cause.Name(r2.cause).removeprefix("CAUSE_").lower()
+        cause = enum_name(kvhint_pb2.Resync.Cause, "CAUSE_", r2.cause).lower()
         detail = _join(f"cause={cause} current_epoch={r2.current_epoch} oldest={r2.oldest_sequence}", r2.message)
     return f"{head} {detail}".rstrip()

@@ -126,6 +126,10 @@ def test_usage_errors_exit_2_without_calling_the_server(fake: RunningServer) -> 
         (["sessions", "--page-size", "99999999999"], "--page-size must be in 0..4294967295"),
         (["residency", "--session", "S", "--page-size", "-1"], "--page-size must be in"),
         (["apply", "--envelope", "-"], "envelope: it has no actions"),
+        (["apply", "--envelope", "-", "--max-blocks", "3"], "--max-blocks does not apply with --envelope"),
+        (["apply", "--envelope", "-", "--session", "S", "--ttl", "5"], "--session, --ttl does not apply with --envelope"),
+        (["watch", "--resume", "E1:-5"], "--resume sequence must be in 0..18446744073709551615"),
+        (["watch", "--resume", f"E1:{2**64}"], "--resume sequence must be in 0..18446744073709551615"),
     ]
     stdin = json.dumps({"protocol_version": "0.1", "message_id": "x", "actions": []})
     watched = fake.servicer.count("WatchEvents")  # the fixture's server is shared with other tests
@@ -145,6 +149,28 @@ def test_an_envelope_file_that_is_not_utf8_is_a_usage_error(fake: RunningServer,
     envelope.write_text(json.dumps({"protocol_version": "0.1", "message_id": "x", "actions": []}), encoding="utf-16")
     run = kvhint("apply", "--envelope", str(envelope), address=fake.address)
     assert run.returncode == 2 and "not UTF-8 JSON" in run.stderr, run.stderr
+
+
+def test_an_envelope_with_an_overflowing_number_or_deep_nesting_is_a_usage_error(fake: RunningServer) -> None:
+    action = {"action_id": "a", "action_type": "kv.pin", "action_version": "1.0",
+              "payload": {"selector": {"session_id": "S"}, "ttl_seconds": "1e999999"}}
+    overflowing = json.dumps({"protocol_version": "0.1", "message_id": "m", "actions": [action]})
+    nested = "[" * 100_000 + "]" * 100_000
+    too_long = ("kvhint: envelope: action 0 (id 'a'), kv.pin: ttl_seconds must be at most 315576000000 seconds "
+                "(google.protobuf.Duration's range), got '1e999999'")
+    for stdin, message in ((overflowing, too_long),
+                           (nested, "kvhint: envelope -: not valid JSON (nested too deeply)")):
+        run = kvhint("apply", "--envelope", "-", address=fake.address, stdin=stdin)
+        assert run.returncode == 2 and run.stderr.strip().splitlines() == [message], run.stderr
+    assert fake.servicer.count("ApplyHints") == 0
+
+
+def test_a_token_that_is_not_a_header_value_is_a_usage_error(fake: RunningServer) -> None:
+    for token in ("tok\r", "line\nbreak", "caf\u00e9"):
+        run = kvhint("capabilities", "--token", token, address=fake.address)
+        assert run.returncode == 2 and "--token / $KVHINT_TOKEN must be printable ASCII" in run.stderr, run.stderr
+    assert fake.servicer.count("GetCapabilities") == 0
+    assert kvhint("capabilities", "--token", "a-token_with.ok~chars", address=fake.address).returncode == 0
 
 
 def test_invalid_argument_from_server_exit_2_with_reason_and_field(fake: RunningServer) -> None:
@@ -240,6 +266,48 @@ def test_watch_count_and_resume(fake: RunningServer) -> None:
     request = fake.servicer.watch_requests[0]
     assert (request.start, request.resume_epoch, request.resume_after_sequence) == (
         kvhint_pb2.WatchEventsRequest.START_RESUME, "E1", 8)
+
+
+def test_watch_prints_membership_changes(fake: RunningServer) -> None:
+    left = kvhint_pb2.MembershipChanged(session_id="S", block_hashes=[h(1), h(2)],
+                                        cause=kvhint_pb2.MembershipChanged.CAUSE_RELEASED)
+    fake.servicer.watch_scripts = [[kvhint_pb2.WatchEventsResponse(epoch="E1", sequence=9, membership_changed=left), HANG]]
+    run = kvhint("watch", "--count", "1", address=fake.address)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"E1:9 - MEMBERSHIP_CHANGED session=S n=2 cause=released [{h(1).hex()},{h(2).hex()}]"
+
+
+def test_values_a_newer_server_adds_print_as_numbers(fake: RunningServer) -> None:
+    """proto3 enums are open: a cause, class, tier or selector kind this client does not know
+    shows as its number instead of ending the command with a traceback."""
+    fake.servicer.watch_scripts = [[
+        kvhint_pb2.WatchEventsResponse(epoch="E1", sequence=9, blocks_removed=kvhint_pb2.BlocksRemoved(
+            tier=kvhint_pb2.TIER_DEVICE, block_hashes=[h(1)], cause=42)),
+        kvhint_pb2.WatchEventsResponse(epoch="E1", sequence=9, resync=kvhint_pb2.Resync(cause=43, current_epoch="E1")),
+    ]]
+    run = kvhint("watch", address=fake.address)
+    assert run.returncode == 1, run.stderr
+    lines = run.stdout.splitlines()
+    assert "BLOCKS_REMOVED tier=device n=1 cause=42" in lines[0] and "RESYNC cause=43" in lines[1], run.stdout
+    fake.servicer.blocks = [kvhint_pb2.BlockInfo(block_hash=h(1), tiers=[kvhint_pb2.TIER_DEVICE, 9],
+                                                 retention=kvhint_pb2.RetentionState(retention_class=7))]
+    run = kvhint("residency", "--session", "S", address=fake.address)
+    assert run.returncode == 0 and "totals device=1 9=1" in run.stdout, run.stderr
+    row = run.stdout.splitlines()[1].split()
+    assert row[2:5] == ["device,9", "-", "7"], run.stdout  # TIERS, IN_USE, RETENTION (an unknown class)
+    run = kvhint("residency", "--session", "S", "--json", address=fake.address)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["totals"] == [{"tier": "TIER_DEVICE", "blocks": 1}, {"tier": 9, "blocks": 1}]
+    fake.servicer.capabilities.actions[0].selectors.append(9)
+    run = kvhint("capabilities", address=fake.address)
+    assert run.returncode == 0 and "session,9" in run.stdout, run.stderr
+
+
+def test_bench_tool_errors_are_printed(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    run = kvhint("bench", "run", "--trace", str(missing), "--out", str(tmp_path / "out"))
+    assert run.returncode == 2
+    assert "error" in run.stderr and str(missing) in run.stderr, run.stderr
 
 
 def test_watch_duration_ends_a_quiet_stream(fake: RunningServer) -> None:

@@ -204,7 +204,9 @@ def test_unknown_version_names_the_supported_one() -> None:
         ({"selector": {"session_id": "S"}}, "kv.pin needs ttl_seconds"),
         ({"selector": {"session_id": "S"}, "ttl_seconds": 0}, "ttl_seconds must be > 0"),
         ({"selector": {"session_id": "S"}, "ttl_seconds": "soon"}, "ttl_seconds must be a number"),
-        ({"selector": {"session_id": "S"}, "ttl_seconds": 1e12}, "ttl must be at most 315576000000 seconds"),
+        ({"selector": {"session_id": "S"}, "ttl_seconds": 1e12}, "ttl_seconds must be at most 315576000000 seconds"),
+        # a decimal string past any range: decimal.Overflow escaped as a traceback before
+        ({"selector": {"session_id": "S"}, "ttl_seconds": "1e999999"}, "ttl_seconds must be at most 315576000000 seconds"),
         ({"selector": {"session_id": "S"}, "ttl_seconds": 1, "priority": 3}, r"unknown payload key\(s\) \['priority'\]"),
         ({"selector": {"session_id": ""}, "ttl_seconds": 1}, "session_id must not be empty"),
         ({"selector": {"session_id": "S", "continuation_id": "c"}, "ttl_seconds": 1}, "exactly one of"),

@@ -43,3 +43,12 @@ def test_the_window_preset_writes_a_qwen2_whose_every_layer_slides(tmp_path: Pat
     # vLLM 0.32 serves Qwen2 with all layers sliding (one sliding-window KV-cache group) but refuses a mix
     assert config["layer_types"] == ["sliding_attention"] * 4 and config["sliding_window"] == 128
     assert config["use_sliding_window"] is True and config["max_window_layers"] == 0
+
+
+def test_a_dir_that_cannot_be_written_is_a_one_line_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    (tmp_path / "f").write_text("a file, not a directory")
+    for target in (tmp_path / "f", tmp_path / "f" / "m"):
+        assert main(["make-tiny-model", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvhint: make-tiny-model: cannot write {tmp_path / 'f'}") and len(err.splitlines()) == 1, err

@@ -1,6 +1,6 @@
 """`openai_traffic.complete` against a loopback HTTP server that streams what vLLM's OpenAI
 server sends: a failure after the 200 header (vLLM's engine dying mid-request) is an error,
-not an empty completion with 0 cached tokens."""
+not an empty completion with 0 cached tokens, and so is a chunk that is not JSON."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ STREAMS: dict[str, list[object]] = {
     "old-error-chunk": [{"object": "error", "message": "bad", "type": "BadRequestError", "code": 400}, "[DONE]"],
     "error-no-code": [TOKEN, {"error": {"message": "lost"}}],
     "cut-short": [TOKEN],
+    "not-json": [TOKEN, "{truncated", "[DONE]"],
+    "not-an-object": [TOKEN, "[1, 2]", "[DONE]"],
 }
 
 
@@ -58,4 +60,11 @@ def test_an_error_chunk_raises_with_its_code(base_url: str, stream: str, status:
 def test_a_stream_cut_short_raises(base_url: str) -> None:
     with pytest.raises(CompletionError, match=r"ended without \[DONE\]") as failed:
         complete(base_url, [1, 2, 3], extra_headers={"X-Stream": "cut-short"})
+    assert failed.value.status == 200
+
+
+@pytest.mark.parametrize("stream", ["not-json", "not-an-object"])
+def test_a_chunk_that_is_not_a_json_object_raises(base_url: str, stream: str) -> None:
+    with pytest.raises(CompletionError, match="not a completions stream chunk") as failed:
+        complete(base_url, [1, 2, 3], extra_headers={"X-Stream": stream})
     assert failed.value.status == 200
