@@ -354,7 +354,7 @@ MUTANTS = (
         "kvhint_client/envelope.py",
         r"        target = blocks\(hashes\)  # \(one list",
         "        target = blocks(*hashes)  # (one list",
-        "an envelope's block_hashes of one item that is not a hash raises TypeError, not EnvelopeError",
+        "an envelope's block_hashes of one item that is a list is taken for the list of hashes",
     ),
     Mutant(
         "tier-unsent-store-kept",

@@ -215,6 +215,8 @@ def test_unknown_version_names_the_supported_one() -> None:
         ({"selector": {"block_hashes": [None]}, "ttl_seconds": 1}, "block hash must be bytes, hex or int, got NoneType"),
         ({"selector": {"block_hashes": [1.5]}, "ttl_seconds": 1}, "block hash must be bytes, hex or int, got float"),
         ({"selector": {"block_hashes": ["ab", None]}, "ttl_seconds": 1}, "block hash must be bytes, hex or int, got NoneType"),
+        # one item that is a list: it was taken for the list of hashes (two blocks selected)
+        ({"selector": {"block_hashes": [["ab", "cd"]]}, "ttl_seconds": 1}, "block hash must be bytes, hex or int, got list"),
         ({"selector": {"session_id": "S", "range": {"start": 5, "end": 2}}, "ttl_seconds": 1}, "greater than start"),
         ({"selector": {"session_id": "S", "colour": 1}, "ttl_seconds": 1}, "unknown selector key"),
         ({"ttl_seconds": 1}, "needs a selector"),
