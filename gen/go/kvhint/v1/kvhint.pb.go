@@ -1636,8 +1636,10 @@ func (x *PinAction) GetExpectedReuseIn() *durationpb.Duration {
 // ReleaseAction drops the retention and pins that the selected session holds.
 // Its blocks become the first candidates for eviction (still reusable until
 // evicted). Blocks retained or pinned by other sessions keep that protection,
-// and blocks another session is a member of (a shared prefix) keep their place
-// in the eviction order.
+// and the Release does not move blocks another session is a member of (a
+// shared prefix) to the front of the eviction order. A block whose protection
+// the Release ends is an ordinary cached block again, placed where the engine
+// places one whose TTL ran out (vLLM: the front of its free queue).
 // Outcome: ACCEPTED, CLIPPED (MAX_BLOCKS), or MISSING when nothing was
 // selected. HintResult.affected_blocks counts, each once, the blocks whose
 // retention or pins it dropped and the blocks it made first candidates. A
