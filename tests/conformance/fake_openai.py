@@ -14,8 +14,9 @@ import hashlib
 import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from http_stub import QuietHandler, serving  # tests/client (the caller puts it on sys.path)
 
 
 def _chain(prompt: list[int], block_size: int) -> list[bytes]:
@@ -34,10 +35,7 @@ def openai_over(engine: Any) -> Iterator[str]:
     block_size = engine.info().block_size
     lock = threading.Lock()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
+    class Handler(QuietHandler):
         def _send(self, body: bytes, content_type: str = "application/json") -> None:
             self.send_response(200)
             self.send_header("Content-Type", content_type)
@@ -69,11 +67,5 @@ def openai_over(engine: Any) -> Iterator[str]:
             self._send(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n",
                        "text/event-stream")
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Handler) as url:
+        yield url

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(TESTS / "unit")]
+sys.path[:0] = [str(TESTS / "unit"), str(TESTS / "client")]
 
 from fake_openai import openai_over  # noqa: E402
 from kvhint_unit_support import Harness, local_engine_info  # noqa: E402
