@@ -349,11 +349,15 @@ def _parse_state(state: Mapping[str, Any]) -> list[tuple[tuple[str, ...], list[f
             if x is None and version >= 2:
                 values.append(math.inf)  # a pause that ended its session
                 continue
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+            try:  # (JSON integers have any number of digits: one past float's range overflows here)
+                value = math.nan if isinstance(x, bool) or not isinstance(x, (int, float)) else float(x)
+            except OverflowError:
+                value = math.inf
+            if not math.isfinite(value) or value < 0:
                 raise ValueError(
                     f"pause state key {list(key)!r}: every sample must be a finite number >= 0"
                     f"{' or null' if version >= 2 else ''}, got {x!r}"
                 )
-            values.append(float(x))
+            values.append(value)
         out.append((key, values))
     return out

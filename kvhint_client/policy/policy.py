@@ -230,6 +230,7 @@ class _Intent:
     owner: str  # session id or "template:<id>"
     hint: pb.Hint
     order: float  # drain order within a kind (lower first)
+    seq: int = 0  # when it was queued (later intents have higher numbers)
 
 
 _KIND_ORDER = {"release": 0, "keep": 1, "demote": 2, "prefetch": 3}
@@ -330,6 +331,7 @@ class SessionPolicy:
                 parent.state, parent.pause_start = "waiting", now
                 parent.keys, parent.prior = (("children", parent.cls or ""), ("children",)), None
             # The child's first request reads the parent's context: the parent's blocks are due now.
+            self._bring_back(parent, now)
             self._keep(parent, now, self.config.resume_s)
         elif isinstance(signal, ChildJoined):
             self._joined(signal.parent_session_id, signal.child_session_id, now)
@@ -350,11 +352,16 @@ class SessionPolicy:
         """`s`'s next request is imminent (its tool call returned, its last child joined): keep
         it due, and bring a demoted session's blocks back from the lower tier now."""
         s.state, s.due_since = "resuming", now
+        self._bring_back(s, now)
+        self._keep(s, now, self.config.resume_s)
+
+    def _bring_back(self, s: _Session, now: float) -> None:
+        """`s`'s blocks are about to be read: a demoted session's are prefetched now instead of at
+        its predicted resume."""
         if s.demoted and self.tiers:
             s.prefetch_at = None
             self._queue("prefetch", s.sid, session(s.sid).prefetch(), now)
         s.demoted = False
-        self._keep(s, now, self.config.resume_s)
 
     def _joined(self, parent_id: str, child_id: str, now: float) -> None:
         """The parent collected the child's result: the child is done (released like an ended
@@ -592,8 +599,9 @@ class SessionPolicy:
             self._outbox.pop((kind, owner), None)
 
     def _queue(self, kind: str, owner: str, hint: pb.Hint, order: float) -> None:
-        hint.hint_id = f"{self._id_prefix}{next(self._ids)}"
-        self._outbox[(kind, owner)] = _Intent(kind, owner, hint, order)
+        seq = next(self._ids)
+        hint.hint_id = f"{self._id_prefix}{seq}"
+        self._outbox[(kind, owner)] = _Intent(kind, owner, hint, order, seq)
 
     # ------------------------------------------------------------ time passing
 
@@ -782,15 +790,19 @@ class SessionPolicy:
     def requeue(self, hints: Sequence[pb.Hint]) -> None:
         """Hints taken with `due` (or `drain`) that got no result (the RPC failed): queued again,
         under the same id, unless a newer hint for the same target was queued meanwhile, or the
-        target was let go meanwhile (the session ended, a Release of it is queued: a template
-        retired, a session predicted not to come back), which only its Release still needs.
+        target was let go meanwhile (the session ended, a Release of it was queued after it: a
+        template retired, a session predicted not to come back), which only its Release still
+        needs. (A hint queued after a Release, for a session id used again or a template declared
+        again, goes out after that Release again.)
         Their sends still count against the rate limit."""
         for hint in hints:
             intent = self._sent.pop(hint.hint_id, None)
             if intent is None:
                 continue
-            if intent.kind != "release" and (intent.owner in self._ended or ("release", intent.owner) in self._outbox):
-                continue  # (a keep, Demote or Prefetch of a target let go meanwhile is moot)
+            release = self._outbox.get(("release", intent.owner))
+            if intent.kind != "release" and (intent.owner in self._ended or (release is not None and release.seq > intent.seq)):
+                continue  # (a keep, Demote or Prefetch of a target let go meanwhile is moot; one queued
+                # after a Release, of a session revived or a template declared again, is not)
             self._outbox.setdefault((intent.kind, intent.owner), intent)
             self._count("requeued")
 

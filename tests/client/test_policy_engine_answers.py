@@ -25,6 +25,7 @@ from kvhint_client.policy import (
     SessionEnded,
     SessionPolicy,
     TemplateDeclared,
+    TemplateRetired,
     ToolCallFinished,
     ToolCallStarted,
 )
@@ -98,6 +99,20 @@ def test_a_demoted_session_whose_tool_returns_early_is_prefetched_at_once() -> N
     assert expected(last_keep(sink, "a")) == pytest.approx(policy.config.resume_s)
 
 
+def test_a_demoted_parent_that_spawns_a_child_is_prefetched_at_once() -> None:
+    """A spawn makes the parent's blocks due at once: the child's first request reads them. A
+    parent demoted for a long pause got only a Retain then, with its blocks on the lower tier, and
+    its Prefetch stayed scheduled for the pause's predicted resume, long after the child read."""
+    policy, t = demoting_policy()
+    sink = RecordingSink()
+    policy.observe(ToolCallStarted("a", tools=("build",), t=t))
+    policy.flush(sink, t)
+    policy.observe(ChildSpawned("a", "a.c0", t=t + 3.0))
+    policy.flush(sink, t + 3.0)
+    assert actions(sink, "a") == ["demote", "retain", "prefetch"]
+    assert expected(last_keep(sink, "a")) == pytest.approx(policy.config.resume_s)
+
+
 # --------------------------------------------------------------------------- failed RPCs
 
 
@@ -137,6 +152,33 @@ def test_a_newer_hint_replaces_a_requeued_one() -> None:
     sink.fail = False
     policy.flush(sink, 0.3)
     assert actions(sink, "a") == ["release"]
+
+
+def test_a_hint_queued_after_a_release_survives_a_failed_rpc_with_it() -> None:
+    """A template retired and declared again, and a session that ended and sent a request under
+    the same id, before one flush: the batch carries the Release and then the new keep. When that
+    RPC failed only the Release was queued again (a queued Release made every keep of its target
+    moot, even one newer than it), leaving the template unprotected until its refresh (half its
+    TTL) and the revived session until its prediction passed."""
+    policy, trainer = make(PolicyConfig(template_ttl_s=100))
+    t = train(policy, trainer, "y", [5.0] * 5, "trainer", 0.0)
+    policy.observe(TemplateDeclared("sys", continuation("sys-v1"), t=t))
+    policy.observe(RequestSent("a", t=t))
+    policy.observe(ToolCallStarted("a", tools=("y",), t=t))
+    policy.flush(trainer, t)
+    policy.observe(TemplateRetired("sys", t=t + 1))
+    policy.observe(TemplateDeclared("sys", continuation("sys-v1"), t=t + 1))
+    policy.observe(SessionEnded("a", t=t + 1))
+    policy.observe(RequestSent("a", t=t + 1))  # the id is used again
+    policy.observe(ToolCallStarted("a", tools=("y",), t=t + 1))
+    sink = FailingSink()
+    with pytest.raises(ConnectionError):
+        policy.flush(sink, t + 1)
+    sink.fail = False
+    policy.flush(sink, t + 1.5)
+    assert actions(sink, "a") == ["release", "retain"]
+    template = [h.WhichOneof("action") for h in sink.hints if h.selector.continuation.continuation_id == "sys-v1"]
+    assert template == ["release", "retain"]
 
 
 # --------------------------------------------------------------------------- children and templates

@@ -193,6 +193,8 @@ BAD = [
     ("infinite sample", _with(("keys", 1, "samples"), [math.inf]), "finite number >= 0"),
     ("string sample", _with(("keys", 1, "samples"), ["3.0"]), "finite number >= 0"),
     ("boolean sample", _with(("keys", 1, "samples"), [True]), "finite number >= 0"),
+    # A JSON integer past float's range (json.loads gives an int): OverflowError escaped load.
+    ("integer sample past float's range", _with(("keys", 1, "samples"), [1.0, 10**400]), "finite number >= 0"),
 ]
 
 
