@@ -54,6 +54,7 @@ from kvhint_server.model import (
     EngineInfo,
     Reason,
     RemovalCause,
+    RetentionClass,
     RetentionView,
     SelectorKind,
     Tier,
@@ -276,19 +277,30 @@ class VllmAdapter:
             yield BlockState(ext, Tier.DEVICE.bit, in_use=any(b.ref_cnt > 0 for b in self._copies(ext)))
 
     def refile(self, hashes: Iterable[bytes]) -> None:
-        """File every free copy of these blocks by its class, in this order: a copy already
-        filed so is filed again as the most recent of its bucket, so a hint sent again over a
-        longer chain (the next turn's) orders the whole chain tail first, not the blocks an
-        earlier grant filed first (they are the chain's start)."""
+        """File every free copy of these blocks by its class. `hashes` come tail first (the
+        order they should become eviction candidates; a hash listed twice counts at its last
+        place), and both destinations keep it: a block that stays protected is filed as the
+        most recent of its bucket in this order (one already filed so is filed again), so
+        the chain's tail is its bucket's first to go and a hint sent again over a longer
+        chain (the next turn's) orders the whole chain tail first; a block that becomes
+        ordinary leaves its bucket for the free queue's head, one at a time, so those are
+        taken in the reverse order, which leaves the tail at the head."""
         core, refile_block, copies_of = self.core, self.pool.kvh_refile_block, self._copies
+        ordinary: list[tuple[list[Any], RetentionView]] = []  # (copies, view), filed last, reversed
         for h in hashes:
             copies = copies_of(h)
             # Only free copies are filed by class (refile_block skips blocks in use),
             # so a block every copy of which is in use needs no retention view.
             if copies and any(b.ref_cnt == 0 for b in copies):
                 view = core.retention(h)
+                if view.cls is RetentionClass.ORDINARY:
+                    ordinary.append((copies, view))
+                    continue
                 for block in copies:
                     refile_block(block, view, refresh=True)
+        for copies, view in reversed(ordinary):
+            for block in copies:
+                refile_block(block, view, refresh=True)
         self.pool.kvh_sync_mode()  # the retention order on while anything is retained
 
     def granted_keys(self, keys: list[Any]) -> list[Any]:

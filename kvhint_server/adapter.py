@@ -69,7 +69,14 @@ class EngineAdapter(Protocol):
         """The effective retention class of these blocks changed; re-file
         their free device copies (ask the core for the class:
         `KvHintCore.retention(h)`). `hashes` come in the order they should
-        become eviction candidates within their class: a chain's tail first."""
+        become eviction candidates, a chain's tail first (callers with
+        another order sort with `KvHintCore.tail_first`; a hash listed twice
+        counts at its last place). The adapter keeps that order wherever a
+        block lands: one that stays protected joins its class as the most
+        recent, in the order given; one that becomes ordinary goes ahead of
+        the ordinary eviction order, tail first (for a queue that takes one
+        block at a time at its head: the given order reversed). So a chain's
+        tail is given up before its root either way."""
 
     def demote_first(self, hashes: Iterable[bytes]) -> list[bytes]:
         """Make the free device copies of these blocks the first eviction

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from functools import partial
+from operator import itemgetter
 from typing import TypeVar
 
 from .adapter import EngineAdapter
@@ -73,6 +74,7 @@ SLICE_BUDGET_S = 0.004
 # Device removals after which a lower tier that honours retention keeps a block's retained grants
 # (KvHintCore.end_device_grants): evictions, and Demote's reclaim of the device copies.
 _HELD_BELOW = frozenset((RemovalCause.EVICTED, RemovalCause.DEMOTED))
+_position = itemgetter(0)  # of a (chain position, hash) pair (KvHintCore.tail_first)
 
 
 class EngineStopped(RuntimeError):
@@ -244,11 +246,31 @@ class KvHintCore:
         return bool(self._tasks or self._slices)
 
     def expire_retention(self) -> None:
-        """Engine thread: drop expired grants and re-file their blocks."""
+        """Engine thread: drop expired grants and re-file their blocks, the chains' tails
+        first (the order `EngineAdapter.refile` takes)."""
         if self.ledger.grants:
             expired = self.ledger.expire(self.monotonic())
             if expired:
-                self.adapter.refile(expired)
+                self.adapter.refile(self.tail_first(expired))
+
+    def tail_first(self, hashes: Iterable[bytes]) -> list[bytes]:
+        """These blocks by chain position, the deepest first (several chains interleave by
+        position, equal positions in the given order), then those the index does not know in
+        the given order: the order `EngineAdapter.refile` wants (expiry gets a grant's blocks
+        root first, a Release a set). Also called outside an exclusive section (expiry): a
+        node's position never changes, and one dict lookup per block is safe while the settler
+        changes the index (no Python code runs inside it)."""
+        nodes = self.index.nodes
+        known: list[tuple[int, bytes]] = []
+        unknown: list[bytes] = []
+        for h in hashes:
+            node = nodes.get(h)
+            if node is None:
+                unknown.append(h)
+            else:
+                known.append((node.position, h))
+        known.sort(key=_position, reverse=True)  # stable: equal positions keep the given order
+        return [h for _, h in known] + unknown
 
     # ------------------------------------------------------------ residency bookkeeping
 

@@ -282,7 +282,7 @@ class HintExecutor:
         if not hashes and not released:
             return HintResult.missing(spec.hint_id, "nothing selected and no retention held")
         if released:
-            core.adapter.refile(released)
+            core.adapter.refile(core.tail_first(released))  # a set: each chain's tail first
         # First eviction candidates: blocks nobody else retains or belongs to.
         leaving = set(sessions)
         exclusive = [

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pool_support import BLOCK_SIZE, Cache, evict, hashes, pin, release, retain, session, tokens
 
-from kvhint_server.model import Outcome, Reason
+from kvhint_server.model import Outcome, Reason, RetentionClass
 
 
 def drain(cache: Cache) -> list[bytes]:
@@ -196,6 +196,75 @@ def test_expiry_at_a_step_boundary_refiles(cache):
     cache.core.run_pending()
     assert cache.filed() == {}
     assert set(drain(cache)) == set(cache.chain(kept))
+
+
+# ---------------------------------------------------------------- refile order: the tail first
+
+
+def buckets(cache: Cache) -> list[tuple[RetentionClass, int]]:
+    """(class, priority) of every protected free block, sorted."""
+    return sorted(filing[:2] for filing in cache.filed().values())
+
+
+SHARED = 6  # blocks of the shared prefix (a chance order of a set of six is the tail-first one 1 in 720 runs)
+
+
+def shared_chains(cache: Cache, a_ttl_s: float = 60.0) -> tuple[list[bytes], list[bytes], bytes, bytes]:
+    """Sessions a, b and c over one shared prefix S of SHARED blocks: a is S + two blocks of its
+    own (A), b is S + one block y, c is a's whole chain + one block z and holds no grant (so A is
+    in another session's prefix, and a Release must not demote it). b retains at priority 1,
+    then a at priority 5 with `a_ttl_s`: S and A in bucket 5, y alone in bucket 1.
+    Returns (S, A, y, z)."""
+    prefix = tokens(0, SHARED * BLOCK_SIZE)
+    a = cache.run("a", prefix + tokens(1, 2 * BLOCK_SIZE), "a")
+    b = cache.run("b", prefix + tokens(2, BLOCK_SIZE), "b")
+    c = cache.run("c", prefix + tokens(1, 2 * BLOCK_SIZE) + tokens(3, BLOCK_SIZE), "c")
+    results = cache.apply(retain(session("b"), priority=1), retain(session("a"), priority=5, ttl_s=a_ttl_s))
+    assert [r.outcome for r in results] == [Outcome.ACCEPTED, Outcome.ACCEPTED]
+    shared, own, y, z = cache.chain(a)[:SHARED], cache.chain(a)[SHARED:], cache.chain(b)[-1], cache.chain(c)[-1]
+    assert cache.chain(b)[:SHARED] == shared and cache.chain(c)[:-1] == shared + own
+    assert buckets(cache) == [(RetentionClass.RETAINED, 1)] + [(RetentionClass.RETAINED, 5)] * (SHARED + 2)
+    return shared, own, y, z
+
+
+@pytest.mark.parametrize("noticed", ["under pressure", "at a step boundary"])
+def test_expiry_over_a_lower_grant_refiles_the_chain_tail_first(cache, noticed):
+    """a's priority-5 Retain expires over b's priority-1 Retain on the shared prefix: S joins b's
+    bucket behind y, tail first, so pressure takes the tail before the root and b still resumes
+    from the root. a's own blocks become ordinary and go first, also tail first."""
+    shared, own, y, z = shared_chains(cache, a_ttl_s=10)
+    cache.clock.advance(11)
+    if noticed == "at a step boundary":
+        cache.core.run_pending()
+        assert buckets(cache) == [(RetentionClass.RETAINED, 1)] * (SHARED + 1)
+    cache.take_removed()
+    # Pressure, one block at a time: every block but the shared prefix's first four.
+    taken = [cache.pool.get_new_blocks(1)[0] for _ in range(cache.pool.get_num_free_blocks() - (SHARED - 2))]
+    assert cache.take_removed() == tail_first(own) + [z, y] + tail_first(shared)[:2]
+    cache.pool.free_blocks(taken)
+    resumed = cache.admit("b again", tokens(0, SHARED * BLOCK_SIZE) + tokens(2, BLOCK_SIZE + 1), "b")
+    assert resumed is not None and resumed.hit_tokens == (SHARED - 2) * BLOCK_SIZE
+
+
+def test_release_over_a_lower_grant_refiles_the_chain_tail_first(cache):
+    """Release of a's higher Retain (its blocks come back as a set): S joins b's bucket tail
+    first; A, in c's prefix and so not demoted, becomes ordinary at the queue's head, tail first."""
+    shared, own, y, z = shared_chains(cache)
+    [result] = cache.apply(release(session("a")))
+    assert result.outcome is Outcome.ACCEPTED
+    assert buckets(cache) == [(RetentionClass.RETAINED, 1)] * (SHARED + 1)
+    assert drain(cache) == tail_first(own) + [z, y] + tail_first(shared)
+
+
+def test_expired_blocks_that_become_ordinary_leave_the_tail_first(cache):
+    """A grant with no other owner expires: its chain goes ahead of the ordinary blocks freed
+    after it, tail first, as vLLM frees a request's blocks."""
+    kept = cache.run("kept", tokens(0, SHARED * BLOCK_SIZE), "keep")
+    [result] = cache.apply(retain(session("keep"), ttl_s=10, priority=3))
+    assert result.outcome is Outcome.ACCEPTED
+    later = cache.run("later", tokens(1, 3 * BLOCK_SIZE), "later")
+    cache.clock.advance(11)
+    assert drain(cache) == tail_first(cache.chain(kept)) + tail_first(cache.chain(later))
 
 
 # ---------------------------------------------------------------- Evict
