@@ -182,16 +182,23 @@ def expand_tiers_flag(argv: list[str]) -> list[str]:
         i += 1
     if spec is None:
         return argv
-    if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in out):
+    if _given(out, "--kv-transfer-config"):
         raise SystemExit(f"{TIERS_FLAG} and --kv-transfer-config are exclusive")
     out += ["--kv-transfer-config", json.dumps(tiers_kv_transfer_config(spec))]
-    if not any(a == "--scheduler-cls" or a.startswith("--scheduler-cls=") for a in out):
+    if not _given(out, "--scheduler-cls"):
         out += ["--scheduler-cls", SCHEDULER_CLS]
-    if not any(a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in out):
+    if not _given(out, "--shutdown-timeout"):
         # vLLM's default (0) SIGKILLs EngineCore right after SIGTERM: no time to
         # drain file-tier writes or remove an ephemeral tier.
         out += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     return out
+
+
+def _given(args: list[str], flag: str) -> bool:
+    """Whether `args` set vLLM's option `flag` in any spelling vLLM's parser takes (its
+    FlexibleArgumentParser): `--a-b` or `--a_b`, `=VALUE` or not, or one key of its JSON value
+    (`--kv-transfer-config.kv_connector=X`)."""
+    return any(a.startswith("--") and a.split("=", 1)[0].split(".", 1)[0].replace("_", "-") == flag for a in args)
 
 
 def check_kvhint_environment(args: list[str]) -> None:

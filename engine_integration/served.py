@@ -9,6 +9,7 @@ left, so no EngineCore is orphaned.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -72,8 +73,25 @@ def executor_from_env() -> str:
 
 
 def eager_from_env() -> bool:
-    """Whether ENFORCE_EAGER_ENV asks for eager engines (EngineSpec's default)."""
-    return os.environ.get(ENFORCE_EAGER_ENV) == "1"
+    """Whether ENFORCE_EAGER_ENV asks for eager engines (EngineSpec's default): "1" yes, unset,
+    empty or "0" no; raises ValueError naming the variable on anything else."""
+    value = os.environ.get(ENFORCE_EAGER_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENFORCE_EAGER_ENV}={value!r}: expected 1 (eager) or 0")
+    return value == "1"
+
+
+def gpu_memory_from_env() -> float:
+    """The --gpu-memory-utilization GPU_MEMORY_ENV asks served engines for (EngineSpec's default);
+    raises ValueError naming the variable unless it is a fraction in (0, 1], what vLLM takes."""
+    raw = os.environ.get(GPU_MEMORY_ENV, GPU_MEMORY_DEFAULT)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise ValueError(f"{GPU_MEMORY_ENV}={raw!r}: expected a fraction in (0, 1]")
+    return value
 
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("KVHINT_MODEL_CACHE", Path.home() / ".cache" / "kvhint" / "models"))
@@ -157,7 +175,7 @@ class EngineSpec:
     block_size: int = 32
     num_gpu_blocks: int = 80
     max_model_len: int = 1024
-    gpu_memory_utilization: float = float(os.environ.get(GPU_MEMORY_ENV, GPU_MEMORY_DEFAULT))
+    gpu_memory_utilization: float = field(default_factory=gpu_memory_from_env)
     kvhint: bool = True
     http_port: int = 0
     grpc_port: int = 0
@@ -244,8 +262,12 @@ class ServedEngine:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # The API server is gone, but what it started (EngineCore, workers) may not be:
+                # stop the process group, so a failed start orphans no EngineCore.
+                returncode = self.proc.returncode
+                self.stop()
                 cause = self.root_cause()
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}"
+                raise RuntimeError(f"vllm serve exited with {returncode}"
                                    + (f": {cause}" if cause else "") + f"; log: {self.log_path}\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.http_url + "/health", timeout=2) as r:
@@ -281,9 +303,9 @@ class ServedEngine:
             return ""
 
     def stop(self, timeout: float = 30.0) -> bool:
-        """SIGTERM the API server (it shuts EngineCore down), then SIGKILL
-        whatever is left of the process group. Returns True if nothing had to
-        be killed."""
+        """SIGTERM the API server (it shuts EngineCore down; an API server already gone, the
+        process group), then SIGKILL whatever is left of the process group. Returns True if
+        nothing had to be killed."""
         proc, self.proc = self.proc, None
         if proc is None:
             return True
@@ -294,6 +316,11 @@ class ServedEngine:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 clean = False
+            except ProcessLookupError:
+                pass
+        elif _group_alive(proc.pid):  # the API server exited on its own: nothing shuts down what it started
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 10

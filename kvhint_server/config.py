@@ -23,6 +23,7 @@ import ipaddress
 import logging
 import math
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -181,6 +182,11 @@ class ServerConfig:
             object.__setattr__(self, "subscriber_buffer", self.event_replay_window)
         _check_tls(self.tls_cert_file, self.tls_key_file)
         _check_tenancy(self)
+        if self.rate_limit_burst and not self.rate_limit_hints_per_s:
+            raise ConfigError(
+                f"{env_name('rate_limit_burst')}={self.rate_limit_burst} needs {env_name('rate_limit_hints_per_s')} > 0 "
+                "(without a rate nobody is limited and the burst would be ignored)"
+            )
         if self.metrics_address and _same_listener(self.address, self.metrics_address):
             raise ConfigError(
                 f"{env_name('metrics_address')}={self.metrics_address!r} is the gRPC listen address "
@@ -242,11 +248,14 @@ def _parse(name: str, kind: type, raw: str) -> object:
 # fields (Limits), seconds into google.protobuf.Duration (+-10,000 years).
 MAX_COUNT = 2**31 - 1
 MAX_SECONDS = 315_576_000_000.0
+# The shutdown grace is also a thread wait (KvHintServer.stop joins its thread for the grace
+# + 10 s), and a longer one raises OverflowError at shutdown.
+MAX_SHUTDOWN_GRACE_S = threading.TIMEOUT_MAX - 10.0
 # (low, high, low inclusive) per numeric field; the default is "> 0" up to
 # MAX_SECONDS for `*_s` fields and MAX_COUNT for the rest.
 _RANGES: dict[str, tuple[float, float, bool]] = {
     "pin_budget_fraction": (0.0, 1.0, True),
-    "shutdown_grace_s": (0.0, MAX_SECONDS, True),
+    "shutdown_grace_s": (0.0, MAX_SHUTDOWN_GRACE_S, True),
     "operation_history": (0.0, MAX_COUNT, True),
     "step_apply_budget_ms": (0.0, 3_600_000.0, True),
     "rate_limit_hints_per_s": (0.0, 1e9, True),

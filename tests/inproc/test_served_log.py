@@ -123,3 +123,67 @@ def test_served_engines_run_the_model_in_enginecore_only_when_asked(monkeypatch,
     monkeypatch.setenv(EXECUTOR_ENV, "mp")
     with pytest.raises(ValueError, match="KVHINT_ENGINE_EXECUTOR='mp'"):
         EngineSpec(model="m")
+
+
+def test_an_api_server_that_exits_during_start_up_leaves_no_engine_core_behind(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`vllm serve` can die while EngineCore (in its process group) lives on: start() reports the
+    exit and stops the group, so nothing it started is orphaned. A stand-in for vLLM (no engine):
+    an API server that starts a long-lived child, notes its pid, and exits 3."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from engine_integration.served import ENGINE_FORBIDDEN_ENV
+
+    pid_file = tmp_path / "engine_core.pid"
+    script = ("import subprocess, sys; core = subprocess.Popen(['sleep', '120']); "
+              "open(sys.argv[1], 'w').write(str(core.pid)); sys.exit(3)")
+
+    class ApiServerDies(ServedEngine):
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", script, str(pid_file)]
+
+    monkeypatch.delenv(ENGINE_FORBIDDEN_ENV, raising=False)  # the stand-in starts no vLLM engine
+    served = ApiServerDies(EngineSpec(model=str(tmp_path / "m")), log_path=tmp_path / "engine.log")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="vllm serve exited with 3"):
+        served.start(timeout=60)
+    core = int(pid_file.read_text())
+    try:  # alive: there and not a zombie (killed, not yet reaped by init)
+        alive = Path(f"/proc/{core}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        alive = False
+    if alive:  # leave nothing behind either way
+        os.kill(core, signal.SIGKILL)
+    assert not alive, "the API server's child outlived the failed start"
+    assert time.monotonic() - started < 10
+
+
+def test_served_engines_take_the_memory_share_and_eager_setting_as_the_environment_says(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """KVHINT_GPU_MEMORY_UTILIZATION is read when a spec is made (the caller's value wins, set
+    before or after the import, as the other KVHINT_ENGINE_* settings), and a value vLLM cannot
+    take, or a KVHINT_ENFORCE_EAGER other than 1 / 0, is refused naming the variable (it was an
+    import-time "could not convert string to float", or "true" silently meant not eager)."""
+    from engine_integration.served import ENFORCE_EAGER_ENV, GPU_MEMORY_ENV
+
+    def memory(spec: EngineSpec) -> str:
+        cmd = ServedEngine(spec).command()
+        return cmd[cmd.index("--gpu-memory-utilization") + 1]
+
+    monkeypatch.setenv(GPU_MEMORY_ENV, "0.3")
+    assert memory(EngineSpec(model="m")) == "0.3"
+    monkeypatch.delenv(GPU_MEMORY_ENV)
+    assert memory(EngineSpec(model="m")) == "0.1"
+    assert memory(EngineSpec(model="m", gpu_memory_utilization=0.5)) == "0.5"
+    for bad in ("abc", "", "0", "1.5", "nan"):
+        monkeypatch.setenv(GPU_MEMORY_ENV, bad)
+        with pytest.raises(ValueError, match=f"{GPU_MEMORY_ENV}='{bad}'"):
+            EngineSpec(model="m")
+    monkeypatch.delenv(GPU_MEMORY_ENV)
+    for bad in ("true", "yes", "2"):
+        monkeypatch.setenv(ENFORCE_EAGER_ENV, bad)
+        with pytest.raises(ValueError, match=f"{ENFORCE_EAGER_ENV}='{bad}'"):
+            EngineSpec(model="m")
+    monkeypatch.setenv(ENFORCE_EAGER_ENV, "0")
+    assert not EngineSpec(model="m").enforce_eager

@@ -59,7 +59,7 @@ def test_the_largest_accepted_values_still_serve_get_capabilities():
     from kvhint_server import wire
     from kvhint_server.config import MAX_COUNT, MAX_SECONDS
 
-    config = ServerConfig(max_ttl_s=MAX_SECONDS, **{n: MAX_COUNT for n in NUMERIC if n not in FLOATS})
+    config = ServerConfig(max_ttl_s=MAX_SECONDS, rate_limit_hints_per_s=1.0, **{n: MAX_COUNT for n in NUMERIC if n not in FLOATS})
     caps = wire.capabilities(local_engine_info(), config, "e", MAX_COUNT)
     assert caps.limits.max_ttl.seconds == int(MAX_SECONDS) and caps.limits.max_page_size == MAX_COUNT
 
@@ -232,3 +232,53 @@ def test_metrics_on_a_port_in_use_fail_the_start_naming_the_variable():
             server.stop(grace=0.1)
             engine.stop()
 
+
+
+@pytest.mark.parametrize("given", [["--scheduler_cls", "my.Scheduler"], ["--scheduler-cls=my.Scheduler"],
+                                   ["--shutdown_timeout", "0"], ["--shutdown-timeout=0"]])
+def test_kvhint_tiers_keeps_the_scheduler_and_shutdown_timeout_given_in_any_spelling_vllm_takes(given):
+    """`--kvhint-tiers` adds --scheduler-cls and --shutdown-timeout only when missing. vLLM reads
+    `--scheduler_cls` as `--scheduler-cls` (and the last of two wins), so the operator's value in
+    that spelling must not be replaced by the launcher's."""
+    from engine_integration.launcher import expand_tiers_flag
+
+    args = expand_tiers_flag(["serve", "m", "--kvhint-tiers", "host=16", *given])
+    name = given[0].split("=")[0].replace("_", "-")
+    assert [a for a in args if a.split("=")[0].replace("_", "-") == name] == [given[0]], args
+
+
+@pytest.mark.parametrize("given", [["--kv_transfer_config", '{"kv_connector": "X", "kv_role": "kv_both"}'],
+                                   ["--kv-transfer-config.kv_connector=X"], ["--kv-transfer-config.kv_role", "kv_both"]])
+def test_kvhint_tiers_refuses_a_kv_transfer_config_in_any_spelling_vllm_takes(given):
+    """--kvhint-tiers is vLLM's --kv-transfer-config: one given too, as `--kv_transfer_config` or
+    as a key of it (`--kv-transfer-config.KEY`, which vLLM applies after, replacing the tiers'),
+    is refused, not silently dropped or left to replace the tiers."""
+    from engine_integration.launcher import expand_tiers_flag
+
+    with pytest.raises(SystemExit, match="exclusive"):
+        expand_tiers_flag(["serve", "m", "--kvhint-tiers", "host=16", *given])
+
+
+def test_a_rate_limit_burst_without_a_rate_is_refused_not_ignored():
+    """KVHINT_RATE_LIMIT_HINTS_PER_S 0 (its default) limits nobody, so a KVHINT_RATE_LIMIT_BURST
+    set alone would change nothing: refused naming both, as the tenants file refuses a burst
+    without a rate."""
+    message = _error({"KVHINT_RATE_LIMIT_BURST": "100"})
+    assert "KVHINT_RATE_LIMIT_BURST" in message and "KVHINT_RATE_LIMIT_HINTS_PER_S" in message
+    config = check_environment({"KVHINT_RATE_LIMIT_BURST": "100", "KVHINT_RATE_LIMIT_HINTS_PER_S": "10"})
+    assert (config.rate_limit_hints_per_s, config.rate_limit_burst) == (10.0, 100)
+    assert check_environment({"KVHINT_RATE_LIMIT_BURST": "0"}).rate_limit_burst == 0
+
+
+def test_a_shutdown_grace_no_thread_can_wait_is_refused_at_start():
+    """KvHintServer.stop waits for its thread the grace + 10 s; past threading.TIMEOUT_MAX that
+    wait raises OverflowError, so such a grace was accepted at start and failed the shutdown."""
+    import threading
+
+    assert "KVHINT_SHUTDOWN_GRACE_S" in _error({"KVHINT_SHUTDOWN_GRACE_S": "1e10"})
+    assert threading.TIMEOUT_MAX < 1e10
+    server, engine = _server(address="127.0.0.1:0", shutdown_grace_s=3600.0)
+    try:
+        server.stop(grace=None)  # the configured grace: nothing in flight, so it returns at once
+    finally:
+        engine.stop()
