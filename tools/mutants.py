@@ -93,14 +93,14 @@ MUTANTS = (
     Mutant(
         "release-no-refile",
         "kvhint_server/executor.py",
-        r"(if released:\n\s+)core\.adapter\.refile\(released\)",
+        r"(if released:\n\s+)core\.adapter\.refile\(core\.tail_first\(released\)\)",
         r"\1pass",
         "the executor does not refile after a Release",
     ),
     Mutant(
         "expiry-no-refile",
         "kvhint_server/core.py",
-        r"self\.adapter\.refile\(expired\)",
+        r"self\.adapter\.refile\(self\.tail_first\(expired\)\)",
         "pass",
         "expired grants are dropped from the ledger but their blocks stay protected",
     ),
@@ -369,6 +369,20 @@ MUTANTS = (
         r"            if pf\.promoted_copies:\n                op\.full_since = None",
         "            if pf.hits:\n                op.full_since = None",
         "a hybrid Prefetch whose window copies find no host room runs to its deadline",
+    ),
+    Mutant(
+        "expiry-refiles-root-first",
+        "kvhint_server/core.py",
+        r"self\.adapter\.refile\(self\.tail_first\(expired\)\)",
+        "self.adapter.refile(expired)",
+        "an expired grant's chain joins another owner's bucket root first (the root goes first)",
+    ),
+    Mutant(
+        "refile-ordinary-in-given-order",
+        "engine_integration/adapter.py",
+        r"        for copies, view in reversed\(ordinary\):",
+        "        for copies, view in ordinary:",
+        "blocks that become ordinary reach the free queue's front root last (the root goes first)",
     ),
 )
 
