@@ -54,14 +54,20 @@ def duration_from_decimal(seconds: Decimal) -> duration_pb2.Duration:
     return duration_pb2.Duration(seconds=sign * secs, nanos=sign * nanos)
 
 
+def check_duration_range(seconds: Decimal, name: str, value: object) -> None:
+    """ValueError naming `name` when `seconds` (given as `value`) is past google.protobuf.Duration's
+    range (a server refuses such a Duration as malformed)."""
+    if abs(seconds) >= MAX_DURATION_SECONDS + 1:
+        raise ValueError(f"{name} must be at most {MAX_DURATION_SECONDS} seconds (google.protobuf.Duration's range), "
+                         f"got {value!r}")
+
+
 def to_duration(value: Seconds, *, name: str = "duration", positive: bool = True) -> duration_pb2.Duration:
     """Convert `value` to a Duration; with `positive`, reject values <= 0."""
     seconds = to_decimal_seconds(value, name=name)
     if positive and seconds <= 0:
         raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
-    if abs(seconds) >= MAX_DURATION_SECONDS + 1:
-        raise ValueError(f"{name} must be at most {MAX_DURATION_SECONDS} seconds (google.protobuf.Duration's range, "
-                         f"about 10,000 years), got {value!r}")
+    check_duration_range(seconds, name, value)
     return duration_from_decimal(seconds)
 
 

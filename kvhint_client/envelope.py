@@ -78,7 +78,7 @@ from google.protobuf import duration_pb2
 from kvhint.v1 import kvhint_pb2
 
 from .builders import Target, blocks, continuation, session
-from .durations import MAX_DURATION_SECONDS, duration_from_decimal, duration_to_decimal
+from .durations import check_duration_range, duration_from_decimal, duration_to_decimal
 from .names import TIER_NAMES, parse_tier
 
 PROTOCOL_VERSION = "0.1"
@@ -175,9 +175,7 @@ def _seconds(value: Any, key: str, *, zero: bool = False) -> duration_pb2.Durati
         raise ValueError(f"{key} must be a number of seconds, got {value!r}") from None
     if not seconds.is_finite() or seconds < 0 or (seconds == 0 and not zero):
         raise ValueError(f"{key} must be {'>=' if zero else '>'} 0 seconds, got {value!r}")
-    if seconds >= MAX_DURATION_SECONDS + 1:  # (a string such as "1e999999" overflowed the conversion)
-        raise ValueError(f"{key} must be at most {MAX_DURATION_SECONDS} seconds (google.protobuf.Duration's range), "
-                         f"got {value!r}")
+    check_duration_range(seconds, key, value)  # (a string such as "1e999999" overflowed the conversion)
     return duration_from_decimal(seconds)
 
 

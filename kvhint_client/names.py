@@ -58,10 +58,6 @@ def parse_tier(value: TierLike) -> kvhint_pb2.Tier.ValueType:
 def enum_name(enum: object, prefix: str, value: int) -> str:
     """`value`'s name in `enum` without `prefix` ("EVICTED" for RemovalCause 1); the number for a
     value this client does not know (a newer server's: proto3 enums are open), never an error."""
-    return _enum_short_name(enum, prefix, value)
-
-
-def _enum_short_name(enum: object, prefix: str, value: int) -> str:
     try:
         name: str = enum.Name(value)  # type: ignore[attr-defined]
     except ValueError:
@@ -86,23 +82,23 @@ def _enum_parse(enum: object, prefix: str, text: str, what: str) -> int:
 
 def outcome_name(outcome: int) -> str:
     """"ACCEPTED", "CLIPPED", "DEFERRED", "REJECTED", "MISSING"."""
-    return _enum_short_name(kvhint_pb2.Outcome, "OUTCOME_", outcome)
+    return enum_name(kvhint_pb2.Outcome, "OUTCOME_", outcome)
 
 
 def reason_name(reason: int) -> str:
     """"TTL_CAPPED", "NOT_RESIDENT", ...; "" for REASON_UNSPECIFIED."""
     if reason == kvhint_pb2.REASON_UNSPECIFIED:
         return ""
-    return _enum_short_name(kvhint_pb2.Reason, "REASON_", reason)
+    return enum_name(kvhint_pb2.Reason, "REASON_", reason)
 
 
 def action_name(action: int) -> str:
     """"RETAIN", "PIN", ... for kvhint_pb2.Action values."""
-    return _enum_short_name(kvhint_pb2.Action, "ACTION_", action)
+    return enum_name(kvhint_pb2.Action, "ACTION_", action)
 
 
 def event_kind_name(kind: int) -> str:
-    return _enum_short_name(kvhint_pb2.EventKind, "EVENT_KIND_", kind)
+    return enum_name(kvhint_pb2.EventKind, "EVENT_KIND_", kind)
 
 
 def parse_event_kind(text: str) -> kvhint_pb2.EventKind.ValueType:
@@ -111,4 +107,4 @@ def parse_event_kind(text: str) -> kvhint_pb2.EventKind.ValueType:
 
 
 def operation_state_name(state: int) -> str:
-    return _enum_short_name(kvhint_pb2.Operation.State, "STATE_", state)
+    return enum_name(kvhint_pb2.Operation.State, "STATE_", state)

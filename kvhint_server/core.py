@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from functools import partial
-from operator import itemgetter
 from typing import TypeVar
 
 from .adapter import EngineAdapter
@@ -74,7 +73,6 @@ SLICE_BUDGET_S = 0.004
 # Device removals after which a lower tier that honours retention keeps a block's retained grants
 # (KvHintCore.end_device_grants): evictions, and Demote's reclaim of the device copies.
 _HELD_BELOW = frozenset((RemovalCause.EVICTED, RemovalCause.DEMOTED))
-_position = itemgetter(0)  # of a (chain position, hash) pair (KvHintCore.tail_first)
 
 
 class EngineStopped(RuntimeError):
@@ -261,16 +259,12 @@ class KvHintCore:
         node's position never changes, and one dict lookup per block is safe while the settler
         changes the index (no Python code runs inside it)."""
         nodes = self.index.nodes
-        known: list[tuple[int, bytes]] = []
-        unknown: list[bytes] = []
-        for h in hashes:
+
+        def depth_first(h: bytes) -> int:  # positions are >= 0: unknown blocks (1) sort last
             node = nodes.get(h)
-            if node is None:
-                unknown.append(h)
-            else:
-                known.append((node.position, h))
-        known.sort(key=_position, reverse=True)  # stable: equal positions keep the given order
-        return [h for _, h in known] + unknown
+            return -node.position if node is not None else 1
+
+        return sorted(hashes, key=depth_first)  # stable: ties keep the given order
 
     # ------------------------------------------------------------ residency bookkeeping
 

@@ -359,8 +359,8 @@ MUTANTS = (
     Mutant(
         "tier-unsent-store-kept",
         "engine_integration/tiers/control.py",
-        r"            op\._stale = True\n            if op\._job is not None:  # never handed to the workers",
-        "            op._stale = True\n            if False:  # never handed to the workers",
+        r"            op\._stale = True\n            self\._drop_if_unsent\(job_id, op\)",
+        "            op._stale = True",
         "a Demote's store not yet sent at a connector reset is sent after it, over chunks the reset tier gave out",
     ),
     Mutant(

@@ -397,9 +397,7 @@ class TierControl:
         host copy. vLLM itself has no such job at a reset."""
         for job_id, op in list(self._ops.items()):
             op._stale = True
-            if op._job is not None:  # never handed to the workers: no completion will come
-                op._job = None
-                self._finish_store(self._ops.pop(job_id), success=False)
+            self._drop_if_unsent(job_id, op)
 
     def release_device_holds(self, reason: str) -> list[StoreOp]:
         """Engine thread, just before vLLM resets the device prefix cache with its running requests
@@ -418,10 +416,14 @@ class TierControl:
             pool.free_blocks(blocks)
             op.failed = op.failed or reason
             released.append(op)
-            if op._job is not None:  # never handed to the workers: no completion will come
-                op._job = None
-                self._finish_store(self._ops.pop(job_id), success=False)
+            self._drop_if_unsent(job_id, op)
         return released
+
+    def _drop_if_unsent(self, job_id: int, op: StoreOp) -> None:
+        """A store whose job has not gone to the workers gets no completion: finish it now, failed."""
+        if op._job is not None:
+            op._job = None
+            self._finish_store(self._ops.pop(job_id), success=False)
 
     def _finish_store(self, op: StoreOp, success: bool) -> None:
         if op._stale:
@@ -491,11 +493,11 @@ class Prefetch:
         return sum(1 for k, st in self.state.items() if st is LookupResult.HIT and self._first.get(k) is not LookupResult.HIT)
 
     @property
-    def promoted_blocks(self) -> list[BlockHash]:
+    def promoted_blocks(self) -> set[BlockHash]:
         """Blocks a copy of which the host tier holds now and did not at the first lookup (on a
         hybrid model also a block whose full-attention copy was there and whose window copy came)."""
-        return list(dict.fromkeys(h for k, h in self.keys.items()
-                                  if self.state.get(k) is LookupResult.HIT and self._first.get(k) is not LookupResult.HIT))
+        return {h for k, h in self.keys.items()
+                if self.state.get(k) is LookupResult.HIT and self._first.get(k) is not LookupResult.HIT}
 
     @property
     def hits(self) -> list[BlockHash]:

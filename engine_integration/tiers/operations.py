@@ -368,7 +368,7 @@ class TierOperations:
             # Progress is a copy promoted, not a hit: on a hybrid model a block whose full-attention
             # copy is on the host is a hit every round while its window copy finds no room, and
             # counting it kept the wait from ever ending before the deadline.
-            moved = set(pf.promoted_blocks)
+            moved = pf.promoted_blocks
             op.promoted.extend(h for h in pf.hits if h in moved)
             op.promoted_copies += pf.promoted_copies
             op.prefetch = None
