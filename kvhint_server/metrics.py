@@ -22,8 +22,10 @@ enums of kvhint.v1):
                                             (budget="pin"|"retention"; unlimited: absent)
   tenant_budget_used_blocks{tenant,budget}  blocks the tenant pins / protects now
                                             (tenant names come from the tenants file)
-  rejections_total{cause}                   calls refused RESOURCE_EXHAUSTED:
-                                            queue_full, rate_limited
+  rejections_total{cause}                   calls refused RESOURCE_EXHAUSTED, by their
+                                            ErrorInfo cause: queue_full, rate_limited,
+                                            watch_streams, tenant_watch_streams (WatchEvents
+                                            included: every RPC's refusals count)
   engine_queue_depth                        engine-thread tasks queued now
   deferred_batches_total                    ApplyHints batches that waited past
                                             a spent step budget
@@ -66,7 +68,7 @@ from .events import (
     TierTransferCompleted,
 )
 from .model import Outcome, Reason
-from .overload import CAUSE_QUEUE_FULL, CAUSE_RATE_LIMITED, OverloadStats
+from .overload import CAUSE_QUEUE_FULL, CAUSE_RATE_LIMITED, CAUSE_TENANT_WATCH_STREAMS, CAUSE_WATCH_STREAMS, OverloadStats
 
 if TYPE_CHECKING:
     from .core import KvHintCore
@@ -74,6 +76,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvhint.metrics")
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# rejections_total's cause label -> the OverloadStats counter of those refusals.
+_REJECTIONS = (
+    (CAUSE_QUEUE_FULL, "queue_full"),
+    (CAUSE_RATE_LIMITED, "rate_limited"),
+    (CAUSE_WATCH_STREAMS, "watch_streams"),
+    (CAUSE_TENANT_WATCH_STREAMS, "tenant_watch_streams"),
+)
 _SNAPSHOT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -136,7 +145,7 @@ class KvHintMetrics:
         self.journal_backpressure = Counter("kvhint_residency_journal_backpressure",
                                             "Times the engine thread booked a full journal itself.", **kw)
         self.journal_errors = Counter("kvhint_residency_bookkeeping_errors",
-                                      "Journaled residency changes whose booking raised (logged).", **kw)
+                                      "Residency bookings that raised: journaled ones (logged) and inline ones (raised to their caller).", **kw)
         self.journal_collections = Counter("kvhint_settler_young_collections",
                                            "Young-generation garbage collections the settler ran off the engine "
                                            "thread (deferred bookkeeping).", **kw)
@@ -256,7 +265,7 @@ class MetricsExporter:
 
     def _count_overload(self) -> None:
         now, seen, m = dataclasses.replace(self._core.overload), self._overload_seen, self._m
-        for cause, counter in ((CAUSE_QUEUE_FULL, "queue_full"), (CAUSE_RATE_LIMITED, "rate_limited")):
+        for cause, counter in _REJECTIONS:
             delta = getattr(now, counter) - getattr(seen, counter)
             if delta > 0:
                 m.rejections.labels(cause).inc(delta)

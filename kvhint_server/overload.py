@@ -38,14 +38,17 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .credentials import RepeatedAuthorization, authorization
 
 #: Causes in ErrorInfo.metadata["cause"] and the rejections metric's label.
 CAUSE_QUEUE_FULL = "queue_full"
 CAUSE_RATE_LIMITED = "rate_limited"
+CAUSE_WATCH_STREAMS = "watch_streams"  # WatchEvents: KVHINT_MAX_WATCH_STREAMS open (watch.py)
+CAUSE_TENANT_WATCH_STREAMS = "tenant_watch_streams"  # WatchEvents: the tenant's KVHINT_MAX_WATCH_STREAMS_PER_TENANT
 #: Bounds of the RetryInfo a full queue advertises (seconds).
 MIN_QUEUE_RETRY_S, MAX_QUEUE_RETRY_S = 0.005, 1.0
 #: Principals whose buckets are remembered at most (least recently used go;
@@ -53,6 +56,8 @@ MIN_QUEUE_RETRY_S, MAX_QUEUE_RETRY_S = 0.005, 1.0
 #: principal's full bucket would have).
 MAX_PRINCIPALS = 65_536
 
+
+F = TypeVar("F", bound=Future)
 
 #: The part of KVHINT_MAX_PENDING_TASKS one tenant's tasks may hold (TenantQueueShares).
 TENANT_QUEUE_SHARE = 0.5
@@ -74,6 +79,8 @@ class OverloadStats:
 
     queue_full: int = 0  # submits refused at the queue bound
     rate_limited: int = 0  # calls refused by a rate limit
+    watch_streams: int = 0  # WatchEvents calls refused at the server's open-stream bound
+    tenant_watch_streams: int = 0  # WatchEvents calls refused at their tenant's open-stream bound
     deferred_batches: int = 0  # ApplyHints batches that waited past >= 1 step budget
     budget_cutoffs: int = 0  # steps that ended with tasks left for the next one
 
@@ -202,12 +209,18 @@ class RateLimiter:
 class TenantQueueShares:
     """Each tenant's share of the engine-thread queue: at most TENANT_QUEUE_SHARE of its bound
     (rounded up) of one tenant's tasks queued or running at once, so one tenant's bursts cannot
-    fill the queue that every other tenant's calls wait in. Entered on the RPC loop before a task
-    is submitted, left when its future is done (the engine thread, or at once when refused);
-    thread-safe."""
+    fill the queue that every other tenant's calls wait in. What counts: every engine task a
+    tenant's RPC submits, and each slice of its WatchEvents snapshots (watch.py; a snapshot's
+    next slice waits for a place instead of being refused). A place is taken on the RPC loop
+    before the task is submitted and given back when its future is done (the engine thread, or
+    at once when refused); thread-safe. A refusal counts in `stats.queue_full`."""
 
-    def __init__(self, queue_bound: int, share: float = TENANT_QUEUE_SHARE) -> None:
+    def __init__(self, queue_bound: int, stats: OverloadStats, retry_after: Callable[[], float],
+                 share: float = TENANT_QUEUE_SHARE) -> None:
         self.bound = max(1, math.ceil(queue_bound * share))
+        self.stats = stats
+        #: The RetryInfo delay of a refusal (the core's recent queue wait).
+        self.retry_after = retry_after
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}
 
@@ -219,6 +232,19 @@ class TenantQueueShares:
                 return held
             self._held[tenant] = held + 1
             return None
+
+    def take(self, tenant: str) -> None:
+        """Take a place for one of `tenant`'s tasks (`hold` gives it back); QueueFull, nothing
+        taken, when its share is full."""
+        held = self.enter(tenant)
+        if held is not None:
+            self.stats.queue_full += 1
+            raise QueueFull(held, self.bound, self.retry_after(), queue=f"tenant {tenant!r}'s share of the engine queue")
+
+    def hold(self, tenant: str, future: F) -> F:
+        """`future`, the task a place was taken for: the place is given back when it is done."""
+        future.add_done_callback(lambda _: self.leave(tenant))
+        return future
 
     def leave(self, tenant: str) -> None:
         with self._lock:
@@ -241,6 +267,8 @@ def queue_retry_after(recent_wait_s: float) -> float:
 __all__ = [
     "CAUSE_QUEUE_FULL",
     "CAUSE_RATE_LIMITED",
+    "CAUSE_TENANT_WATCH_STREAMS",
+    "CAUSE_WATCH_STREAMS",
     "TENANT_QUEUE_SHARE",
     "TenantQueueShares",
     "OverloadStats",

@@ -68,7 +68,9 @@ class KvHintServicer:
         # Tenancy (tenancy.py, tenant_guard.py): None without KVHINT_TENANTS_FILE.
         self.tenants = config.tenants
         # Each tenant's share of the engine-thread queue (overload.py); None without tenancy.
-        self.queue_shares = TenantQueueShares(config.max_pending_tasks) if self.tenants is not None else None
+        self.queue_shares = (
+            TenantQueueShares(config.max_pending_tasks, core.overload, core.queue_retry_after) if self.tenants is not None else None
+        )
 
     def _scoped(self) -> Tenant | None:
         """The calling tenant when its view is limited (None: no tenancy, or an admin)."""
@@ -78,7 +80,7 @@ class KvHintServicer:
         return principal if principal is not None and not principal.admin else None
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.hub = WatchHub(self.core, self.queries, self.config, loop)
+        self.hub = WatchHub(self.core, self.queries, self.config, loop, self.queue_shares)
         if self.metrics is not None:
             self.hub.on_snapshot = self.metrics.snapshot_seconds.observe
 
@@ -128,16 +130,13 @@ class KvHintServicer:
         tenant = self._scoped()
         if tenant is None or self.queue_shares is None:
             return self.core.submit(fn, bounded=True)
-        held = self.queue_shares.enter(tenant.name)
-        if held is not None:
-            self.core.overload.queue_full += 1
+        try:
+            self.queue_shares.take(tenant.name)
+        except QueueFull as exc:
             refused: TaskFuture[T] = TaskFuture()
-            refused.set_exception(QueueFull(held, self.queue_shares.bound, self.core.queue_retry_after(),
-                                            queue=f"tenant {tenant.name!r}'s share of the engine queue"))
+            refused.set_exception(exc)
             return refused
-        future = self.core.submit(fn, bounded=True)
-        future.add_done_callback(lambda _: self.queue_shares.leave(tenant.name))  # type: ignore[union-attr]
-        return future
+        return self.queue_shares.hold(tenant.name, self.core.submit(fn, bounded=True))
 
     async def _await_engine(self, future: TaskFuture[T], context: grpc.aio.ServicerContext) -> T:
         """The engine task's result, bounded by the RPC deadline and engine_task_timeout_s. A task
@@ -227,12 +226,14 @@ class KvHintServicer:
 
     async def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext) -> pb.ListSessionsResponse:
         prefix = check_request_id(request.session_id_prefix, "session_id_prefix", self.config.max_id_length, required=False)
+        tenant = self._scoped()
         tokens = self.page_tokens()
         scope = hashlib.sha256(prefix.encode()).hexdigest()[:16]
+        if tenant is not None:  # a tenant's tokens are its own: refused to another tenant or an admin
+            scope += ":" + tenant.name
         after = tokens.verify(request.page_token, scope, "a", str, self.config.max_id_length) if request.page_token else None
         size = self._page_size(request.page_size)
         principal = self._rate_limit(context, 1)  # after validation: a request refused as a whole costs nothing
-        tenant = self._scoped()
         listed = tenant_guard.narrow_prefix(tenant, prefix)
         if listed is None:  # no session of the caller's namespace can match
             return pb.ListSessionsResponse(as_of_epoch=tokens.epoch, as_of_sequence=self.core.bus.last_sequence)

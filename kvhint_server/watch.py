@@ -6,7 +6,10 @@ Semantics (etcd-style):
     event after SnapshotEnd's sequence, no gap. The snapshot is taken in
     slices on the engine thread (snapshot.py, a bounded time per step); the
     events that happen meanwhile are sent between the chunks, each before the
-    first chunk taken after it.
+    first chunk taken after it. A tenant's snapshot tasks hold places in its
+    share of the engine queue (overload.TenantQueueShares) as its other calls
+    do: the first is refused queue_full when the share is full, each later
+    slice waits for a place.
   * START_RESUME(epoch, seq): every event after seq; a different epoch, a seq
     outside the replay window, or a seq ahead of the latest gives one Resync
     message and the stream ends.
@@ -43,12 +46,13 @@ from kvhint.v1 import kvhint_pb2 as pb
 
 from . import wire
 from .config import ServerConfig
-from .core import EngineStopped, KvHintCore
+from .core import EngineStopped, KvHintCore, TaskFuture
 from .errors import RpcError, excerpt, resource_exhausted
 from .events import Event, EventBus
 from .model import Tier, parse_enum
+from .overload import CAUSE_TENANT_WATCH_STREAMS, CAUSE_WATCH_STREAMS, TenantQueueShares
 from .queries import BlockView, Queries
-from .snapshot import SnapshotCursor
+from .snapshot import SnapshotCursor, SnapshotPiece, SnapshotStart
 
 if TYPE_CHECKING:
     from .tenant_guard import WatchScope
@@ -56,9 +60,6 @@ if TYPE_CHECKING:
 READ_BATCH = 256
 SNAPSHOT_CHUNK_BLOCKS = 512
 MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.1, 60.0
-# ErrorInfo causes of a refused stream.
-CAUSE_WATCH_STREAMS = "watch_streams"
-CAUSE_TENANT_WATCH_STREAMS = "tenant_watch_streams"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +101,8 @@ class Subscriber:
 class WatchHub:
     """Fans EventBus wake-ups out to the subscribers on one asyncio loop."""
 
-    def __init__(self, core: KvHintCore, queries: Queries, config: ServerConfig, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, core: KvHintCore, queries: Queries, config: ServerConfig, loop: asyncio.AbstractEventLoop,
+                 queue_shares: TenantQueueShares | None = None) -> None:
         self._core = core
         self._bus: EventBus = core.bus
         self._queries = queries
@@ -112,6 +114,9 @@ class WatchHub:
         self._open_by_tenant: dict[str, int] = {}
         self.max_streams = config.max_watch_streams
         self.max_streams_per_tenant = config.max_watch_streams_per_tenant
+        # The tenants' shares of the engine queue (the servicer's), which a tenant's snapshot
+        # tasks go through as its other calls' do; None without tenancy.
+        self._queue_shares = queue_shares
         self._scheduled = False
         self._closing = False
         # At most this many blocks or sessions per snapshot piece (None: the
@@ -137,11 +142,15 @@ class WatchHub:
     @contextlib.contextmanager
     def admit(self, tenant: str | None = None) -> Iterator[None]:
         """The loop: hold a slot for one WatchEvents stream while the body runs. `tenant`: the
-        caller's tenant with tenancy. RESOURCE_EXHAUSTED (RpcError) when a bound is reached."""
+        caller's tenant with tenancy. RESOURCE_EXHAUSTED (RpcError) when a bound is reached, counted
+        in the core's OverloadStats (the rejections metric)."""
+        stats = self._core.overload
         if self._open >= self.max_streams:
+            stats.watch_streams += 1
             raise _too_many(f"{self._open} WatchEvents streams are open, the server's limit", CAUSE_WATCH_STREAMS, self.max_streams)
         held = self._open_by_tenant.get(tenant, 0) if tenant is not None else 0
         if tenant is not None and held >= self.max_streams_per_tenant:
+            stats.tenant_watch_streams += 1
             raise _too_many(f"tenant {tenant!r} has {held} WatchEvents streams open, its limit",
                             CAUSE_TENANT_WATCH_STREAMS, self.max_streams_per_tenant)
         self._open += 1
@@ -204,9 +213,10 @@ class WatchHub:
             if scope is None
             else SnapshotCursor(self._queries, self.snapshot_max_items, scope.owned, scope.tenant.owns)
         )
+        tenant = scope.tenant.name if scope is not None else None
         began = time.perf_counter()
         try:
-            start = await asyncio.wrap_future(core.submit(snap.begin, bounded=True))  # QueueFull: nothing sent yet
+            start = await asyncio.wrap_future(self._begin(snap, tenant))  # QueueFull: nothing sent yet
         except EngineStopped:  # the server is stopping (core.stop() failed the queued task)
             yield self._resync(pb.Resync.CAUSE_SHUTTING_DOWN, "server is shutting down")
             return
@@ -219,7 +229,7 @@ class WatchHub:
                 yield self._resync(pb.Resync.CAUSE_SHUTTING_DOWN, "server is shutting down")
                 return
             try:
-                piece = await asyncio.wrap_future(core.submit_slice(snap.step))
+                piece = await self._slice(snap, tenant)
             except EngineStopped:
                 yield self._resync(pb.Resync.CAUSE_SHUTTING_DOWN, "server is shutting down")
                 return
@@ -242,6 +252,28 @@ class WatchHub:
         if self.on_snapshot is not None:
             self.on_snapshot(time.perf_counter() - began)
         yield sent
+
+    def _begin(self, snap: SnapshotCursor, tenant: str | None) -> TaskFuture[SnapshotStart]:
+        """A snapshot's first task, bounded by the queue and, for a tenant, by its share of it
+        (QueueFull, nothing queued, as any of its calls would be refused)."""
+        shares = self._queue_shares
+        if tenant is None or shares is None:
+            return self._core.submit(snap.begin, bounded=True)
+        shares.take(tenant)
+        return shares.hold(tenant, self._core.submit(snap.begin, bounded=True))
+
+    async def _slice(self, snap: SnapshotCursor, tenant: str | None) -> SnapshotPiece:
+        """A snapshot's next slice. A tenant's waits for a place in its share of the queue (the
+        snapshot was admitted, and a refusal now would waste what was sent), so its snapshots
+        never hold more of the queue than its share; EngineStopped if the server closes meanwhile."""
+        shares = self._queue_shares
+        if tenant is None or shares is None:
+            return await asyncio.wrap_future(self._core.submit_slice(snap.step))
+        while shares.enter(tenant) is not None:
+            if self._closing:
+                raise EngineStopped("server is shutting down")
+            await asyncio.sleep(shares.retry_after())
+        return await asyncio.wrap_future(shares.hold(tenant, self._core.submit_slice(snap.step)))
 
     def _chunks(self, sequence: int, session_id: str, views: list[BlockView], block_size: int) -> list[pb.WatchEventsResponse]:
         return [
