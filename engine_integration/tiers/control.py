@@ -356,21 +356,37 @@ class TierControl:
             return op
         stored = set(keys)
         kept = [k for k in self.host_keys(dict.fromkeys(keep)) if k not in stored]
-        ctx = ReqContext(req_id=op.op_id)
-        self.manager.on_new_request(ctx)
+        op._ctx = ReqContext(req_id=op.op_id)
+        self.manager.on_new_request(op._ctx)
+        try:
+            self._inject_store(op, keys, kept, by_key, per_group)
+        except BaseException:
+            # Nothing of a store that could not be injected stays behind (chunks it evicted stay
+            # evicted): its host chunks are freed, its device blocks unpinned, its request context
+            # finished; the caller sees the error (vLLM's private names it uses may change, README).
+            self.manager.complete_store(op._keys, op._ctx, False)
+            self.manager.on_request_finished(op._ctx)
+            pool.free_blocks(op._blocks)
+            op._blocks, op._job, op.done = [], None, True
+            raise
+        return op
+
+    def _inject_store(self, op: StoreOp, keys: list[OffloadKey], kept: list[OffloadKey],
+                      by_key: dict[OffloadKey, Any], per_group: list[list[OffloadKey]]) -> None:
+        """`force_store` after its request context exists: room on the host tier, the pins, the job."""
+        ctx, pool = op._ctx, self.scheduler.kv_cache_manager.block_pool
         out = self.manager.prepare_store(keys + kept, ctx)
         if out is None:  # host tier full of in-use chunks
             self.manager.on_request_finished(ctx)
             op.failed, op.done = "host tier has no evictable chunk", True
-            return op
+            return
         op.evicted_keys = list(out.evicted_keys)
         to_store = set(out.keys_to_store)
         op._keys = [k for k in keys if k in to_store]
-        op._ctx = ctx
         if not op._keys:
             self.manager.on_request_finished(ctx)
             op.done = True
-            return op
+            return
         op._blocks = [by_key[k] for k in op._keys]
         pool.touch(op._blocks)  # pin: no reuse before the copy ran
         group_sizes = [len(to_store.intersection(grp)) for grp in per_group]
@@ -380,7 +396,6 @@ class TierControl:
         op.job_id = self.cs._generate_job_id()  # shared counter: never collides with the connector's jobs
         op._pending_workers = self.cs.config.num_workers
         self._ops[op.job_id] = op
-        return op
 
     def drop_in_flight_stores(self) -> None:
         """After the connector's cache was reset (reset_prefix_cache with reset_connector):
@@ -418,6 +433,12 @@ class TierControl:
             released.append(op)
             self._drop_if_unsent(job_id, op)
         return released
+
+    def cancel_store(self, op: StoreOp) -> None:
+        """Drop an injected store whose job has not gone to the workers (its operation was
+        abandoned): host chunks freed, device blocks unpinned now. One the workers run completes."""
+        if op.job_id is not None and self._ops.get(op.job_id) is op:
+            self._drop_if_unsent(op.job_id, op)
 
     def _drop_if_unsent(self, job_id: int, op: StoreOp) -> None:
         """A store whose job has not gone to the workers gets no completion: finish it now, failed."""
@@ -472,7 +493,11 @@ class Prefetch:
         ctl.install()
         ctl.manager.on_new_request(self.ctx)
         ctl._prefetches.add(self)
-        self.poll()
+        try:
+            self.poll()
+        except BaseException:
+            self.close()  # no one holds a Prefetch whose first round raised: it must not keep the engine stepping
+            raise
 
     def poll(self) -> bool:
         """Advance; returns True when finished (all keys HIT or MISS)."""

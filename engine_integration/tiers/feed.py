@@ -47,21 +47,45 @@ class ResidencyFeed:
     def host_ready(self, d: bytes) -> bool:
         return self.ctl.host_state(d) is HostState.READY
 
-    def file_has(self, ext: bytes, d: bytes | None) -> bool:
+    def on_file(self, ext: bytes, d: bytes) -> bool:
+        """A file tier holds the block, for lookups: the book's answer for a block seen there
+        (no stat; the tier emits no removal, so a file deleted underneath stays reported until
+        an operation probes it, `file_has`), a probe otherwise."""
         if not self.has_file:
             return False
         if ext in self.book.on_disk:
             return True
-        if d is not None and self.ctl.file_has(d):
+        return self.file_has(ext, d)
+
+    def file_has(self, ext: bytes, d: bytes) -> bool:
+        """A file tier holds the block, probed (an operation that needs the file): a block
+        seen there whose file went is reported gone (`_file_gone`)."""
+        if not self.has_file:
+            return False
+        if self.ctl.file_has(d):
             self.book.mark_disk(ext)
             return True
+        if ext in self.book.on_disk:
+            self._file_gone([ext])
         return False
 
-    def file_settled(self, ext: bytes, d: bytes, inflight: set[Any]) -> bool:
+    def _file_gone(self, exts: list[bytes]) -> None:
+        """A probe found no file for blocks seen on a file tier: removed underneath KvHint
+        (another engine's ephemeral tier, an operator). Forgotten, and BlocksRemoved(DISK)
+        for the copies the index had there, as for a removal event from the tier."""
+        self.book.forget_disk(exts)
+        published = self.core.resident[Tier.DISK]
+        gone = [e for e in exts if e in published]
+        if gone:
+            self.core.on_removed(gone, tier=Tier.DISK, medium="STORAGE", cause=RemovalCause.EVICTED,
+                                 remaining_tiers=self.remaining_tiers)
+
+    def file_settled(self, ext: bytes, d: bytes, inflight: set[Any], *, recheck: bool = False) -> bool:
         """A file copy exists and its write job was processed (so its BlockStored
-        event precedes anything an operation publishes about it)."""
+        event precedes anything an operation publishes about it). A block seen there is
+        settled without a stat unless `recheck` (an operation's start: `file_has`)."""
         if ext in self.book.on_disk:
-            return True
+            return not recheck or self.file_has(ext, d)
         if not self.has_file or not self.ctl.file_has(d):
             return False
         if any(self.ctl.key(d, g) in inflight for g in self.ctl.group_ids):
@@ -73,7 +97,7 @@ class ResidencyFeed:
         if d is None:
             return 0
         mask = Tier.HOST.bit if self.host_ready(d) else 0
-        if self.file_has(h, d):
+        if self.on_file(h, d):
             mask |= Tier.DISK.bit
         return mask
 

@@ -152,13 +152,26 @@ class TierOperations:
             op.destination, op.address = task.hint.destination, self.settings.peers[task.hint.destination]
         self._ops[op.op_id] = op
         self.core.operations.running(op.op_id)
-        failure = self._progress(op, starting=True)
+        try:
+            failure = self._progress(op, starting=True)
+        except BaseException:
+            # The error reaches the executor, which rejects the hint (OPERATION_FAILED) and
+            # discards the operation: nothing of it may go on (copies, transfer events, steps).
+            self._abandon(op)
+            raise
         if failure is not None:
-            del self._ops[op.op_id]
-            self._cleanup(op)
+            self._abandon(op)
             return TierRefusal(Reason.RESOURCE_EXHAUSTED, failure.message)
         self._wake()
         return None
+
+    def _abandon(self, op: TierOp) -> None:
+        """An operation whose start failed: forgotten, its promotion round closed, its injected
+        store (not handed to the workers before the next step) dropped."""
+        del self._ops[op.op_id]
+        self._cleanup(op)
+        if op.store is not None:
+            self.ctl.cancel_store(op.store)
 
     def _plan(self, task: TierTask, exts: tuple[bytes, ...], digests: list[bytes]) -> tuple[Tier, float] | TierRefusal:
         """The target tier and timeout of a new operation, or why it cannot start."""
@@ -263,7 +276,7 @@ class TierOperations:
         cascade: list[bytes] = []
         inflight = vllm_private.inflight_file_writes(ctl.manager) if want_file else set()
         for e, d in zip(op.exts, op.digests):
-            if want_file and self.feed.file_settled(e, d, inflight):
+            if want_file and self.feed.file_settled(e, d, inflight, recheck=starting):
                 continue
             st = ctl.host_state(d)
             if st is HostState.READY and ctl.host_lacks(d, g1=True):
