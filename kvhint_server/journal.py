@@ -179,7 +179,7 @@ class ResidencyJournal:
         self._direct = True
         # Counters (read by metrics and benchmarks; written under `lock`).
         self.settled = 0
-        self.errors = 0
+        self.errors = 0  # bookings that raised: journaled (logged) or run now (raised to the caller)
         self.backpressure = 0  # times the engine thread settled a full journal itself
         self.collections = 0  # young collections run by collect_young
         self._owns_generation1 = False  # own_young_collections() in effect
@@ -238,14 +238,19 @@ class ResidencyJournal:
             self.settle()
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        """Run `fn(*args)` now, after everything journaled before it. Its own error reaches the
-        caller (as an inline hook's would); an entry journaled before it that fails is logged
-        and counted, as when the settler applies it: it is not the caller's, and must not stop
-        `fn` or the entries after it."""
+        """Run `fn(*args)` now, after everything journaled before it. Its own error is counted
+        in `errors`, as a journaled entry's is (a booking that fails counts the same inline or
+        deferred), and reaches the caller (as an inline hook's would; the caller reports it); an
+        entry journaled before it that fails is logged and counted, as when the settler applies
+        it: it is not the caller's, and must not stop `fn` or the entries after it."""
         with self.lock:
             if self._entries:
                 self._settle_locked(None)
-            fn(*args)
+            try:
+                fn(*args)
+            except Exception:
+                self.errors += 1
+                raise
 
     # ------------------------------------------------------------ settling
 
