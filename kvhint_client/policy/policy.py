@@ -27,7 +27,10 @@ signals and on a timer (a few times a second is plenty), and it sends:
 * a declared template: Retain at `template_priority` (above every session),
   refreshed at half its TTL. A template whose blocks are not resident yet
   (MISSING: declared before its first request) is retried after 1, 2, 4 ...
-  seconds, up to that refresh period.
+  seconds, up to that refresh period. A template id declared again with
+  another target releases the old one (unless another template declares it:
+  templates on one target share its grant), as TemplateRetired does; declared
+  again with the same target, it is refreshed.
 * a request sent after a pause (`keep_while_running`): Retain "due in
   `resume_s`", and as that passes, due within as long as the request has
   waited (1, 2, 4, ... s), until it completes (for at most `resume_wait_s`).
@@ -66,7 +69,10 @@ UNSUPPORTED turns the feature off (expected reuse -> priority bands, tiers ->
 Retain); any other REJECTED Demote (the engine could not take it: no room on
 the lower tier, too many operations in flight) protects the session on the
 device instead, with a Retain, for the rest of that pause; CLIPPED PIN_BUDGET
-stops pinning until a pin ends.
+stops pinning until a pin ends; CLIPPED TTL_CAPPED caps every later TTL at the
+granted one, and the capped keep counts as ending when the granted TTL does
+(`effective_ttl` after it was sent): the session is kept again, and a template
+refreshed at half of it, by then.
 
 Warm start: what the pause model learned (`policy.model.export()`, plain
 JSON) can seed a new policy (`SessionPolicy(config, pause_state=state)`), so a
@@ -109,8 +115,14 @@ from .sinks import AsyncHintSink, HintRateLimit, HintSink
 Key = tuple[str, ...]
 #: How many recently ended session ids a policy remembers, to ignore late signals about them.
 ENDED_MEMORY = 65536
-#: Owner prefix of a template's intents (session ids are owners as they are).
+#: Owner prefix of a template target's intents (session ids are owners as they are).
 _TEMPLATE = "template:"
+
+
+def _template_owner(target: Target) -> str:
+    """The owner of the intents for a template target: one per target, however many template
+    ids declare it (the engine holds one grant per selector owner, which they share)."""
+    return _TEMPLATE + repr(target)
 
 
 @dataclass(frozen=True)
@@ -227,10 +239,11 @@ class _Template:
 @dataclass
 class _Intent:
     kind: str  # "release" | "keep" | "demote" | "prefetch"
-    owner: str  # session id or "template:<id>"
+    owner: str  # session id or _template_owner(target)
     hint: pb.Hint
     order: float  # drain order within a kind (lower first)
     seq: int = 0  # when it was queued (later intents have higher numbers)
+    sent_at: float = -math.inf  # when drain last took it (what the engine grants counts from then)
 
 
 _KIND_ORDER = {"release": 0, "keep": 1, "demote": 2, "prefetch": 3}
@@ -338,15 +351,31 @@ class SessionPolicy:
         elif isinstance(signal, SessionEnded):
             self._end(signal.session_id)
         elif isinstance(signal, TemplateDeclared):
-            self.templates[signal.template_id] = _Template(signal.target, now + self._template_ttl() / 2)
-            self._queue_template(signal.template_id, signal.target)
+            self._declare(signal.template_id, signal.target, now)
         elif isinstance(signal, TemplateRetired):
             entry = self.templates.pop(signal.template_id, None)
             if entry is not None:
-                self._unqueue(_TEMPLATE + signal.template_id, "keep")
-                self._queue("release", _TEMPLATE + signal.template_id, entry.target.release(), 0.0)
+                self._release_template(entry.target)
         else:
             raise TypeError(f"not a policy signal: {signal!r}")
+
+    def _declare(self, template_id: str, target: Target, now: float) -> None:
+        """Keep `target` for the template from now on. Declared again with another target, the old
+        one is released as at TemplateRetired; with the same target, it is a refresh."""
+        old = self.templates.get(template_id)
+        self.templates[template_id] = _Template(target, now + self._template_ttl() / 2)
+        if old is not None and old.target != target:
+            self._release_template(old.target)
+        self._queue_template(target)
+
+    def _release_template(self, target: Target) -> None:
+        """Release a template target no declared template keeps any more (one still declared by
+        another template id keeps the grant they share)."""
+        if any(t.target == target for t in self.templates.values()):
+            return
+        owner = _template_owner(target)
+        self._unqueue(owner, "keep")
+        self._queue("release", owner, target.release(), 0.0)
 
     def _resuming(self, s: _Session, now: float) -> None:
         """`s`'s next request is imminent (its tool call returned, its last child joined): keep
@@ -588,10 +617,10 @@ class SessionPolicy:
         used = sum(x.pinned_blocks for x in self.sessions.values() if x.pin_until > now and x is not s)
         return used + s.blocks <= self.pin_budget_blocks
 
-    def _queue_template(self, template_id: str, target: Target) -> None:
+    def _queue_template(self, target: Target) -> None:
         c = self.config
         hint = target.retain(ttl=self._template_ttl(), priority=c.template_priority)
-        self._queue("keep", _TEMPLATE + template_id, hint, -1.0)
+        self._queue("keep", _template_owner(target), hint, -1.0)
 
     def _unqueue(self, owner: str, *kinds: str) -> None:
         """Drop the hints of these kinds queued for `owner` and not sent yet."""
@@ -634,10 +663,10 @@ class SessionPolicy:
             if overdue or (not s.demoted and now >= s.ttl_until - lead):
                 self._predict_and_keep(s, now)  # still paused: re-predict from the time waited
         self._forget_quiet(now)
-        for tid, template in self.templates.items():
+        for template in self.templates.values():
             if now >= template.refresh_at:
                 template.refresh_at = now + self._template_ttl() / 2
-                self._queue_template(tid, template.target)
+                self._queue_template(template.target)
 
     def _forget_quiet(self, now: float) -> None:
         """Forget sessions quiet for forget_after_s since their last signal and the expiry of
@@ -672,6 +701,7 @@ class SessionPolicy:
         ordered = sorted(self._outbox.values(), key=lambda i: (_KIND_ORDER[i.kind], i.order))[:allowed]
         for intent in ordered:
             del self._outbox[(intent.kind, intent.owner)]
+            intent.sent_at = now
             self._sent[intent.hint.hint_id] = intent
         self._count("sent", len(ordered))
         return [i.hint for i in ordered]
@@ -694,7 +724,7 @@ class SessionPolicy:
             action = hint.WhichOneof("action")
             blocks = sum(c.blocks for c in result.affected_blocks if c.tier == pb.TIER_DEVICE)
             if intent.owner.startswith(_TEMPLATE):
-                self._template_result(intent.owner[len(_TEMPLATE):], intent, result)
+                self._template_result(intent, result)
             if result.outcome == pb.OUTCOME_MISSING and s is not None and intent.kind == "keep":
                 s.cold = True
             elif result.outcome == pb.OUTCOME_REJECTED and result.reason == pb.REASON_UNSUPPORTED:
@@ -709,27 +739,43 @@ class SessionPolicy:
                 held = [x.pin_until for x in self.sessions.values() if x.pinned_blocks]
                 self._pins_blocked_until = max(held, default=self._last_t)
             if any(clip.reason == pb.REASON_TTL_CAPPED for clip in result.clips) and result.HasField("effective_ttl"):
-                self.max_ttl_s = min(self.max_ttl_s, duration_to_seconds(result.effective_ttl))
+                self._ttl_capped(intent, s, duration_to_seconds(result.effective_ttl))
+
+    def _ttl_capped(self, intent: _Intent, s: Optional[_Session], granted_s: float) -> None:
+        """The engine granted `granted_s` of the TTL `intent` asked for (CLIPPED/TTL_CAPPED): no
+        later TTL asks for more, and what the keep protects ends `granted_s` after it was sent, so
+        the session is kept again (`ttl_until`), and its template refreshed at half of it, by then."""
+        self.max_ttl_s = min(self.max_ttl_s, granted_s)
+        if intent.kind != "keep":
+            return
+        if s is not None:
+            s.ttl_until = min(s.ttl_until, intent.sent_at + granted_s)
+        for template in self._templates_of(intent.owner):
+            template.refresh_at = min(template.refresh_at, intent.sent_at + granted_s / 2)
+
+    def _templates_of(self, owner: str) -> list[_Template]:
+        """The declared templates whose target's intents `owner` names."""
+        return [t for t in self.templates.values() if _template_owner(t.target) == owner]
 
     def _template_ttl(self) -> float:
         """A template Retain's TTL: template_ttl_s, within the engine's max_ttl. Refreshes come
         at half of it (with the uncapped value they came after the Retain had ended)."""
         return min(self.config.template_ttl_s, self.max_ttl_s)
 
-    def _template_result(self, template_id: str, intent: _Intent, result: pb.HintResult) -> None:
+    def _template_result(self, intent: _Intent, result: pb.HintResult) -> None:
         """A template's Retain found nothing resident (declared before its first request, or
         evicted before it was declared): retry after template_retry_s, doubling up to the regular
-        refresh period, until it is protected."""
-        template = self.templates.get(template_id)
-        if template is None or intent.kind != "keep":
+        refresh period, until it is protected. (A result for a target no template declares any
+        more, declared again elsewhere meanwhile, concerns none.)"""
+        if intent.kind != "keep":
             return
-        if result.outcome != pb.OUTCOME_MISSING:
-            template.retry_s = 0.0
-            return
-        c = self.config
-        period = self._template_ttl() / 2
-        template.retry_s = min(period, template.retry_s * 2 if template.retry_s else c.template_retry_s)
-        template.refresh_at = min(template.refresh_at, self._last_t + template.retry_s)
+        for template in self._templates_of(intent.owner):
+            if result.outcome != pb.OUTCOME_MISSING:
+                template.retry_s = 0.0
+                continue
+            period = self._template_ttl() / 2
+            template.retry_s = min(period, template.retry_s * 2 if template.retry_s else self.config.template_retry_s)
+            template.refresh_at = min(template.refresh_at, self._last_t + template.retry_s)
 
     def _demote_refused(self, s: _Session) -> None:
         """The engine could not take this pause's Demote (its Retain was dropped for it): protect the
