@@ -133,7 +133,7 @@ def measure(scenarios: tuple[str, ...] = SCENARIOS, layouts: tuple[str, ...] = L
     for name in scenarios:
         for layout in layouts:
             for mode in ("without the trim", "with the trim"):
-                HintExecutor._resumable = trim if mode == "with the trim" else (lambda self, hashes, tiers, clips: hashes)
+                HintExecutor._resumable = trim if mode == "with the trim" else (lambda self, hashes, tiers, clips, **_: hashes)
                 try:
                     for row in scenario(name, layout):
                         rows.append({"scenario": name, "layout": layout, "mode": mode, **row})

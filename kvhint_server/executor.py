@@ -29,6 +29,7 @@ from .adapter import TierTask
 from .errors import excerpt
 from .events import HintApplied
 from .model import (
+    CONTINUATION_OWNER,
     Action,
     Clip,
     HintResult,
@@ -212,7 +213,7 @@ class HintExecutor:
                 Clip(
                     Reason.TTL_CAPPED,
                     f"ttl {spec.requested_ttl_s:g}s capped to {spec.ttl_s:g}s",
-                    requested_ttl_s=spec.requested_ttl_s,
+                    requested_ttl_ns=spec.requested_ttl_ns,
                     granted_ttl_s=spec.ttl_s,
                 )
             )
@@ -231,8 +232,7 @@ class HintExecutor:
                     len(hashes), len(granted),
                 ))
                 hashes = granted
-        if any(c.granted_blocks < c.requested_blocks for c in clips):
-            hashes = self._resumable(hashes, tiers, clips)
+        hashes = self._resumable(hashes, tiers, clips, clipped=any(c.granted_blocks < c.requested_blocks for c in clips))
         if not hashes:  # a budget left nothing to grant: CLIPPED to 0 blocks (as an Evict of blocks all in use)
             return _result(spec, clips, {})
         ledger.grant(
@@ -247,17 +247,23 @@ class HintExecutor:
         core.adapter.refile(list(reversed(hashes)))
         return _result(spec, clips, _first_tiers(hashes, tiers), effective_ttl_s=spec.ttl_s)
 
-    def _resumable(self, hashes: list[bytes], tiers: Mapping[bytes, int], clips: list[Clip]) -> list[bytes]:
-        """A block budget clipped the chain: drop the kept blocks after the last prefix end a
-        resume can hit (on an engine with sliding-window groups; kvhint_server.window_tails)."""
+    def _resumable(self, hashes: list[bytes], tiers: Mapping[bytes, int], clips: list[Clip], *, clipped: bool) -> list[bytes]:
+        """On an engine with sliding-window groups (kvhint_server.window_tails): when a block
+        budget `clipped` the chain, drop the kept blocks after the last prefix end a resume can
+        hit; with no budget clip, drop them all only when no selected prefix end can be hit (the
+        engine holds no window tail a resume of them would read) and no chain goes on past the
+        selection (where a hit end would read them too), so that a grant protecting nothing a
+        resume reads is not ACCEPTED. Any other unclipped hint keeps every selected block."""
         kept = window_tails.resumable(self.core, hashes, tiers)
-        if len(kept) < len(hashes):
-            clips.append(Clip.of_blocks(
-                Reason.WINDOW_TAIL_MISSING,
-                f"{len(hashes) - len(kept)} of the {len(hashes)} blocks kept come after the last prefix end "
-                f"whose sliding-window blocks the engine holds: no resume can hit them",
-                len(hashes), len(kept),
-            ))
+        if len(kept) == len(hashes) or (not clipped and (kept or window_tails.continues_beyond(self.core, hashes))):
+            return hashes
+        taken = "kept" if clipped else "selected"
+        clips.append(Clip.of_blocks(
+            Reason.WINDOW_TAIL_MISSING,
+            f"{len(hashes) - len(kept)} of the {len(hashes)} blocks {taken} come after the last prefix end "
+            f"whose sliding-window blocks the engine holds: no resume can hit them",
+            len(hashes), len(kept),
+        ))
         return kept
 
     def _release(self, spec: HintSpec) -> HintResult:
@@ -266,15 +272,25 @@ class HintExecutor:
         index, ledger = core.index, core.ledger
         clips: list[Clip] = []
         sessions = index.session_tree(sel.session_id, sel.include_children) if sel.kind is SelectorKind.SESSION else []
+        # A Release narrowed to some blocks (a range, max_blocks, explicit hashes) drops its
+        # owners' grants on those; otherwise every grant they hold, also on blocks the selector no
+        # longer resolves to (grants may outlive index membership).
+        narrowed = sel.has_range or sel.kind is SelectorKind.BLOCK_HASHES or bool(spec.max_blocks)
         owners = [session_owner(s) for s in sessions] if sel.kind is SelectorKind.SESSION else [sel.owner]
         if sel.kind is SelectorKind.SESSION and sel.owner not in owners:
-            owners.append(sel.owner)  # grants may outlive index membership
+            owners.append(sel.owner)
+        if sel.kind is SelectorKind.SESSION and not narrowed:
+            # The whole session ends: so do the grants of the continuations that leave the index
+            # with it (no other live session lists them), which no selector could reach after.
+            leaving = index.continuations_leaving_with(sessions)
+            if self._guard is not None:
+                leaving = [c for c in leaving if self._guard.tenant.owns(c)]
+            owners += [CONTINUATION_OWNER + c for c in leaving]
         hashes = self.resolve(sel)
         if sel.kind is SelectorKind.BLOCK_HASHES:
             # Explicit hashes select only blocks that are resident somewhere or retained.
             tiers = self.tiers_of(hashes)
             hashes = [h for h in hashes if tiers.get(h, 0) or ledger.owners(h)]
-        narrowed = sel.has_range or sel.kind is not SelectorKind.SESSION or bool(spec.max_blocks)
         hashes = self._cap(spec, hashes, clips)
         released: set[bytes] = set()
         for owner in owners:

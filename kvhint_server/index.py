@@ -359,6 +359,21 @@ class SessionPrefixIndex:
                 stack.extend(self.children_of.get(child, ()))
         return out
 
+    def continuations_leaving_with(self, sessions: Iterable[str]) -> list[str]:
+        """The continuations that forgetting every one of `sessions` would stop tracking: those
+        they list that no other live session lists (forget_session), in the order listed."""
+        leaving = dict.fromkeys(sessions)
+        listing = self._continuation_sessions
+        out: dict[str, None] = {}
+        for s in leaving:
+            state = self.sessions.get(s)
+            if state is None:
+                continue
+            for c in state.continuations:
+                if all(holder in leaving for holder in _iter(listing.get(c))):
+                    out[c] = None
+        return list(out)
+
     def resolve_session(self, session: str, include_children: bool = False) -> list[bytes]:
         """Every block of the session (and children), in chain order."""
         blocks: set[bytes] = set()

@@ -156,6 +156,9 @@ class HintSpec:
     priority: int = 0
     ttl_s: float | None = None
     requested_ttl_s: float | None = None
+    # The TTL asked for in integer nanoseconds, exact (Clip.requested_ttl): float seconds lose
+    # the last nanosecond past 2**23 s.
+    requested_ttl_ns: int | None = None
     destination: str = ""
     target_tier: Tier | None = None
     deadline_s: float | None = None
@@ -170,7 +173,7 @@ class HintSpec:
 class Clip:
     reason: Reason
     detail: str
-    requested_ttl_s: float | None = None
+    requested_ttl_ns: int | None = None
     granted_ttl_s: float | None = None
     requested_blocks: int = 0
     granted_blocks: int = 0

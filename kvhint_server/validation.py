@@ -207,7 +207,7 @@ def parse_hint(hint: pb.Hint, config: ServerConfig, info: EngineInfo) -> HintSpe
 
 
 def _bounds(hint: pb.Hint, action: Action, selector: Selector, config: ServerConfig, info: EngineInfo) -> HintSpec:
-    ttl_s = requested = deadline_s = None
+    ttl_s = requested = deadline_s = requested_ns = None
     priority = 0
     destination = ""
     target_tier: Tier | None = None
@@ -217,6 +217,7 @@ def _bounds(hint: pb.Hint, action: Action, selector: Selector, config: ServerCon
         if not msg.HasField("ttl"):
             raise HintInvalid(Reason.INVALID_HINT, f"{action.name} needs a ttl")
         requested = duration_seconds(msg.ttl)
+        requested_ns = msg.ttl.seconds * 1_000_000_000 + msg.ttl.nanos  # (validated just above)
         if requested <= 0:
             raise HintInvalid(Reason.INVALID_HINT, f"{action.name} ttl must be positive")
         ttl_s = min(requested, config.max_ttl_s)
@@ -249,6 +250,7 @@ def _bounds(hint: pb.Hint, action: Action, selector: Selector, config: ServerCon
         priority=priority,
         ttl_s=ttl_s,
         requested_ttl_s=requested if action in (Action.RETAIN, Action.PIN) else None,
+        requested_ttl_ns=requested_ns,
         destination=destination,
         target_tier=target_tier,
         deadline_s=deadline_s,

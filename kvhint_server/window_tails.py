@@ -1,5 +1,7 @@
-"""Which blocks of a clipped Retain or Pin a resume can hit, on an engine whose KV-cache groups
-include sliding-window ones (KvCacheGroup KIND_SLIDING_WINDOW; Reason WINDOW_TAIL_MISSING).
+"""Which blocks of a Retain or Pin a resume can hit, on an engine whose KV-cache groups include
+sliding-window ones (KvCacheGroup KIND_SLIDING_WINDOW; Reason WINDOW_TAIL_MISSING). The executor
+trims a clipped hint to them, and grants an unclipped one nothing when there are none and its
+chains end within it (`continues_beyond`).
 
 A prefix hit of the blocks up to and including block `e` needs, in every full-attention group,
 a copy of each of those blocks, and in every sliding-window group a copy of the `n` blocks
@@ -43,6 +45,24 @@ def window_blocks(info: EngineInfo) -> list[tuple[int, int]] | None:
         elif g.kind is not KvCacheGroupKind.FULL_ATTENTION:
             return None
     return out
+
+
+def continues_beyond(core: KvHintCore, selected: list[bytes]) -> bool:
+    """Whether a chain through `selected` goes on past it in the index: a selected block with a
+    tracked child that is not selected (a later turn, another session's longer prompt, blocks
+    after a range). A hit end out there reads the selected blocks too, so they are not judged by
+    the hit ends among them alone."""
+    nodes = core.index.nodes
+    inside: dict[bytes, int] = {}
+    for h in selected:
+        node = nodes.get(h)
+        if node is not None and node.parent is not None:
+            inside[node.parent] = inside.get(node.parent, 0) + 1
+    for h in selected:
+        node = nodes.get(h)
+        if node is not None and node.children > inside.get(h, 0):
+            return True
+    return False
 
 
 def resumable(core: KvHintCore, kept: list[bytes], tiers: Mapping[bytes, int]) -> list[bytes]:

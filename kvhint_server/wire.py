@@ -54,8 +54,8 @@ def hint_result(r: HintResult) -> pb.HintResult:
     )
     for c in r.clips:
         clip = msg.clips.add(reason=int(c.reason), detail=c.detail, requested_blocks=c.requested_blocks, granted_blocks=c.granted_blocks)
-        if c.requested_ttl_s is not None:
-            clip.requested_ttl.CopyFrom(duration(c.requested_ttl_s))
+        if c.requested_ttl_ns is not None:
+            clip.requested_ttl.FromNanoseconds(c.requested_ttl_ns)
         if c.granted_ttl_s is not None:
             clip.granted_ttl.CopyFrom(duration(c.granted_ttl_s))
     if r.effective_ttl_s is not None:

@@ -71,6 +71,29 @@ def register(reg: Registry) -> None:
         check(got == ctx.full_hit, f"the older unhinted session hit {got} of {ctx.full_hit} tokens")
 
     @reg.case(
+        "release", "session-release-ends-its-continuations-grants",
+        "RELEASE of a whole session MUST also drop the retention held by its continuations that leave with it: no "
+        "block MUST stay retained for a continuation that no selector resolves any more.",
+        requires=("retain:continuation", "release:session"),
+        needs=("traffic",),
+    )
+    def continuation_grants(ctx: CaseContext) -> None:
+        session, continuation = ctx.sid("turns"), ctx.cid("turns")
+        ctx.complete(ctx.small_prompt("turns"), session, continuation_id=continuation)
+        selector = H.continuation_selector(continuation)
+        hashes = ctx.device_hashes(selector)
+        check(bool(hashes), "the continuation selects no device block after its request")
+        result = ctx.apply_one(H.hint(selector, "retain", priority=5, ttl=60))
+        check(result.outcome == pb.OUTCOME_ACCEPTED, f"retain by continuation: {H.describe(result)}, expected ACCEPTED")
+        result = ctx.apply_one(H.release(session))
+        check(result.outcome == pb.OUTCOME_ACCEPTED, f"release of the session: {H.describe(result)}, expected ACCEPTED")
+        ordinary = (pb.RetentionState.CLASS_ORDINARY, pb.RetentionState.CLASS_UNSPECIFIED)
+        held = [b for b in ctx.residency(H.hashes_selector(hashes)) if b.retention.retention_class not in ordinary]
+        check(not held, f"{len(held)} of the session's {len(hashes)} blocks are still "
+              f"{pb.RetentionState.Class.Name(held[0].retention.retention_class) if held else ''} after the session's "
+              "release, held for its continuation")
+
+    @reg.case(
         "evict", "frees-selected-blocks",
         "EVICT MUST free the selected cached blocks now: QueryResidency MUST stop reporting them on the device tier "
         "and a repeat of the prompt MUST NOT hit them.",

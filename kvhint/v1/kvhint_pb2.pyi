@@ -196,7 +196,13 @@ class _ReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reason.ValueTy
     of the window's blocks, and the engine held none there. Those blocks were
     dropped from the hint (a Clip with this reason follows the budget's clip),
     so the blocks granted are the ones a resume can use; none when no prefix
-    end within the budget can be hit. Never the reason of an unclipped hint.
+    end within the budget can be hit. Also the reason of a Retain or Pin that
+    no budget clipped when no selected prefix end can be hit (the engine holds
+    none of the window tails a resume of the selection would read) and no
+    chain through the selection goes on past it (the engine knows no later
+    block whose hit end would read the selected ones): nothing is granted
+    (CLIPPED, granted_blocks 0), since the grant would protect nothing a
+    resume reads. Any other unclipped hint keeps every selected block.
     """
 
 class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper):
@@ -251,7 +257,13 @@ KIND_SLIDING_WINDOW) a hit must end where every such group holds a copy
 of the window's blocks, and the engine held none there. Those blocks were
 dropped from the hint (a Clip with this reason follows the budget's clip),
 so the blocks granted are the ones a resume can use; none when no prefix
-end within the budget can be hit. Never the reason of an unclipped hint.
+end within the budget can be hit. Also the reason of a Retain or Pin that
+no budget clipped when no selected prefix end can be hit (the engine holds
+none of the window tails a resume of the selection would read) and no
+chain through the selection goes on past it (the engine knows no later
+block whose hit end would read the selected ones): nothing is granted
+(CLIPPED, granted_blocks 0), since the grant would protect nothing a
+resume reads. Any other unclipped hint keeps every selected block.
 """
 Global___Reason: _TypeAlias = Reason  # noqa: Y015
 
@@ -761,7 +773,13 @@ Global___PinAction: _TypeAlias = PinAction  # noqa: Y015
 class ReleaseAction(_message.Message):
     """ReleaseAction drops the retention and pins that the selected session holds.
     Its blocks become the first candidates for eviction (still reusable until
-    evicted). Blocks retained or pinned by other sessions keep that protection,
+    evicted). A Release of a whole session (no range, no max_blocks) drops every
+    grant the session holds, and those of the continuations that leave with it
+    (continuations no other live session names; no selector could reach their
+    grants afterwards). A Release of a whole continuation drops every grant the
+    continuation holds, also on blocks it no longer resolves to. A Release
+    narrowed by a range, max_blocks or block hashes drops its owner's grants on
+    the selected blocks only. Blocks retained or pinned by other sessions keep that protection,
     and the Release does not move blocks another session is a member of (a
     shared prefix) to the front of the eviction order. A block whose protection
     the Release ends is an ordinary cached block again, placed where the engine
@@ -1150,7 +1168,9 @@ class KvCacheGroup(_message.Message):
     chain only up to its last prefix end a resume can hit: with sliding-window
     groups, the last kept block where every such group holds the window's
     blocks. The blocks after it are dropped with a REASON_WINDOW_TAIL_MISSING
-    clip, so the blocks granted are the ones a resume can use.
+    clip, so the blocks granted are the ones a resume can use. A Retain or Pin
+    whose selection holds no such prefix end, on chains that end within it,
+    grants nothing (the same clip).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1801,7 +1821,11 @@ class ListSessionsRequest(_message.Message):
     page_size: _builtins.int
     """0 means the server default (256); capped at Limits.max_page_size."""
     page_token: _builtins.str
-    """From a previous response; empty for the first page."""
+    """From a previous response; empty for the first page. A token is bound to
+    session_id_prefix and, where the server has tenants, to the calling
+    tenant: another tenant's or an admin's token is INVALID_ARGUMENT (field
+    page_token).
+    """
     session_id_prefix: _builtins.str
     """Only sessions whose id starts with this prefix."""
     def __init__(

@@ -130,3 +130,14 @@ def test_isolation_cases_do_not_pass_having_checked_nothing(fresh_tenants: Harne
     skipped = lines(text, "SKIPPED")
     for case in ISOLATION:
         assert "no --openai-url is given to store one" in skipped[case], text
+
+
+def test_a_session_release_that_leaves_continuation_grants_fails(server: Harness) -> None:
+    """release/session-release-ends-its-continuations-grants passes on the real servicer (the fake
+    engine behind the fake OpenAI endpoint). The servicer before it kept a continuation's Retain
+    after its session's Release, with nothing left that resolves the continuation; the same check
+    on the executor of that time is tests/unit/test_release_continuations.py's."""
+    case = S + "release/session-release-ends-its-continuations-grants"
+    with openai_over(server.engine) as url:
+        rc, text = run(f"127.0.0.1:{server.port}", "--openai-url", url, "--run", "session-release-ends", "-v")
+    assert rc == 0 and f"PASSED        {case}" in text, text

@@ -233,7 +233,13 @@ const (
 	// of the window's blocks, and the engine held none there. Those blocks were
 	// dropped from the hint (a Clip with this reason follows the budget's clip),
 	// so the blocks granted are the ones a resume can use; none when no prefix
-	// end within the budget can be hit. Never the reason of an unclipped hint.
+	// end within the budget can be hit. Also the reason of a Retain or Pin that
+	// no budget clipped when no selected prefix end can be hit (the engine holds
+	// none of the window tails a resume of the selection would read) and no
+	// chain through the selection goes on past it (the engine knows no later
+	// block whose hit end would read the selected ones): nothing is granted
+	// (CLIPPED, granted_blocks 0), since the grant would protect nothing a
+	// resume reads. Any other unclipped hint keeps every selected block.
 	Reason_REASON_WINDOW_TAIL_MISSING Reason = 19
 )
 
@@ -1635,7 +1641,13 @@ func (x *PinAction) GetExpectedReuseIn() *durationpb.Duration {
 
 // ReleaseAction drops the retention and pins that the selected session holds.
 // Its blocks become the first candidates for eviction (still reusable until
-// evicted). Blocks retained or pinned by other sessions keep that protection,
+// evicted). A Release of a whole session (no range, no max_blocks) drops every
+// grant the session holds, and those of the continuations that leave with it
+// (continuations no other live session names; no selector could reach their
+// grants afterwards). A Release of a whole continuation drops every grant the
+// continuation holds, also on blocks it no longer resolves to. A Release
+// narrowed by a range, max_blocks or block hashes drops its owner's grants on
+// the selected blocks only. Blocks retained or pinned by other sessions keep that protection,
 // and the Release does not move blocks another session is a member of (a
 // shared prefix) to the front of the eviction order. A block whose protection
 // the Release ends is an ordinary cached block again, placed where the engine
@@ -2340,7 +2352,9 @@ func (x *ActionSupport) GetSupportsExpectedReuse() bool {
 // chain only up to its last prefix end a resume can hit: with sliding-window
 // groups, the last kept block where every such group holds the window's
 // blocks. The blocks after it are dropped with a REASON_WINDOW_TAIL_MISSING
-// clip, so the blocks granted are the ones a resume can use.
+// clip, so the blocks granted are the ones a resume can use. A Retain or Pin
+// whose selection holds no such prefix end, on chains that end within it,
+// grants nothing (the same clip).
 type KvCacheGroup struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
@@ -3460,7 +3474,10 @@ type ListSessionsRequest struct {
 
 	// 0 means the server default (256); capped at Limits.max_page_size.
 	PageSize uint32 `protobuf:"varint,1,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
-	// From a previous response; empty for the first page.
+	// From a previous response; empty for the first page. A token is bound to
+	// session_id_prefix and, where the server has tenants, to the calling
+	// tenant: another tenant's or an admin's token is INVALID_ARGUMENT (field
+	// page_token).
 	PageToken string `protobuf:"bytes,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
 	// Only sessions whose id starts with this prefix.
 	SessionIdPrefix string `protobuf:"bytes,3,opt,name=session_id_prefix,json=sessionIdPrefix,proto3" json:"session_id_prefix,omitempty"`
