@@ -8,6 +8,8 @@ Commands come from the modules listed in COMMAND_MODULES. A command module defin
 
 which adds its parser(s) with `parents=[common]` (the global options) and
 `set_defaults(run=run)`, where `run(args, ctx: CliContext) -> int` returns the exit code.
+A command that talks to no KvHint server takes `parents=[context.output_options()]` (--json
+only) or no parent (`demo`), so its help lists no connection options it would ignore.
 To add commands (e.g. `demo`, `bench`), append the module path to COMMAND_MODULES or pass
 `modules=` to main()/build_parser(). Exit codes are documented in cli/context.py:
 0 ok, 1 negative answer, 2 usage, 3 unavailable, 4 other server error.

@@ -103,7 +103,10 @@ def _hints_from_envelope(path: str) -> list[kvhint_pb2.Hint]:
     try:
         hints = envelope_to_hints(text)
     except EnvelopeError as error:
-        raise UsageError(f"envelope: {error}") from None
+        # The envelope-level messages already name it ("envelope: missing 'protocol_version'");
+        # the action-level ones ("action 0 (id 'a'): ...") get the prefix.
+        message = str(error)
+        raise UsageError(message if message.startswith("envelope") else f"envelope: {message}") from None
     except RecursionError:  # json.loads on arrays / objects nested thousands deep
         raise UsageError(f"envelope {path}: not valid JSON (nested too deeply)") from None
     if not hints:

@@ -67,7 +67,7 @@ def add_global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> No
         "--timeout", type=float, default=default(DEFAULT_TIMEOUT), metavar="SECONDS",
         help=f"deadline per call, retries included (default {DEFAULT_TIMEOUT:g}; at most {MAX_TIMEOUT_S:.0f})",
     )
-    group.add_argument("--json", action="store_true", default=default(False), help="print JSON instead of tables")
+    _add_json_option(group, default(False))
     group.add_argument("--token", default=default(os.environ.get(TOKEN_ENV)), help=f"bearer token (default: ${TOKEN_ENV})")
     group.add_argument("--retries", type=int, default=default(2), metavar="N", help="retries on UNAVAILABLE (default 2)")
     group.add_argument("--tls", action="store_true", default=default(False), help="use TLS (implied by the options below)")
@@ -75,6 +75,19 @@ def add_global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> No
     group.add_argument("--cert", default=default(None), metavar="PEM", help="client certificate (mutual TLS)")
     group.add_argument("--key", default=default(None), metavar="PEM", help="client private key (mutual TLS)")
     group.add_argument("--server-name", default=default(None), help="TLS server name override")
+
+
+def _add_json_option(group: Any, default: Any) -> None:
+    group.add_argument("--json", action="store_true", default=default, help="print JSON instead of tables")
+
+
+def output_options() -> argparse.ArgumentParser:
+    """The parent parser of a command that talks to no KvHint server (make-tiny-model): of the
+    global options only --json, SUPPRESSed as on the common parent; the connection options would
+    do nothing there, so its help does not list them."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_json_option(parser.add_argument_group("output"), argparse.SUPPRESS)
+    return parser
 
 
 @dataclass

@@ -10,8 +10,10 @@ from .context import CliContext, UsageError
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    # None of the global options: the demo starts its own engine and sidecar on free ports (their
+    # addresses are printed) and prints text, so --address, --tls, --token, --json ... would do nothing.
     parser = subparsers.add_parser(
-        "demo", parents=[common], help="run vLLM with the sidecar and a two-agent scenario, with and without a Pin"
+        "demo", help="run vLLM with the sidecar and a two-agent scenario, with and without a Pin"
     )
     parser.add_argument("--model", help="model directory (default: generate the tiny model)")
     parser.add_argument("--log", help="engine log file (default: a temp file)")

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .context import EXIT_OK, CliContext, UsageError
+from .context import EXIT_OK, CliContext, UsageError, output_options
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    # It writes files and talks to no server: --json, and none of the connection options.
     parser = subparsers.add_parser(
-        "make-tiny-model", parents=[common],
+        "make-tiny-model", parents=[output_options()],
         help="write a random-weight checkpoint (Llama, Gemma 2 / Gemma 3 hybrid attention, or a Granite 4 Mamba hybrid) for tests and demos",
     )
     parser.add_argument("dir", help="output directory (created if needed)")

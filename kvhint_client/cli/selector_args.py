@@ -34,7 +34,22 @@ def parse_range(text: str) -> tuple[int, Optional[int]]:
     return start, end
 
 
+# What each selector flag's value names, for the message when it is given empty (`--session ""`).
+_VALUE_OF = {"--session": "a session id", "--continuation": "a continuation id",
+             "--block-hash": "a block hash in hex", "--range": "START:END or START:"}
+
+
+def _reject_empty_values(args: argparse.Namespace) -> None:
+    """A selector flag given with an empty value is a usage error that names the flag: an empty id
+    selects nothing, and an empty --range would otherwise be dropped (the whole chain selected)."""
+    for flag, values in (("--session", [args.session]), ("--continuation", [args.continuation]),
+                         ("--block-hash", args.block_hash), ("--range", [args.range])):
+        if "" in values:
+            raise UsageError(f"{flag} is empty: give {_VALUE_OF[flag]}")
+
+
 def target_from_args(args: argparse.Namespace) -> Target:
+    _reject_empty_values(args)
     given = [flag for flag, value in (("--session", args.session), ("--continuation", args.continuation),
                                       ("--block-hash", args.block_hash)) if value]
     if len(given) != 1:
