@@ -204,7 +204,7 @@ class HintExecutor:
         clips: list[Clip] = []
         hashes, tiers = self._selected_for_grant(spec, clips)
         if not hashes:
-            return HintResult.missing(spec.hint_id)
+            return self._missing(spec)
         if self._guard is not None:
             hashes = self._guard.clip_budget(spec, hashes, clips)
         assert spec.ttl_s is not None and spec.requested_ttl_s is not None
@@ -246,6 +246,19 @@ class HintExecutor:
         )
         core.adapter.refile(list(reversed(hashes)))
         return _result(spec, clips, _first_tiers(hashes, tiers), effective_ttl_s=spec.ttl_s)
+
+    def _missing(self, spec: HintSpec) -> HintResult:
+        """MISSING/NOT_RESIDENT, saying why the selector found nothing to act on: a session or
+        continuation the index does not know (a Release forgets a whole session) is named as such,
+        so a caller can tell it from one whose blocks are gone."""
+        sel, index = spec.selector, self.core.index
+        if sel.kind is SelectorKind.SESSION and sel.session_id not in index.sessions:
+            return HintResult.missing(spec.hint_id, f"session {excerpt(sel.session_id)} is not in the index: never "
+                                      "served here, released, or forgotten by the index's bounds")
+        if sel.kind is SelectorKind.CONTINUATION and sel.continuation_id not in index.continuations:
+            return HintResult.missing(spec.hint_id, f"continuation {excerpt(sel.continuation_id)} is not in the index: "
+                                      "never served here, its session released, or forgotten by the index's bounds")
+        return HintResult.missing(spec.hint_id)
 
     def _resumable(self, hashes: list[bytes], tiers: Mapping[bytes, int], clips: list[Clip], *, clipped: bool) -> list[bytes]:
         """On an engine with sliding-window groups (kvhint_server.window_tails): when a block
@@ -322,7 +335,7 @@ class HintExecutor:
         clips: list[Clip] = []
         hashes = self._selected_on_device(spec, clips)
         if not hashes:
-            return HintResult.missing(spec.hint_id)
+            return self._missing(spec)
         if self._guard is not None:
             hashes = self._guard.clip_shared(spec, hashes, clips)
         owner = spec.selector.owner
@@ -350,7 +363,7 @@ class HintExecutor:
         tiers = self.tiers_of(hashes)
         hashes = [h for h in hashes if tiers.get(h, 0) & _source_tiers(spec)]
         if not hashes:
-            return HintResult.missing(spec.hint_id)
+            return self._missing(spec)
         clips: list[Clip] = []
         hashes = self._cap(spec, hashes, clips)
         if self._guard is not None and spec.action is Action.DEMOTE:

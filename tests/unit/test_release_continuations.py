@@ -114,3 +114,21 @@ def test_after_a_session_release_every_grant_left_is_reachable_by_a_selector(mak
             (o.startswith("s:") and o[2:] in index.sessions) or (o.startswith("c:") and o[2:] in index.continuations)))
 
     assert harness.engine.run(unreachable) == []
+
+
+@pytest.mark.parametrize("action", ["evict", "pin"])
+def test_a_hint_on_a_released_session_says_the_index_no_longer_knows_it(harness, action):
+    """After a Release the session's blocks may still be cached, but the session is no longer in
+    the index: the MISSING result says so rather than that nothing is resident."""
+    harness.engine.store([h(1), h(2)], session="gone", continuation="gone/t1")
+    harness.apply(release(session_sel("gone")))
+    body = {"evict": {"evict": pb.EvictAction()},
+            "pin": {"pin": pb.PinAction(ttl=duration_pb2.Duration(seconds=5))}}[action]
+    for selector, named in ((session_sel("gone"), "session 'gone'"), (cont_sel("gone/t1"), "continuation 'gone/t1'")):
+        r = harness.apply(pb.Hint(selector=selector, **body)).results[0]
+        assert (r.outcome, r.reason) == (pb.OUTCOME_MISSING, pb.REASON_NOT_RESIDENT)
+        assert f"{named} is not in the index" in r.message, r.message
+    # A known session whose selection holds nothing resident keeps the plain message.
+    harness.engine.store([h(3)], session="live")
+    r = harness.apply(pb.Hint(selector=session_sel("live", start=5), **body)).results[0]
+    assert r.outcome == pb.OUTCOME_MISSING and "not in the index" not in r.message
