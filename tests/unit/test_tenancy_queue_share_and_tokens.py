@@ -27,13 +27,7 @@ from kvhint_server.metrics import KvHintMetrics, MetricsExporter
 
 from kvhint_unit_support import Harness, error_info, gate_engine_steps, h, local_engine_info
 
-TENANTS = {"tenants": [
-    {"name": "team-a", "session_prefix": "a/", "tokens": ["tok-a"]},
-    {"name": "team-b", "session_prefix": "b/", "tokens": ["tok-b"]},
-    {"name": "ops", "role": "admin", "tokens": ["tok-admin"]},
-]}
-A, B = (("authorization", "Bearer tok-a"),), (("authorization", "Bearer tok-b"),)
-ADMIN = (("authorization", "Bearer tok-admin"),)
+from test_tenant_watch_scope import ADMIN, TENANTS, A, B  # two tenants and an admin, with their call metadata
 
 
 @pytest.fixture
