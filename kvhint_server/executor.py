@@ -289,16 +289,16 @@ class HintExecutor:
         # owners' grants on those; otherwise every grant they hold, also on blocks the selector no
         # longer resolves to (grants may outlive index membership).
         narrowed = sel.has_range or sel.kind is SelectorKind.BLOCK_HASHES or bool(spec.max_blocks)
-        owners = [session_owner(s) for s in sessions] if sel.kind is SelectorKind.SESSION else [sel.owner]
-        if sel.kind is SelectorKind.SESSION and sel.owner not in owners:
-            owners.append(sel.owner)
-        if sel.kind is SelectorKind.SESSION and not narrowed:
-            # The whole session ends: so do the grants of the continuations that leave the index
-            # with it (no other live session lists them), which no selector could reach after.
-            leaving = index.continuations_leaving_with(sessions)
-            if self._guard is not None:
-                leaving = [c for c in leaving if self._guard.tenant.owns(c)]
-            owners += [CONTINUATION_OWNER + c for c in leaving]
+        owners = [sel.owner]
+        if sel.kind is SelectorKind.SESSION:
+            owners += [session_owner(s) for s in sessions if session_owner(s) != sel.owner]
+            if not narrowed:
+                # The whole session ends: so do the grants of the continuations that leave the
+                # index with it (no other live session lists them), which no selector could reach after.
+                leaving = index.continuations_leaving_with(sessions)
+                if self._guard is not None:
+                    leaving = [c for c in leaving if self._guard.tenant.owns(c)]
+                owners += [CONTINUATION_OWNER + c for c in leaving]
         hashes = self.resolve(sel)
         if sel.kind is SelectorKind.BLOCK_HASHES:
             # Explicit hashes select only blocks that are resident somewhere or retained.

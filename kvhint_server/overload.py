@@ -233,13 +233,14 @@ class TenantQueueShares:
             self._held[tenant] = held + 1
             return None
 
-    def take(self, tenant: str) -> None:
-        """Take a place for one of `tenant`'s tasks (`hold` gives it back); QueueFull, nothing
-        taken, when its share is full."""
+    def submit(self, tenant: str, submit: Callable[[], F]) -> F:
+        """`submit()`'s future, for one of `tenant`'s tasks, holding a place in its share until
+        done; QueueFull, nothing submitted, when the share is full."""
         held = self.enter(tenant)
         if held is not None:
             self.stats.queue_full += 1
             raise QueueFull(held, self.bound, self.retry_after(), queue=f"tenant {tenant!r}'s share of the engine queue")
+        return self.hold(tenant, submit())
 
     def hold(self, tenant: str, future: F) -> F:
         """`future`, the task a place was taken for: the place is given back when it is done."""

@@ -47,6 +47,17 @@ T = TypeVar("T")
 Msg = TypeVar("Msg", bound=pb_message.Message)
 
 
+def _page_scope(tenant: Tenant | None, *query: bytes) -> str:
+    """A page token's scope: a digest of the query's parts and, with tenancy, of the calling
+    tenant's name, so a token serves the same query of the same caller only (another tenant's
+    or an admin's is refused, field page_token). Each part is length-prefixed: no two
+    different queries digest the same bytes."""
+    digest = hashlib.sha256()
+    for part in (*query, tenant.name.encode() if tenant is not None else b""):
+        digest.update(len(part).to_bytes(8, "big") + part)
+    return digest.hexdigest()[:16]
+
+
 def _parse(cls: type[Msg], raw: bytes) -> Msg:
     try:
         return cls.FromString(raw)
@@ -131,12 +142,11 @@ class KvHintServicer:
         if tenant is None or self.queue_shares is None:
             return self.core.submit(fn, bounded=True)
         try:
-            self.queue_shares.take(tenant.name)
+            return self.queue_shares.submit(tenant.name, lambda: self.core.submit(fn, bounded=True))
         except QueueFull as exc:
             refused: TaskFuture[T] = TaskFuture()
             refused.set_exception(exc)
             return refused
-        return self.queue_shares.hold(tenant.name, self.core.submit(fn, bounded=True))
 
     async def _await_engine(self, future: TaskFuture[T], context: grpc.aio.ServicerContext) -> T:
         """The engine task's result, bounded by the RPC deadline and engine_task_timeout_s. A task
@@ -201,8 +211,7 @@ class KvHintServicer:
         tenant = self._scoped()
         tenant_guard.check_query_selector(tenant, selector)
         tokens = self.page_tokens()
-        scope = hashlib.sha256(request.selector.SerializeToString(deterministic=True) + bytes(sorted(tiers))
-                               + (tenant.name.encode() if tenant else b"")).hexdigest()[:16]
+        scope = _page_scope(tenant, request.selector.SerializeToString(deterministic=True), bytes(sorted(tiers)))
         offset = tokens.verify(request.page_token, scope, "o", int, 0) if request.page_token else 0
         size = self._page_size(request.page_size)
         principal = self._rate_limit(context, 1)  # after validation: a request refused as a whole costs nothing
@@ -228,9 +237,7 @@ class KvHintServicer:
         prefix = check_request_id(request.session_id_prefix, "session_id_prefix", self.config.max_id_length, required=False)
         tenant = self._scoped()
         tokens = self.page_tokens()
-        scope = hashlib.sha256(prefix.encode()).hexdigest()[:16]
-        if tenant is not None:  # a tenant's tokens are its own: refused to another tenant or an admin
-            scope += ":" + tenant.name
+        scope = _page_scope(tenant, prefix.encode())
         after = tokens.verify(request.page_token, scope, "a", str, self.config.max_id_length) if request.page_token else None
         size = self._page_size(request.page_size)
         principal = self._rate_limit(context, 1)  # after validation: a request refused as a whole costs nothing

@@ -256,11 +256,11 @@ class WatchHub:
     def _begin(self, snap: SnapshotCursor, tenant: str | None) -> TaskFuture[SnapshotStart]:
         """A snapshot's first task, bounded by the queue and, for a tenant, by its share of it
         (QueueFull, nothing queued, as any of its calls would be refused)."""
-        shares = self._queue_shares
-        if tenant is None or shares is None:
+        def submit() -> TaskFuture[SnapshotStart]:
             return self._core.submit(snap.begin, bounded=True)
-        shares.take(tenant)
-        return shares.hold(tenant, self._core.submit(snap.begin, bounded=True))
+
+        shares = self._queue_shares
+        return submit() if tenant is None or shares is None else shares.submit(tenant, submit)
 
     async def _slice(self, snap: SnapshotCursor, tenant: str | None) -> SnapshotPiece:
         """A snapshot's next slice. A tenant's waits for a place in its share of the queue (the

@@ -416,15 +416,15 @@ MUTANTS = (
     Mutant(
         "page-token-any-tenant",
         "kvhint_server/servicer.py",
-        r'            scope \+= ":" \+ tenant\.name',
-        "            pass",
-        "a tenant's ListSessions page token serves another tenant",
+        r'tenant\.name\.encode\(\) if tenant is not None else b""',
+        'b""',
+        "a tenant's page token (ListSessions, QueryResidency) serves another tenant",
     ),
     Mutant(
         "snapshot-outside-share",
         "kvhint_server/watch.py",
-        r"        shares\.take\(tenant\)\n        return shares\.hold\(tenant, self\._core\.submit\(snap\.begin, bounded=True\)\)",
-        "        return self._core.submit(snap.begin, bounded=True)",
+        r"return submit\(\) if tenant is None or shares is None else shares\.submit\(tenant, submit\)",
+        "return submit()",
         "a tenant's snapshot watches take engine-queue places outside its share",
     ),
     Mutant(

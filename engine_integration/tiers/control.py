@@ -362,12 +362,12 @@ class TierControl:
             self._inject_store(op, keys, kept, by_key, per_group)
         except BaseException:
             # Nothing of a store that could not be injected stays behind (chunks it evicted stay
-            # evicted): its host chunks are freed, its device blocks unpinned, its request context
-            # finished; the caller sees the error (vLLM's private names it uses may change, README).
-            self.manager.complete_store(op._keys, op._ctx, False)
-            self.manager.on_request_finished(op._ctx)
-            pool.free_blocks(op._blocks)
-            op._blocks, op._job, op.done = [], None, True
+            # evicted): finished failed, as an unsent one (host chunks freed, device blocks
+            # unpinned, request context finished); the caller sees the error (vLLM's private
+            # names it uses may change, README).
+            self._ops.pop(op.job_id, None)
+            op._job = None
+            self._finish_store(op, success=False)
             raise
         return op
 
