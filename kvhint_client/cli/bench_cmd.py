@@ -11,8 +11,8 @@
         (yours or generated) side by side with LRU, Belady, the infinite cache and the tier
         runs, print the reference policy's hints
 
-Everything after the subcommand is passed through to that tool. The global
-`--address` is not used: `run` starts its own engine (or takes `--http/--grpc`).
+Everything after the subcommand is passed through to that tool. It takes none of the
+global connection options: `run` starts its own engine (or takes `--http/--grpc`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ OFFLINE = ("generate", "analyze", "headroom", "policy")
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     parser = subparsers.add_parser(
         "bench",
-        parents=[common],
         help="agentic benchmark: replay a trace on vLLM with and without hints, or simulate it offline",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -79,15 +79,20 @@ def test_an_empty_selector_value_is_named_as_empty(fake: RunningServer, args: li
 # -- commands that talk to no server -----------------------------------------------------------------
 
 
-def test_make_tiny_model_and_demo_list_no_connection_flags() -> None:
+def test_make_tiny_model_demo_and_bench_list_no_connection_flags() -> None:
     model_help = kvhint("make-tiny-model", "--help")
     demo_help = kvhint("demo", "--help")
-    assert model_help.returncode == 0 and demo_help.returncode == 0
+    bench_help = kvhint("bench", "--help")
+    assert model_help.returncode == 0 and demo_help.returncode == 0 and bench_help.returncode == 0
     for flag in CONNECTION_FLAGS:
         assert f" {flag} " not in model_help.stdout and f"[{flag}" not in model_help.stdout, flag
         assert f" {flag} " not in demo_help.stdout and f"[{flag}" not in demo_help.stdout, flag
+        # `bench` passes what follows its tool through (`bench run --grpc ...`): none of its own
+        assert f" {flag} " not in bench_help.stdout and f"[{flag}" not in bench_help.stdout, flag
     assert "--json" in model_help.stdout  # make-tiny-model prints its result as JSON on request
     assert "--json" not in demo_help.stdout  # the demo prints text only
+    bench = kvhint("bench", "--address", "x:1", "analyze")  # refused, not silently ignored
+    assert bench.returncode == 2 and "kvhint bench: error" in bench.stderr, bench.stderr
     for args in (["demo", "--address", "x:1"], ["make-tiny-model", "/nonexistent/m", "--tls"]):
         run = kvhint(*args)
         assert run.returncode == 2 and "unrecognized arguments" in run.stderr, (args, run.stderr)
