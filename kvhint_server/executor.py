@@ -51,6 +51,8 @@ if TYPE_CHECKING:
     from .tenant_guard import TenantGuard
 
 _FROM_END = (Action.RELEASE, Action.EVICT, Action.DEMOTE)
+# The fewest continuation links kept before the first pruning (HintExecutor._continuation_links).
+_LINKS_PRUNE_MIN = 1024
 
 
 class BatchApplied(NamedTuple):
@@ -70,6 +72,13 @@ class HintExecutor:
         self._seen: dict[str, OrderedDict[str, tuple[bytes, HintResult]]] = {}
         # The calling tenant's guard during a batch (tenant_guard.py); None: no tenancy or an admin.
         self._guard: TenantGuard | None = None
+        # Continuation -> the sessions the index listed it under when it was granted (Retain or
+        # Pin by continuation). The index's bounds may forget a continuation, or its sessions,
+        # while its grants live on; a whole session's Release still ends the grants of the
+        # continuations it took with it (`_forgotten_continuations`). Entries whose continuation
+        # holds no grant any more are dropped lazily (`_prune_links`).
+        self._continuation_links: dict[str, set[str]] = {}
+        self._prune_links_at = _LINKS_PRUNE_MIN
 
     # ------------------------------------------------------------ batch
 
@@ -244,8 +253,37 @@ class HintExecutor:
             expires_at=core.wall() + spec.ttl_s,
             reuse_at=None if spec.expected_reuse_s is None else now + spec.expected_reuse_s,
         )
+        if spec.selector.kind is SelectorKind.CONTINUATION:
+            self._link_continuation(spec.selector.continuation_id)
         core.adapter.refile(list(reversed(hashes)))
         return _result(spec, clips, _first_tiers(hashes, tiers), effective_ttl_s=spec.ttl_s)
+
+    def _link_continuation(self, continuation: str) -> None:
+        """A grant by `continuation`: remember the sessions the index lists it under now."""
+        listed = self.core.index.sessions_listing(continuation)
+        if listed:
+            self._continuation_links.setdefault(continuation, set()).update(listed)
+            if len(self._continuation_links) >= self._prune_links_at:
+                self._prune_links()
+                self._prune_links_at = max(_LINKS_PRUNE_MIN, 2 * len(self._continuation_links))
+
+    def _prune_links(self) -> None:
+        """Forget the links of continuations that hold no grant any more."""
+        ledger = self.core.ledger
+        for c in [c for c in self._continuation_links if not ledger.owned_by(CONTINUATION_OWNER + c)]:
+            del self._continuation_links[c]
+
+    def _forgotten_continuations(self, named: set[str]) -> list[str]:
+        """Continuations that hold grants but that the index no longer tracks (its bounds forgot
+        them, or their sessions), which were granted while listed under a session of `named`
+        and under no session the index still tracks outside it: a Release of `named` is the
+        last one a router would send for them (`continuations_leaving_with` covers the
+        continuations the index still tracks)."""
+        self._prune_links()
+        index = self.core.index
+        return [c for c, linked in self._continuation_links.items()
+                if c not in index.continuations and not linked.isdisjoint(named)
+                and all(s in named or s not in index.sessions for s in linked)]
 
     def _missing(self, spec: HintSpec) -> HintResult:
         """MISSING/NOT_RESIDENT, saying why the selector found nothing to act on: a session or
@@ -296,6 +334,7 @@ class HintExecutor:
                 # The whole session ends: so do the grants of the continuations that leave the
                 # index with it (no other live session lists them), which no selector could reach after.
                 leaving = index.continuations_leaving_with(sessions)
+                leaving += self._forgotten_continuations({sel.session_id, *sessions})
                 if self._guard is not None:
                     leaving = [c for c in leaving if self._guard.tenant.owns(c)]
                 owners += [CONTINUATION_OWNER + c for c in leaving]

@@ -374,6 +374,10 @@ class SessionPrefixIndex:
                     out[c] = None
         return list(out)
 
+    def sessions_listing(self, continuation: str) -> list[str]:
+        """The live sessions whose lists hold `continuation` (empty when the index does not track it)."""
+        return list(_iter(self._continuation_sessions.get(continuation)))
+
     def resolve_session(self, session: str, include_children: bool = False) -> list[bytes]:
         """Every block of the session (and children), in chain order."""
         blocks: set[bytes] = set()

@@ -1644,7 +1644,11 @@ func (x *PinAction) GetExpectedReuseIn() *durationpb.Duration {
 // evicted). A Release of a whole session (no range, no max_blocks) drops every
 // grant the session holds, and those of the continuations that leave with it
 // (continuations no other live session names; no selector could reach their
-// grants afterwards). A Release of a whole continuation drops every grant the
+// grants afterwards). That includes a continuation the engine's index stopped
+// tracking under its bounds (the continuation, or the session, forgotten while
+// its grants lived on): it leaves with the session when the sessions it was
+// listed under when granted are the released ones or no longer tracked.
+// A Release of a whole continuation drops every grant the
 // continuation holds, also on blocks it no longer resolves to. A Release
 // narrowed by a range, max_blocks or block hashes drops its owner's grants on
 // the selected blocks only. Blocks retained or pinned by other sessions keep that protection,
