@@ -476,6 +476,28 @@ MUTANTS = (
         "            clip.requested_ttl.FromNanoseconds(int(round(c.requested_ttl_ns / 1e9 * 1e9)))",
         "Clip.requested_ttl goes through float seconds (1 ns off past 2**23 s)",
     ),
+    # Session 52.
+    Mutant(
+        "forgotten-continuation-kept",
+        "kvhint_server/executor.py",
+        r"                leaving \+= self\._forgotten_continuations\(\{sel\.session_id, \*sessions\}\)\n",
+        "",
+        "a session's Release leaves the grants of a continuation the index's bounds forgot",
+    ),
+    Mutant(
+        "forgotten-continuation-any-session",
+        "kvhint_server/executor.py",
+        r"and all\(s in named or s not in index\.sessions for s in linked\)",
+        "and True",
+        "a session's Release ends a forgotten continuation's grants that another live session listed",
+    ),
+    Mutant(
+        "bench-takes-connection-flags",
+        "kvhint_client/cli/bench_cmd.py",
+        r'        "bench",\n',
+        '        "bench", parents=[common],\n',
+        "kvhint bench lists (and silently accepts) connection options it ignores",
+    ),
 )
 
 
