@@ -23,6 +23,7 @@ import math
 import numbers
 import os
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -162,11 +163,43 @@ class RetryPolicy:
         return bool(code == grpc.StatusCode.UNAVAILABLE)
 
 
+# gRPC target schemes passed through as they are (gRPC's naming doc): the address is the resolver's.
+TARGET_SCHEMES = ("dns", "unix", "unix-abstract", "ipv4", "ipv6", "vsock", "xds", "google-c2p")
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.%a-zA-Z]+\]|[^:\[\]/\s]+):([0-9]+)")
+_SCHEME = re.compile(r"([a-z][a-z0-9+.-]*):")
+
+
+def check_address(address: str) -> None:
+    """Raise ValueError unless `address` names a server a channel can reach: HOST:PORT with a
+    port in 1..65535 (an IPv6 host in brackets, `[::1]:50151`), or a gRPC target with one of
+    TARGET_SCHEMES (`unix:/path`, `dns:///host:port`, ...), passed through as it is. gRPC itself
+    takes `127.0.0.1:99999` as port 34463 (99999 - 65536), a URL as a host name, and a host
+    without a port as port 443, and then retries the wrong target for ever; so a client refuses
+    them here, before it connects anywhere."""
+    if not address:
+        raise ValueError("address must not be empty")
+    scheme = _SCHEME.match(address)
+    if scheme is not None and scheme.group(1) in TARGET_SCHEMES and not _HOST_PORT.fullmatch(address):
+        return
+    if "://" in address:
+        raise ValueError(f"address {address!r}: a gRPC address is HOST:PORT (or a gRPC target such as "
+                         "unix:/path), not a URL")
+    m = _HOST_PORT.fullmatch(address)
+    if m is None:
+        raise ValueError(f"address {address!r}: expected HOST:PORT (IPv6 as [ADDR]:PORT), or a gRPC target "
+                         f"with a scheme ({', '.join(s + ':' for s in TARGET_SCHEMES[:3])} ...)")
+    port = int(m.group(2))
+    if not 1 <= port <= 65535:
+        raise ValueError(f"address {address!r}: the port must be in 1..65535")
+
+
 @dataclass(frozen=True)
 class ConnectionConfig:
     """Where and how to reach one KvHint server.
 
-    address: "host:port" (any gRPC target string works, e.g. "unix:/path").
+    address: "host:port", port 1..65535 ("[::1]:port" for IPv6), or a gRPC target with a scheme
+        ("unix:/path", "dns:///host:port"; TARGET_SCHEMES); anything else raises ValueError
+        (`check_address`).
     tls: None for a plaintext channel.
     bearer_token: sent as `authorization: Bearer <token>` on every call.
     default_timeout: seconds per unary call (across retries), at most MAX_TIMEOUT_S; None for no
@@ -185,8 +218,7 @@ class ConnectionConfig:
     channel_options: tuple[tuple[str, Union[str, int]], ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.address:
-            raise ValueError("address must not be empty")
+        check_address(self.address)
         if self.default_timeout is not None:
             check_timeout(self.default_timeout, "default_timeout")
 
