@@ -53,7 +53,30 @@ class Verdict(enum.Enum):
 
 @dataclass
 class EngineStatus:
-    """Counters and position of one followed engine."""
+    """Counters and position of one followed engine (EventFollower.status() returns the live
+    objects; the follower updates them as messages arrive).
+
+    live: a snapshot is installed and the current stream is connected (the index answers for the
+        engine; see ResidencyIndex).
+    epoch, last_sequence: the position processed (epoch of the last installed snapshot).
+    snapshots: snapshots installed. resyncs: Resync messages received (any cause).
+    epoch_changes: how many times the follower found the engine in an epoch other than the one it
+        last knew (the epoch of its last installed snapshot, or a newer one it was told of since),
+        e.g. because the engine restarted. It learns it from whichever comes first: a message
+        stamped with another epoch, a Resync naming another current epoch (or with
+        CAUSE_EPOCH_CHANGED), or the installed snapshot's epoch (after a resync for another cause,
+        or a refused resume). Each change counts once however many of these it sees; the first
+        epoch it syncs to is not a change.
+    connects: subscriptions made. duplicates_skipped, sequence_gaps: events at or below the
+        position, and jumps past position + 1. stalls: streams cancelled for silence.
+    last_error: a current error only: the text of the error that ended the latest stream to end
+        with one, from then until the engine is next live, when it moves to previous_error and
+        last_error becomes None. So `live` implies `last_error is None`; a non-live engine whose
+        streams ended without error since it was last live (a resync, an epoch change, a stall,
+        stop(), not yet synced) has None too.
+    previous_error: the last error cleared by going live again (None if none was): what the
+        engine recovered from, for logs and dashboards; not a current error.
+    """
 
     engine: str
     address: str
@@ -68,6 +91,7 @@ class EngineStatus:
     sequence_gaps: int = 0
     stalls: int = 0
     last_error: Optional[str] = None
+    previous_error: Optional[str] = None
 
 
 class EngineTracker:
@@ -83,6 +107,10 @@ class EngineTracker:
         self._need_snapshot = True
         self._staging: Optional[EngineResidencyState] = None
         self._connected_live = False
+        # The epoch the follower last knew the engine in, for epoch_changes: None until the first
+        # snapshot is installed; "" when a Resync said the engine left that epoch without naming
+        # the new one.
+        self._known_epoch: Optional[str] = None
         index.add_engine(engine)
 
     @property
@@ -111,14 +139,42 @@ class EngineTracker:
     def _go_live(self) -> None:
         if not self._connected_live:
             self._connected_live = True
+            self._clear_error()
             self.status.live = True
             self.index.set_live(self.engine, True)
+
+    def _clear_error(self) -> None:
+        """The engine is live again: its last error is history (before `live` is set, so that a
+        reader on another thread never sees a live engine with a current error)."""
+        if self.status.last_error is not None:
+            self.status.previous_error = self.status.last_error
+            self.status.last_error = None
+
+    def _learn_epoch(self, epoch: str) -> None:
+        """The engine is in `epoch` ("" when only a Resync's cause said it left the known one)."""
+        known = self._known_epoch
+        if known is None or epoch == known:
+            return  # not synced yet (the first snapshot's epoch is no change), or no news
+        if known == "" and epoch:
+            self._known_epoch = epoch  # the change announced without a name: already counted
+            return
+        self.status.epoch_changes += 1
+        self._known_epoch = epoch
+
+    def _learn_resync_epoch(self, resync: kvhint_pb2.Resync, envelope_epoch: str) -> None:
+        current = resync.current_epoch or envelope_epoch
+        if resync.cause == kvhint_pb2.Resync.CAUSE_EPOCH_CHANGED:
+            # The server says the engine is not in the epoch resumed from (the known one).
+            self._learn_epoch("" if current == self._known_epoch else current)
+        elif current:
+            self._learn_epoch(current)
 
     def handle(self, message: kvhint_pb2.WatchEventsResponse) -> Verdict:
         kind = message.WhichOneof("payload")
         if kind == "resync":
             log.info("engine %s: resync (%s); re-snapshotting", self.engine, message.resync.message or message.resync.cause)
             self.status.resyncs += 1
+            self._learn_resync_epoch(message.resync, message.epoch)
             self._discard()
             return Verdict.RESNAPSHOT
 
@@ -132,7 +188,7 @@ class EngineTracker:
 
         if message.epoch != self._epoch:
             log.info("engine %s: epoch changed %s -> %s; re-snapshotting", self.engine, self._epoch, message.epoch)
-            self.status.epoch_changes += 1
+            self._learn_epoch(message.epoch)
             self._discard()
             return Verdict.RESNAPSHOT
 
@@ -157,6 +213,10 @@ class EngineTracker:
             self._staging.add_snapshot_chunk(message.snapshot_chunk)
         elif kind == "snapshot_end":
             self._staging.tiers_exact = True
+            if self._known_epoch is None:
+                self._known_epoch = message.epoch  # the first epoch synced to: not a change
+            else:
+                self._learn_epoch(message.epoch)
             self._epoch = message.epoch
             self._last_sequence = message.sequence
             self._need_snapshot = False
@@ -164,6 +224,7 @@ class EngineTracker:
             self._staging = None
             self._connected_live = True
             self.status.snapshots += 1
+            self._clear_error()
             self.status.live = True
             self.status.epoch, self.status.last_sequence = message.epoch, message.sequence
         elif kind != "heartbeat":
@@ -179,10 +240,6 @@ class EngineTracker:
     def stream_ended(self, error: Optional[BaseException] = None) -> bool:
         """The stream closed. Returns whether it made progress (went live) before closing."""
         progressed = self._connected_live
-        if error is not None:
-            self.status.last_error = str(error)
-            if _refused_subscription(error):
-                self._need_snapshot = True  # the server refused this resume; start over
         if self._staging is not None:
             self._staging = None
             self._need_snapshot = True
@@ -190,4 +247,8 @@ class EngineTracker:
         if self.status.live:
             self.status.live = False
             self.index.set_live(self.engine, False)
+        if error is not None:
+            self.status.last_error = str(error)  # after `live` was cleared: see _clear_error
+            if _refused_subscription(error):
+                self._need_snapshot = True  # the server refused this resume; start over
         return progressed

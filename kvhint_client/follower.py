@@ -120,6 +120,10 @@ class _FollowerBase:
         return list(self._configs)
 
     def status(self) -> dict[str, EngineStatus]:
+        """engine -> its EngineStatus, the live object the follower keeps updating (see the
+        EngineStatus docstring: `last_error` is None while the engine is live, what it recovered
+        from is in `previous_error`; `epoch_changes` counts each epoch it moved to, restarts
+        included)."""
         return {name: tracker.status for name, tracker in self._trackers.items()}
 
 

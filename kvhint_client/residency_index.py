@@ -23,7 +23,8 @@ by tier):
   BlocksRemoved); they reach `on_event` only. Protection (retain/pin) is not tracked here: ask
   QueryResidency, or watch HintApplied / PinBroken.
 - Queries answer from *live* engines only (snapshot installed and stream connected) unless
-  `include_stale=True`; a disconnected engine's last state is kept for its resume.
+  `include_stale=True`, whether they span engines or name one; a disconnected engine's last
+  state is kept for its resume (see ResidencyIndex).
 """
 
 from __future__ import annotations
@@ -143,7 +144,17 @@ class EngineResidency:
 
 class ResidencyIndex:
     """Thread-safe session -> engine -> tier -> block hashes index, fed by EventFollower (or by
-    your own watch loop through apply_event / replace / reset / set_live)."""
+    your own watch loop through apply_event / replace / reset / set_live).
+
+    Staleness, the same rule for every residency query (engines_for_session, engines_for_block,
+    session_residency, sessions, session_blocks, tier_blocks): an engine that is not live (no
+    snapshot installed yet, its stream disconnected, or reset by a resync or an epoch change) is
+    stale, and its residency is left out, as if it held nothing, unless the query is given
+    `include_stale=True`; then the engine's last known state is answered (empty after a reset). A
+    query that names an engine follows the rule too (`sessions("e2")` is empty while e2 is not
+    live). An engine the index never heard of holds nothing either way. `engines()`, `is_live()`
+    and `wait_live()` are about the engines themselves and list stale ones too.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
@@ -189,6 +200,12 @@ class ResidencyIndex:
     def _engines(self, include_stale: bool) -> list[str]:
         return [e for e in self._states if include_stale or self._live.get(e)]
 
+    def _state(self, engine: str, include_stale: bool) -> Optional[EngineResidencyState]:
+        """`engine`'s state if a query may answer from it (see the class docstring); under the lock."""
+        if not include_stale and not self._live.get(engine):
+            return None
+        return self._states.get(engine)
+
     def engines(self) -> list[str]:
         """Every engine the index has heard of."""
         with self._lock:
@@ -207,8 +224,8 @@ class ResidencyIndex:
     def engines_for_session(
         self, session_id: str, *, tier: Optional[TierLike] = None, include_stale: bool = False
     ) -> list[EngineResidency]:
-        """Engines holding blocks of `session_id`, most blocks first (ties: more device blocks,
-        then engine name)."""
+        """Live engines (any engine if include_stale) holding blocks of `session_id`, most blocks
+        first (ties: more device blocks, then engine name)."""
         tier_value = None if tier is None else parse_tier(tier)
         ranked = []
         with self._lock:
@@ -225,7 +242,8 @@ class ResidencyIndex:
     def engines_for_block(
         self, block: BlockHashLike, *, tier: Optional[TierLike] = None, include_stale: bool = False
     ) -> set[str]:
-        """Engines where the block is resident (on `tier`, or on any tier)."""
+        """Live engines (any engine if include_stale) where the block is resident (on `tier`, or
+        on any tier)."""
         raw = block_hash(block)
         tier_value = None if tier is None else parse_tier(tier)
         with self._lock:
@@ -239,16 +257,19 @@ class ResidencyIndex:
                     found.add(engine)
             return found
 
-    def session_blocks(self, session_id: str, engine: str, *, tier: Optional[TierLike] = None) -> frozenset[bytes]:
-        """Blocks of `session_id` resident on `engine` (on `tier`, or any tier). Answers for stale
-        engines too (the caller named the engine)."""
+    def session_blocks(
+        self, session_id: str, engine: str, *, tier: Optional[TierLike] = None, include_stale: bool = False
+    ) -> frozenset[bytes]:
+        """Blocks of `session_id` resident on `engine` (on `tier`, or any tier); empty while
+        `engine` is not live unless include_stale."""
         tier_value = None if tier is None else parse_tier(tier)
         with self._lock:
-            state = self._states.get(engine)
+            state = self._state(engine, include_stale)
             return frozenset(state.session_blocks(session_id, tier_value)) if state else frozenset()
 
     def session_residency(self, session_id: str, *, include_stale: bool = False) -> dict[str, dict[int, frozenset[bytes]]]:
-        """engine -> tier -> blocks of `session_id`."""
+        """engine -> tier -> blocks of `session_id`, for live engines (any engine if
+        include_stale) holding some."""
         out: dict[str, dict[int, frozenset[bytes]]] = {}
         with self._lock:
             for engine in self._engines(include_stale):
@@ -260,16 +281,23 @@ class ResidencyIndex:
         return out
 
     def sessions(self, engine: Optional[str] = None, *, include_stale: bool = False) -> set[str]:
-        """Session ids with resident blocks (on `engine`, or on any live engine)."""
+        """Session ids with resident blocks on `engine`, or on any engine when None; only live
+        engines count unless include_stale (so empty for a named engine that is not live)."""
         with self._lock:
-            engines = [engine] if engine is not None else self._engines(include_stale)
-            return {s for e in engines if e in self._states for s in self._states[e].sessions}
+            if engine is None:
+                states = [self._states[e] for e in self._engines(include_stale)]
+            else:
+                state = self._state(engine, include_stale)
+                states = [state] if state is not None else []
+            return {s for state in states for s in state.sessions}
 
-    def tier_blocks(self, engine: str, tier: TierLike) -> frozenset[bytes]:
-        """Every block resident on `engine`'s `tier`."""
+    def tier_blocks(self, engine: str, tier: TierLike, *, include_stale: bool = False) -> frozenset[bytes]:
+        """Every block resident on `engine`'s `tier`; empty while `engine` is not live unless
+        include_stale."""
+        tier_value = parse_tier(tier)
         with self._lock:
-            state = self._states.get(engine)
-            return frozenset(state.tiers.get(parse_tier(tier), ())) if state else frozenset()
+            state = self._state(engine, include_stale)
+            return frozenset(state.tiers.get(tier_value, ())) if state else frozenset()
 
 
 def apply_to_state(state: EngineResidencyState, message: kvhint_pb2.WatchEventsResponse, kind: Optional[str]) -> bool:
