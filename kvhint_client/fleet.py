@@ -6,17 +6,38 @@
 
 Routing of each hint (by its selector):
 - With a ResidencyIndex (an EventFollower's, or one passed directly; engine names must match the
-  endpoint names): a session selector goes to the live engines holding blocks of that session
-  (most blocks first); a block-hash selector to the live engines holding any of the hashes.
-  The index cannot speak for the engines of the fleet that are not live in it (not yet synced,
-  reconnecting, resyncing): those are asked as well, and the ones holding the selection are
-  added (after the index's). Selectors the index cannot resolve (continuations,
-  include_children) and selections the index finds nowhere (e.g. a session that holds only
-  retention, or an engine not yet synced) are resolved by asking every engine.
+  endpoint names: ValueError at construction when the follower's engines, or the engines the
+  index has heard of, share no name with the endpoints, and a warning logged once when only some
+  differ; an index that has heard of no engine yet is not checked): a session selector goes to
+  the live engines holding blocks of that session (most blocks first); a block-hash selector to
+  the live engines holding any of the hashes. The index cannot speak for the engines of the
+  fleet that are not live in it (not yet synced, reconnecting, resyncing): those are asked as
+  well, and the ones holding the selection are added (after the index's). Selectors the index
+  cannot resolve (continuations, include_children) and selections the index finds nowhere (e.g.
+  a session that holds only retention, or an engine not yet synced) are resolved by asking
+  every engine.
 - Without an index, or for those selectors: a session selector (without include_children) goes
   to the engines whose ListSessions has that exact session (which includes sessions holding
   only retention); other selectors to the engines whose QueryResidency finds at least one block.
 - `broadcast=True` skips routing and sends every hint to every engine.
+- Engines that failed to answer are skipped for a while (failure memory, a circuit breaker): an
+  engine that did not answer a call (UNAVAILABLE or DEADLINE_EXCEEDED, while routing or
+  applying) is not asked by later apply() calls for `breaker_backoff` seconds (default 1 s,
+  doubling with each consecutive failure up to `breaker_max_backoff`, default 30 s; 0 disables
+  it); after that one apply() call asks it again (the probe; other calls keep skipping it while
+  it runs), and an answer of any status other than those two ends the backoff. The breaker only
+  skips an engine asked because the index cannot speak for it: an engine not live in the index,
+  in a call whose every hint is one the index places on live engines (those engines get the
+  hint whatever the breaker says). Every other engine is asked whatever the breaker says: the
+  engines the index places a hint on, and every engine asked about a selector the index does
+  not resolve or finds nowhere, or asked without an index (there, not asking an engine that may
+  be a hint's only holder would leave the hint in `unrouted`, as if no engine held it; an engine
+  that fails there keeps costing each call its share of the deadline). `broadcast=True` sends to
+  every engine whatever the breaker says. Every call sent to an engine updates its breaker (a
+  failure starts or doubles its backoff, an answer ends it). An engine skipped is reported in
+  `FleetApplyResult.skipped` (why, and when it may be asked again), never in `errors`: nothing
+  was sent to it, and no route names it. engines_for() and apply_to() ask whatever the breaker
+  says and do not update it.
 
 Data parallelism: an engine started with `--data-parallel-size N` runs N engine cores, each with
 its own KV-cache pool and its own KvHint server on port + rank. Treat the ranks as engines:
@@ -44,6 +65,8 @@ ValueError before any engine is sent anything.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as _wait_futures
@@ -64,11 +87,20 @@ from .results import ApplyResult
 
 _T = TypeVar("_T")
 
+log = logging.getLogger(__name__)
+
 #: The share of the time left that FleetClient.apply's routing may take (the rest is the batches').
 ROUTING_SHARE = 0.5
 #: FleetClient's default max_workers, per engine: how many apply() calls (from as many threads) run
 #: at once without any of them waiting for a worker. Threads are started only when calls need them.
 CALLS_IN_PARALLEL = 16
+#: FleetClient's default breaker_backoff: seconds an engine that failed to answer is not asked by
+#: later apply() calls (unless routing needs it; module doc), doubled per consecutive failure.
+BREAKER_BACKOFF = 1.0
+#: FleetClient's default breaker_max_backoff: the longest such backoff, in seconds.
+BREAKER_MAX_BACKOFF = 30.0
+#: The status codes that count as an engine failing to answer (what opens its breaker).
+BREAKER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 @dataclass(frozen=True)
@@ -76,16 +108,29 @@ class FleetApplyResult:
     """Per-engine outcomes of one FleetClient.apply()."""
 
     per_engine: dict[str, ApplyResult] = field(default_factory=dict)
+    #: Engines that were asked (routing or apply) and failed, or that the deadline left no time to
+    #: be sent their batch. Never an engine in `skipped`.
     errors: dict[str, KvHintError] = field(default_factory=dict)
     #: hint_id -> engines the hint was routed to. An engine in `errors` did not apply its batch
     #: (its error says whether the batch was sent: one not sent before the deadline says so).
     routes: dict[str, list[str]] = field(default_factory=dict)
     #: Hints no engine holds (sent nowhere).
     unrouted: list[kvhint_pb2.Hint] = field(default_factory=list)
+    #: engine -> why it was not asked at all in this call: the breaker skipped it (it failed to
+    #: answer earlier calls; the text says how often, the last failure, and in how many seconds it
+    #: may be asked again). Not an error: nothing was sent to it, and it is in neither `errors` nor
+    #: any route. Only an engine not live in the index is skipped, and only when the index places
+    #: every hint of the call on live engines (each hint went to those); still, the skipped engine
+    #: may hold what a hint selects too: a hint that must reach every holder (a Release) is not
+    #: known to have reached them all while this is non-empty.
+    skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def all_accepted(self) -> bool:
-        """No engine failed, every hint went somewhere, and every result is ACCEPTED."""
+        """No engine failed (`errors` is empty), every hint went somewhere (`unrouted` is empty),
+        and every result is ACCEPTED. Engines in `skipped` do not count against it (they were not
+        asked; each hint went to the live engines the index places it on); check `skipped` too
+        when a hint must reach every engine holding its selection."""
         return not self.errors and not self.unrouted and all(r.all_accepted for r in self.per_engine.values())
 
     def results_for(self, hint_id: str) -> dict[str, kvhint_pb2.HintResult]:
@@ -153,7 +198,16 @@ class FleetClient:
     threads (default CALLS_IN_PARALLEL per engine, started as needed); each apply() occupies up
     to one worker per engine, so up to max_workers / len(engines) calls run without waiting. A
     call to an engine that waited for a worker until its deadline passed is not sent and reports
-    DEADLINE_EXCEEDED saying the pool was busy (raise max_workers)."""
+    DEADLINE_EXCEEDED saying the pool was busy (raise max_workers).
+
+    `breaker_backoff` / `breaker_max_backoff`: the failure memory (module doc): seconds an engine
+    that failed to answer is skipped by later apply() calls where routing can do without it (an
+    engine not live in the index, in a call whose every hint the index places on live engines),
+    doubling per consecutive failure up to the max (defaults BREAKER_BACKOFF, BREAKER_MAX_BACKOFF;
+    breaker_backoff=0 disables it). The state is shared by every thread calling apply() (guarded
+    by a lock); an engine's backoff starts when the call that saw it fail ends.
+    `follower`: its engines (or the engines the index has heard of) must share at least one name
+    with `endpoints` (ValueError naming both otherwise; a warning logged once when some differ)."""
 
     def __init__(
         self,
@@ -161,20 +215,28 @@ class FleetClient:
         *,
         follower: Optional[Union[EventFollower, AsyncEventFollower, ResidencyIndex]] = None,
         max_workers: Optional[int] = None,
+        breaker_backoff: float = BREAKER_BACKOFF,
+        breaker_max_backoff: float = BREAKER_MAX_BACKOFF,
     ) -> None:
         if max_workers is not None and max_workers < 1:
             raise ValueError(f"max_workers must be >= 1 (or None: {CALLS_IN_PARALLEL} per engine), got {max_workers!r}")
+        breaker = _Breaker(breaker_backoff, breaker_max_backoff)  # ValueError for bad values, before any channel
+        follower_engines: list[str] = []
         # Either follower's index (ResidencyIndex is thread-safe: an AsyncEventFollower's loop
         # updates it while apply() reads it on the caller's thread). Anything else is refused
         # here; it used to fail at the first apply() with an AttributeError.
         if isinstance(follower, (EventFollower, AsyncEventFollower)):
+            follower_engines = follower.engines
             follower = follower.index
         if follower is not None and not isinstance(follower, ResidencyIndex):
             raise TypeError(f"follower must be an EventFollower, an AsyncEventFollower or a ResidencyIndex, "
                             f"got {type(follower).__name__}")
         self._configs = _named_engines(endpoints)
+        if follower is not None:
+            _check_names(list(self._configs), list(dict.fromkeys([*follower_engines, *follower.engines()])))
         self._clients = {name: KvHintClient(cfg) for name, cfg in self._configs.items()}
         self._index = follower
+        self._breaker = breaker
         self._workers = max_workers or CALLS_IN_PARALLEL * len(self._clients)
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvhint-fleet")
 
@@ -261,19 +323,21 @@ class FleetClient:
                 return False
 
     def _ask_all(
-        self, questions: dict[str, list[kvhint_pb2.Hint]], routing: "_Deadline"
+        self, questions: dict[str, list[kvhint_pb2.Hint]], routing: "_Deadline", contacted: set[str]
     ) -> tuple[dict[str, list[str]], dict[str, KvHintError]]:
         """hint_id -> the engines holding it, asking each engine about its hints in `questions`,
         in turn (the engines in parallel) and waiting no longer than `routing`: an engine that has
         not answered by then, or fails, is reported and not asked further (the answers it gave
-        still count)."""
+        still count). Adds to `contacted` each engine a call was sent to."""
         engines = [engine for engine in self.engines if questions.get(engine)]
         answers: dict[str, list[str]] = {engine: [] for engine in engines}
         asking: dict[str, str] = {engine: self._asks_with(questions[engine][0]) for engine in engines}
 
         def ask(name: str, client: KvHintClient) -> None:
             def timeout() -> Optional[float]:
-                return routing.call_timeout(asking[name], client)
+                left = routing.call_timeout(asking[name], client)
+                contacted.add(name)  # a call is sent with it
+                return left
 
             for hint in questions[name]:
                 asking[name] = self._asks_with(hint)
@@ -328,6 +392,7 @@ class FleetClient:
         """Route each hint (see module doc), then apply one batch per engine, in parallel. `timeout`
         bounds the whole call (module doc; routing takes at most ROUTING_SHARE of it); default: the
         longest of the engines' default_timeout (None, no deadline, when one of them has none).
+        Engines the failure memory skips (module doc) are reported in `skipped`, not asked.
         ValueError, before anything is sent, for a bad timeout (config.check_timeout) or a hint_id
         that repeats an earlier hint's."""
         prepared = _rpc.prepare_hints(hints, self._id_limits())
@@ -339,28 +404,49 @@ class FleetClient:
         routes: dict[str, list[str]] = {}
         unrouted: list[kvhint_pb2.Hint] = []
         errors: dict[str, KvHintError] = {}
-        found = {} if broadcast else {hint.hint_id: self._from_index(hint) for hint in prepared}
-        questions = {} if broadcast else self._questions(prepared, found)
-        asked: dict[str, list[str]] = {}
-        if questions:
-            asked, errors = self._ask_all(questions, deadline.routing())
-        for hint in prepared:
-            engines = self.engines if broadcast else _merged(found[hint.hint_id], asked.get(hint.hint_id, []))
-            routes[hint.hint_id] = engines
-            if not engines:
-                unrouted.append(hint)
-            for engine in engines:
-                batches.setdefault(engine, []).append(hint)
-        order = [e for e in self.engines if e in batches]
-        for engine in order:  # ValueError before any engine applies anything
-            _rpc.check_limits(batches[engine], self._clients[engine].limits)
+        skipped: dict[str, str] = {}
+        probes: set[str] = set()  # engines this call probes (their backoff has passed)
+        contacted: set[str] = set()  # engines sent a call: their outcome updates the breaker
+        try:
+            found = {} if broadcast else {hint.hint_id: self._from_index(hint) for hint in prepared}
+            questions = {} if broadcast else self._questions(prepared, found)
+            # The engines routing could do without: asked only about hints the index places on live
+            # engines (so, not live themselves). Any other engine asked may be a hint's only holder.
+            optional = [e for e, asked_about in questions.items() if all(found[h.hint_id] for h in asked_about)]
+            for engine in optional:
+                why = self._breaker.admit(engine)
+                if why is None:
+                    continue
+                if why == _PROBE:
+                    probes.add(engine)
+                else:
+                    skipped[engine] = why
+                    del questions[engine]
+            asked: dict[str, list[str]] = {}
+            if questions:
+                asked, errors = self._ask_all(questions, deadline.routing(), contacted)
+            for hint in prepared:
+                engines = self.engines if broadcast else _merged(found[hint.hint_id], asked.get(hint.hint_id, []))
+                routes[hint.hint_id] = engines
+                if not engines:
+                    unrouted.append(hint)
+                for engine in engines:
+                    batches.setdefault(engine, []).append(hint)
+            order = [e for e in self.engines if e in batches]
+            for engine in order:  # ValueError before any engine applies anything
+                _rpc.check_limits(batches[engine], self._clients[engine].limits)
 
-        def send(name: str, client: KvHintClient) -> ApplyResult:
-            return client.apply(*batches[name], timeout=deadline.call_timeout("ApplyHints", client))
+            def send(name: str, client: KvHintClient) -> ApplyResult:
+                call_timeout = deadline.call_timeout("ApplyHints", client)
+                contacted.add(name)
+                return client.apply(*batches[name], timeout=call_timeout)
 
-        per_engine, apply_errors = self._fan_out(order, send, until=deadline, method=lambda _: "ApplyHints")
-        errors.update(apply_errors)
-        return FleetApplyResult(per_engine=per_engine, errors=errors, routes=routes, unrouted=unrouted)
+            per_engine, apply_errors = self._fan_out(order, send, until=deadline, method=lambda _: "ApplyHints")
+            errors.update(apply_errors)
+        finally:
+            # A copy (atomic): a routing call abandoned at its deadline may still be running.
+            self._breaker.record(frozenset(contacted), errors, probes)
+        return FleetApplyResult(per_engine=per_engine, errors=errors, routes=routes, unrouted=unrouted, skipped=skipped)
 
     def _id_limits(self) -> Optional[kvhint_pb2.Limits]:
         """The limits the ids apply() gives hints must fit (one id per hint, for every engine it is
@@ -437,6 +523,98 @@ class _Deadline:
             f"pool (max_workers={workers}, all busy with other apply() calls): it was not sent; the engine was not asked"
         )
         return KvHintError(grpc.StatusCode.DEADLINE_EXCEEDED, details, method=method, address=client.address)
+
+
+#: _Breaker.admit's answer for the call that probes an engine whose backoff has passed.
+_PROBE = "probe"
+
+
+class _Breaker:
+    """FleetClient's per-engine failure memory (thread-safe). An engine fails when a call was sent
+    to it and ended UNAVAILABLE or DEADLINE_EXCEEDED (BREAKER_CODES); after its n-th consecutive
+    failure it is not admitted for min(max_backoff, backoff * 2**(n-1)) seconds, then admitted
+    to one call at a time (the probe) until a call records its outcome. Any other outcome of a
+    call sent to it (an answer, whatever its status) forgets its failures. backoff=0: admits
+    every engine and records nothing."""
+
+    def __init__(self, backoff: float, max_backoff: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not backoff >= 0 or backoff == float("inf"):
+            raise ValueError(f"breaker_backoff must be a number of seconds >= 0 (0 disables the breaker), got {backoff!r}")
+        if backoff and not backoff <= max_backoff:
+            raise ValueError(f"breaker_max_backoff must be >= breaker_backoff ({backoff!r}), got {max_backoff!r}")
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._clock = clock
+        self._lock = threading.Lock()
+        # engine -> [consecutive failures, asked again from (clock), probe running, last failure]
+        self._open: dict[str, list] = {}
+
+    def admit(self, engine: str) -> Optional[str]:
+        """None: ask it (no failure remembered); _PROBE: ask it, this call probes it (record()
+        must be given it); otherwise why it is skipped."""
+        if not self.backoff:
+            return None
+        with self._lock:
+            state = self._open.get(engine)
+            if state is None:
+                return None
+            failures, until, probing, last = state
+            wait = until - self._clock()
+            if wait <= 0 and not probing:
+                state[2] = True
+                return _PROBE
+        times = "1 call" if failures == 1 else f"{failures} calls in a row"
+        why = f"not asked (FleetClient breaker): it failed to answer {times}, the last {last}; "
+        if wait > 0:
+            return why + f"it may be asked again in {wait:.3g}s (backoff {self._backoff(failures):g}s)"
+        return why + "its backoff has passed and another apply() call is asking it again now"
+
+    def _backoff(self, failures: int) -> float:
+        return min(self.max_backoff, self.backoff * 2.0 ** min(failures - 1, 64))
+
+    def record(self, contacted: frozenset[str], errors: dict[str, KvHintError], probes: set[str]) -> None:
+        """One apply() call's outcomes: each engine in `contacted` failed (its error's code is in
+        BREAKER_CODES) or answered; the probes of `probes` end (whether or not they were sent)."""
+        if not self.backoff:
+            return
+        with self._lock:
+            now = self._clock()
+            for engine in contacted | probes:
+                error = errors.get(engine)
+                state = self._open.get(engine)
+                if engine not in contacted:  # a probe never sent (the pool was busy): no outcome
+                    if state is not None:
+                        state[2] = False
+                elif error is not None and error.code in BREAKER_CODES:
+                    failures = (state[0] if state is not None else 0) + 1
+                    last = f"{error.code.name} on {error.method or 'a call'}"
+                    # Another call's probe (not this call's) keeps running: still one at a time.
+                    probing = state is not None and state[2] and engine not in probes
+                    self._open[engine] = [failures, now + self._backoff(failures), probing, last]
+                else:
+                    self._open.pop(engine, None)
+
+
+def _check_names(endpoints: list[str], indexed: list[str]) -> None:
+    """ValueError when the follower's engines (or the engines its index has heard of) share no name
+    with the FleetClient's endpoints (the index would route nothing: every call would ask every
+    engine); a warning when only some differ. Not checked while the index has heard of none."""
+    if not indexed:
+        return
+    only_fleet = [e for e in endpoints if e not in indexed]
+    only_index = [e for e in indexed if e not in endpoints]
+    if len(only_fleet) == len(endpoints):
+        raise ValueError(
+            f"the follower's engines {indexed} share no name with the FleetClient's endpoints {endpoints}: "
+            "its index could route no hint (name each engine the same in both, e.g. pass both the same mapping)"
+        )
+    if only_fleet or only_index:
+        log.warning(
+            "FleetClient: endpoints %s are not engines of the follower (its index cannot speak for them: every "
+            "apply() call asks them), and the follower's engines %s are not endpoints (apply() ignores what the "
+            "index places on them); name each engine the same in both",
+            only_fleet, only_index,
+        )
 
 
 def _merged(first: list[str], then: list[str]) -> list[str]:
