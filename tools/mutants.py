@@ -498,6 +498,41 @@ MUTANTS = (
         '        "bench", parents=[common],\n',
         "kvhint bench lists (and silently accepts) connection options it ignores",
     ),
+    Mutant(
+        "address-port-unchecked",
+        "kvhint_client/config.py",
+        r"    if not 1 <= port <= 65535:\n",
+        "    if False:\n",
+        "a client takes 127.0.0.1:99999 (gRPC wraps it to port 34463) and retries it for ever",
+    ),
+    Mutant(
+        "breaker-forgets",
+        "kvhint_client/fleet.py",
+        r"                    self\._open\[engine\] = \[failures, now \+ self\._backoff\(failures\), probing, last\]",
+        "                    pass",
+        "FleetClient asks an engine that does not answer on every call (no failure memory)",
+    ),
+    Mutant(
+        "breaker-skips-placed-engines",
+        "kvhint_client/fleet.py",
+        r"optional = \[e for e, asked_about in questions\.items\(\) if all\(found\[h\.hint_id\] for h in asked_about\)\]",
+        "optional = list(questions)",
+        "FleetClient's breaker skips an engine that may be a hint's only holder",
+    ),
+    Mutant(
+        "follower-error-sticks",
+        "kvhint_client/follow_tracker.py",
+        r"            self\.status\.last_error = None\n",
+        "            pass\n",
+        "a live engine's status keeps the error of a stream that ended before",
+    ),
+    Mutant(
+        "stale-engine-answers",
+        "kvhint_client/residency_index.py",
+        r"        if not include_stale and not self\._live\.get\(engine\):\n            return None\n",
+        "",
+        "ResidencyIndex.sessions(engine) answers for an engine that is not live",
+    ),
 )
 
 
