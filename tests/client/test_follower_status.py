@@ -11,9 +11,7 @@ its port."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 from typing import Optional
 
 import grpc
@@ -22,14 +20,10 @@ from fake_kvhint_server import HANG, FakeKvHint, ev, heartbeat, resync, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from kvhint_unit_support import FakeEngine, local_engine_info  # noqa: E402
-
-from kvhint.v1 import kvhint_pb2  # noqa: E402
-from kvhint_client.config import RetryPolicy  # noqa: E402
-from kvhint_client.errors import KvHintError  # noqa: E402
-from kvhint_client.follower import AsyncEventFollower, EngineTracker, EventFollower, ResidencyIndex, Verdict  # noqa: E402
-from kvhint_server import KvHintCore, KvHintServer, ServerConfig  # noqa: E402
+from kvhint.v1 import kvhint_pb2
+from kvhint_client.config import RetryPolicy
+from kvhint_client.errors import KvHintError
+from kvhint_client.follower import AsyncEventFollower, EngineTracker, EventFollower, ResidencyIndex, Verdict
 
 DEVICE = kvhint_pb2.TIER_DEVICE
 EPOCH_CHANGED, COMPACTED = kvhint_pb2.Resync.CAUSE_EPOCH_CHANGED, kvhint_pb2.Resync.CAUSE_COMPACTED
@@ -300,19 +294,7 @@ def test_async_follower_status_after_an_engine_restart() -> None:
 def test_a_real_server_restarted_on_its_port() -> None:
     """A KvHintServer stopped (the follower fails to connect) and a new one, a new epoch, started on
     the same port: the follower ends live in the new epoch, one epoch change, no current error."""
-    class Engine:
-        def __init__(self, address: str) -> None:
-            self.core = KvHintCore(ServerConfig(address=address))
-            self.fake = FakeEngine(self.core, local_engine_info())
-            self.core.attach(self.fake)
-            self.fake.start()
-            self.server = KvHintServer(self.core)
-            self.port = self.server.start()
-
-        def stop(self) -> None:
-            self.server.stop(grace=0.1)
-            self.fake.stop()
-
+    from test_reconnect import Engine  # one engine lifetime: core, fake engine, sidecar
     first = Engine("127.0.0.1:0")
     address = f"127.0.0.1:{first.port}"
     follower = EventFollower({"e": address}, heartbeat=0.2, reconnect=FAST)

@@ -89,6 +89,16 @@ def test_a_continuation_release_ends_its_grants_after_it_left_the_index(harness)
     assert classes(harness, chain) == [R.CLASS_ORDINARY] * 2
 
 
+def store_and_retain(harness, turns: list[tuple[str, int]], retained: set[int]) -> None:
+    """Turn i of session s stores n blocks of its own chain as continuation `s/ti`; the turns
+    whose index is in `retained` are then retained by continuation."""
+    for i, (s, n) in enumerate(turns):
+        harness.engine.store([h(1000 * (ord(s) - 96) + k) for k in range(n)], session=s, continuation=f"{s}/t{i}")
+    for i in sorted(retained):
+        if i < len(turns):
+            harness.apply(retain_cont(f"{turns[i][0]}/t{i}"))
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     turns=st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 4)), min_size=1, max_size=6),
@@ -100,11 +110,7 @@ def test_after_a_session_release_every_grant_left_is_reachable_by_a_selector(mak
     after a whole session's Release every block still protected is protected by a grant whose
     owner a selector still resolves: a live session, or a continuation the index still tracks."""
     harness = make_harness()
-    for i, (s, n) in enumerate(turns):
-        harness.engine.store([h(1000 * (ord(s) - 96) + k) for k in range(n)], session=s, continuation=f"{s}/t{i}")
-    for i in sorted(retained):
-        if i < len(turns):
-            harness.apply(retain_cont(f"{turns[i][0]}/t{i}"))
+    store_and_retain(harness, turns, retained)
     harness.apply(release(session_sel(released)))
 
     def unreachable() -> list[str]:

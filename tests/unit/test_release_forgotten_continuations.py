@@ -14,7 +14,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvhint_unit_support import h, session_sel
-from test_release_continuations import classes, cont_sel, release, retain_cont
+from test_release_continuations import classes, cont_sel, release, retain_cont, store_and_retain
 
 from kvhint.v1 import kvhint_pb2 as pb
 
@@ -94,11 +94,7 @@ def test_after_a_session_release_no_grant_of_its_continuations_is_left(
     leaves no grant held by a continuation recorded under that session (each session's chains
     are its own here, so no other session listed them)."""
     harness = make_harness()
-    for i, (s, n) in enumerate(turns):
-        harness.engine.store([h(1000 * (ord(s) - 96) + k) for k in range(n)], session=s, continuation=f"{s}/t{i}")
-    for i in sorted(retained):
-        if i < len(turns):
-            harness.apply(retain_cont(f"{turns[i][0]}/t{i}"))
+    store_and_retain(harness, turns, retained)
     index = harness.core.index
     harness.engine.run(lambda: index.forget_oldest_continuations(forgotten))
     if forget_session:
