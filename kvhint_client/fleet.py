@@ -529,6 +529,16 @@ class _Deadline:
 _PROBE = "probe"
 
 
+@dataclass
+class _Failing:
+    """What _Breaker remembers of an engine that failed to answer."""
+
+    failures: int  # consecutive failures
+    until: float  # asked again from then on (the breaker's clock)
+    probing: bool  # a call is probing it now
+    last: str  # the last failure, for `skipped`'s text
+
+
 class _Breaker:
     """FleetClient's per-engine failure memory (thread-safe). An engine fails when a call was sent
     to it and ended UNAVAILABLE or DEADLINE_EXCEEDED (BREAKER_CODES); after its n-th consecutive
@@ -546,8 +556,7 @@ class _Breaker:
         self.max_backoff = max_backoff
         self._clock = clock
         self._lock = threading.Lock()
-        # engine -> [consecutive failures, asked again from (clock), probe running, last failure]
-        self._open: dict[str, list] = {}
+        self._open: dict[str, _Failing] = {}
 
     def admit(self, engine: str) -> Optional[str]:
         """None: ask it (no failure remembered); _PROBE: ask it, this call probes it (record()
@@ -558,10 +567,10 @@ class _Breaker:
             state = self._open.get(engine)
             if state is None:
                 return None
-            failures, until, probing, last = state
-            wait = until - self._clock()
-            if wait <= 0 and not probing:
-                state[2] = True
+            failures, last = state.failures, state.last
+            wait = state.until - self._clock()
+            if wait <= 0 and not state.probing:
+                state.probing = True
                 return _PROBE
         times = "1 call" if failures == 1 else f"{failures} calls in a row"
         why = f"not asked (FleetClient breaker): it failed to answer {times}, the last {last}; "
@@ -584,13 +593,13 @@ class _Breaker:
                 state = self._open.get(engine)
                 if engine not in contacted:  # a probe never sent (the pool was busy): no outcome
                     if state is not None:
-                        state[2] = False
+                        state.probing = False
                 elif error is not None and error.code in BREAKER_CODES:
-                    failures = (state[0] if state is not None else 0) + 1
+                    failures = (state.failures if state is not None else 0) + 1
                     last = f"{error.code.name} on {error.method or 'a call'}"
                     # Another call's probe (not this call's) keeps running: still one at a time.
-                    probing = state is not None and state[2] and engine not in probes
-                    self._open[engine] = [failures, now + self._backoff(failures), probing, last]
+                    probing = state is not None and state.probing and engine not in probes
+                    self._open[engine] = _Failing(failures, now + self._backoff(failures), probing, last)
                 else:
                     self._open.pop(engine, None)
 

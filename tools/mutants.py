@@ -508,7 +508,7 @@ MUTANTS = (
     Mutant(
         "breaker-forgets",
         "kvhint_client/fleet.py",
-        r"                    self\._open\[engine\] = \[failures, now \+ self\._backoff\(failures\), probing, last\]",
+        r"                    self\._open\[engine\] = _Failing\(failures, now \+ self\._backoff\(failures\), probing, last\)",
         "                    pass",
         "FleetClient asks an engine that does not answer on every call (no failure memory)",
     ),
