@@ -85,7 +85,9 @@ export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}"
 {
   echo "--- vLLM from the bundle"
   python3 - <<'EOF' 2>&1
-import torch, vllm
+import torch
+print("torch", torch.__version__)  # read back below for the results header
+import vllm
 print("vllm", vllm.__version__, "from", vllm.__file__)
 try:
     import vllm._C_stable_libtorch  # noqa: F401
@@ -95,6 +97,12 @@ except Exception as e:  # noqa: BLE001
 import kvhint_gpu_bundle_shim as s
 print("FlashAttention kernels load:", s.flash_attention_kernels_load())
 EOF
+} >>"$ENV_TXT"
+# The results header says what ran (build.sh's promise): not a pip install of vllm==0.32.0. The torch
+# version is the one the block above printed (a third torch import would take seconds of the lease).
+torch_version=$(awk '/^--- vLLM from the bundle/ { b = 1 } b && /^torch / { print $2; exit }' "$ENV_TXT")
+export KVHINT_GPU_CHECK_NOTE="run from the offline GPU bundle (scripts/gpu_bundle): vLLM 0.32.0 on torch ${torch_version:-?} with the bundle's shim and FlashAttention's import error dropped, not a pip install of vllm==0.32.0; the machine and the bundle are in bundle_env.txt"
+{
   echo "--- environment"
   env | grep -E '^(KVHINT_|VLLM_|PYTHONPATH=|CUDA_)' | sort
 } >>"$ENV_TXT"
@@ -115,8 +123,6 @@ GC="$OUTDIR/gc"; rm -rf "$GC"
 budget=()
 case " $* " in *" --budget "*|*" --budget="*) ;; *) budget=(--budget "$(( $(left) - 15 ))") ;; esac
 echo "gpu_check.sh ${budget[*]} $* ($(left) s left of $LIMIT_S)" >>"$ENV_TXT"
-# The results header says what ran (build.sh's promise): not a pip install of vllm==0.32.0.
-export KVHINT_GPU_CHECK_NOTE="run from the offline GPU bundle (scripts/gpu_bundle): vLLM 0.32.0 on torch $(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?') with the bundle's shim and FlashAttention's import error dropped, not a pip install of vllm==0.32.0; the machine and the bundle are in bundle_env.txt"
 scripts/gpu_check.sh --out "$GC" "${budget[@]}" "$@" 2>&1 | tail -40
 rc=${PIPESTATUS[0]}
 echo "gpu_check.sh exit $rc" | tee -a "$ENV_TXT"

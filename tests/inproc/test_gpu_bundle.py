@@ -138,6 +138,12 @@ def _bundle(tmp_path: Path, corrupt: bool = False, broken_vllm: bool = False) ->
     return parts
 
 
+def _torch_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch")
+
+
 def _run(tmp_path: Path, parts: Path, *args: str, smoke: bool = False) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KVHINT_GPU_BUNDLE_STORE": str(tmp_path / "store"), "KVHINT_GPU_BUNDLE_PARTS": str(parts),
            "OUT": str(tmp_path / "out"), "KVHINT_GPU_BUNDLE_SMOKE": "1" if smoke else "0"}
@@ -189,7 +195,10 @@ def test_run_stashes_parts_across_calls_and_then_finds_the_bundle_whole(tmp_path
     r = _run(tmp_path, only_second, "check", "--help")
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "store" / "site" / "payload.txt").exists()
-    assert "gpu_check.sh exit 0" in (tmp_path / "out" / "bundle_env.txt").read_text()
+    env_txt = (tmp_path / "out" / "bundle_env.txt").read_text()
+    assert "gpu_check.sh exit 0" in env_txt
+    # The results header's note names the machine's torch, as the vLLM block read it (no import of its own).
+    assert f"KVHINT_GPU_CHECK_NOTE=run from the offline GPU bundle (scripts/gpu_bundle): vLLM 0.32.0 on torch {_torch_version()} with" in env_txt
 
 
 def test_a_failed_smoke_check_stops_the_run_before_the_gpu_check(tmp_path):
@@ -202,6 +211,7 @@ def test_a_failed_smoke_check_stops_the_run_before_the_gpu_check(tmp_path):
     assert "smoke: dense FAILED" in env_txt and "smoke: hybrid FAILED" in env_txt and "smoke.py exit 1" in env_txt
     assert "the bundle test: no vLLM here" in (tmp_path / "out" / "smoke.log").read_text()
     assert "gpu_check.sh exit" not in env_txt
+    assert f"on torch {_torch_version()} with" in env_txt  # read before vLLM's import failed
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
