@@ -253,7 +253,11 @@ MAX_SECONDS = 315_576_000_000.0
 MAX_SHUTDOWN_GRACE_S = threading.TIMEOUT_MAX - 10.0
 # (low, high, low inclusive) per numeric field; the default is "> 0" up to
 # MAX_SECONDS for `*_s` fields and MAX_COUNT for the rest.
+# A WatchEvents heartbeat period, the server's default or a subscriber's request (watch.py clamps
+# a request to it): below 0.1 s heartbeats flood every stream and busy the sidecar's loop.
+MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.1, 60.0
 _RANGES: dict[str, tuple[float, float, bool]] = {
+    "heartbeat_interval_s": (MIN_HEARTBEAT_S, MAX_HEARTBEAT_S, True),
     "pin_budget_fraction": (0.0, 1.0, True),
     "shutdown_grace_s": (0.0, MAX_SHUTDOWN_GRACE_S, True),
     "operation_history": (0.0, MAX_COUNT, True),

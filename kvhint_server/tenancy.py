@@ -281,6 +281,8 @@ def load_tenants(path: str, extra_admin_token: str = "") -> Tenants:
             text = f.read()
     except OSError as exc:
         raise _fail(path, "file", f"cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise _fail(path, "file", f"not UTF-8 text: byte {exc.object[exc.start]:#04x} at offset {exc.start}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from kvhint.v1 import kvhint_pb2 as pb
 
 from . import wire
-from .config import ServerConfig
+from .config import MAX_HEARTBEAT_S, MIN_HEARTBEAT_S, ServerConfig
 from .core import EngineStopped, KvHintCore, TaskFuture
 from .errors import RpcError, excerpt, resource_exhausted
 from .events import Event, EventBus
@@ -59,7 +59,6 @@ if TYPE_CHECKING:
 
 READ_BATCH = 256
 SNAPSHOT_CHUNK_BLOCKS = 512
-MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.1, 60.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,22 +33,23 @@ def parse_peers(raw: Any, *, source: str = PEERS_ENV) -> dict[str, str]:
     (entries separated by ',', ';' or '+'). Raises ValueError naming `source`."""
     if not raw:
         return {}
+    # (name, address, the entry as the source wrote it: the error quotes it)
+    items: list[tuple[str, str, str]] = []
     if isinstance(raw, Mapping):
-        items = [(str(k), str(v)) for k, v in raw.items()]
+        items = [(str(k), str(v), f"{k}={v}") for k, v in raw.items()]
     else:
-        items = []
         for entry in str(raw).replace(";", ",").replace("+", ",").split(","):
             entry = entry.strip()
             if not entry:
                 continue
             name, sep, address = entry.partition("=")
-            items.append((name if sep else "", address))
+            items.append((name if sep else "", address, entry))
     out: dict[str, str] = {}
-    for name, address in items:
+    for name, address, entry in items:
         name, address = name.strip(), address.strip()
         host, colon, port = address.rpartition(":")
         if not name or not colon or not host or not port.isdigit():
-            raise ValueError(f"{source}: share peer {name or address!r}: expected NAME=HOST:PORT")
+            raise ValueError(f"{source}: share peer {entry!r}: expected NAME=HOST:PORT")
         out[name] = address
     return out
 

@@ -36,10 +36,12 @@ def test_a_bad_timeout_names_its_variable(raw: str) -> None:
         TierSettings.from_sources({"kvhint_tier_op_timeout_s": raw}, env={})
 
 
-@pytest.mark.parametrize("raw", ["b", "b=", "=h:1", "b=host", "b=host:port", "b=:1"])
-def test_a_bad_peer_names_its_variable(raw: str) -> None:
-    with pytest.raises(ValueError, match=PEERS_ENV):
+@pytest.mark.parametrize("raw", ["b", "b=", "=h:1", "b=host", "b=host:port", "b=:1", "garbage", "c=h:1,oops"])
+def test_a_bad_peer_names_its_variable_and_quotes_the_entry(raw: str) -> None:
+    bad = raw.split(",")[-1]
+    with pytest.raises(ValueError, match=PEERS_ENV) as err:
         TierSettings.from_sources({}, env={PEERS_ENV: raw})
+    assert f"share peer {bad!r}: expected NAME=HOST:PORT" in str(err.value)  # 'garbage' was quoted as ''
 
 
 names = st.text(alphabet="abcdefgh-", min_size=1, max_size=6)

@@ -55,6 +55,16 @@ def test_out_of_range_and_unparseable_numbers_name_the_variable(name):
     assert var in _error({var: "1e300" if name in FLOATS else str(2**31)})  # past what the wire can carry
 
 
+def test_the_default_heartbeat_keeps_to_the_period_a_subscriber_may_ask_for():
+    """1e-6 passed (> 0) and sent a plain `kvhint watch` thousands of heartbeats a second, the sidecar's
+    loop busy in the engine's process; a subscriber's own request is clamped to 0.1 .. 60 s."""
+    var = env_name("heartbeat_interval_s")
+    for raw in ("1e-6", "0.05", "60.5"):
+        assert f"{var}={float(raw)!r} must be >= 0.1 and <= 60" in _error({var: raw})
+    assert check_environment({var: "0.1"}).heartbeat_interval_s == 0.1
+    assert check_environment({var: "60"}).heartbeat_interval_s == 60.0
+
+
 def test_the_largest_accepted_values_still_serve_get_capabilities():
     from kvhint_server import wire
     from kvhint_server.config import MAX_COUNT, MAX_SECONDS

@@ -531,6 +531,16 @@ def test_a_missing_tenants_file_fails_naming_the_variable(tmp_path: Path) -> Non
         ServerConfig.from_env({"KVHINT_TENANTS_FILE": str(tmp_path / "absent.json")})
 
 
+@pytest.mark.parametrize("raw", [b"\xff\xfe{\x00}\x00", "{\"tenants\": [\"caf\u00e9\"]}".encode("latin-1")])
+def test_a_tenants_file_that_is_not_utf8_fails_naming_the_variable(tmp_path: Path, raw: bytes) -> None:
+    """A UTF-16 or Latin-1 file was a bare UnicodeDecodeError: not a ConfigError, so a served engine's
+    scheduler died with a traceback that named neither the variable nor the file."""
+    path = tmp_path / "tenants.json"
+    path.write_bytes(raw)
+    with pytest.raises(ConfigError, match=r"KVHINT_TENANTS_FILE=.*not UTF-8 text: byte 0x(ff|e9) at offset \d+"):
+        ServerConfig.from_env({"KVHINT_TENANTS_FILE": str(path)})
+
+
 def test_a_tenants_file_counts_as_authentication_for_remote_addresses(tmp_path: Path) -> None:
     config = ServerConfig.from_env({"KVHINT_TENANTS_FILE": write(tmp_path, TENANTS), "KVHINT_GRPC_ADDRESS": "0.0.0.0:0"})
     assert config.tenants is not None and [t.name for t in config.tenants.tenants] == ["team-a", "team-b", "ops"]
