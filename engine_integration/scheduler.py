@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import signal
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -35,6 +37,7 @@ from .coords import forget_request_coords
 from .dp import dp_rank_and_size
 from .envelope_hints import apply_request_envelope
 from .hooks import hooked_construction, install
+from .parent_watch import watch_parent
 
 log = logging.getLogger("kvhint.vllm")
 
@@ -123,6 +126,19 @@ class KvHintScheduler(Scheduler):
         self._kvhint_bookkeeping(config.residency_bookkeeping)
         self.kvhint_server = KvHintServer(self.kvhint_core, config, metrics=process_metrics())
         self.kvhint_server.start()
+        # EngineCore as a child of vLLM's front-end: its end without a shutdown (kill -9) ends the
+        # sidecar and EngineCore (parent_watch.py); None in the front-end's own process.
+        self._kvhint_parent_watch = watch_parent(self._kvhint_parent_exited)
+
+    def _kvhint_parent_exited(self, parent_pid: int) -> None:
+        """ParentWatch's thread: the process that started this EngineCore exited without stopping
+        it, so no request can reach the engine again. The sidecar stops (health NOT_SERVING, watch
+        streams end with a SHUTTING_DOWN Resync, its port is freed), then EngineCore gets the
+        SIGTERM its parent sends at a clean exit, and vLLM's own handler shuts it down."""
+        log.error("kvhint: the process that started this EngineCore (pid %d) exited without stopping it; "
+                  "stopping the KvHint sidecar and EngineCore (SIGTERM to pid %d)", parent_pid, os.getpid())
+        self.kvhint_server.stop()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _kvhint_tiers_init(self) -> None:
         """Attach the tier runtime when a KV offloading connector is configured."""
@@ -215,6 +231,8 @@ class KvHintScheduler(Scheduler):
 
     def shutdown(self) -> None:
         try:
+            if self._kvhint_parent_watch is not None:
+                self._kvhint_parent_watch.stop()  # a clean stop: the parent may exit after it
             tiers = self.kvhint_adapter.tiers
             if tiers is not None:
                 tiers.shutdown()
