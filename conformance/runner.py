@@ -5,7 +5,8 @@
 
 Exit status: 0 when every selected case passed or was skipped (or failed and is listed in
 --known-failing), 1 when a case failed or a --known-failing entry passed (stale), 2 on a usage
-error. See conformance/README.md.
+error, 3 when the target does not answer or refuses the token (no case runs). See
+conformance/README.md.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+import grpc
+
+from kvhint.v1 import kvhint_pb2 as pb
+
 from .cases import REGISTRY
 from .cases.requirements import CASE_OF_NEED
 from .model import RELEASE, SUITE, Case, CaseFailed, CaseResult, CaseSkipped, Registry, Status
@@ -29,6 +34,10 @@ from .profiles import DEFAULT as DEFAULT_PROFILE
 from .profiles import PROFILES
 from .report import RunInfo, junit_xml, one_line, summary
 from .target import CaseContext, Options, Target
+
+EXIT_UNREACHABLE = 3
+# Answers to GetCapabilities after which every case would fail the same way.
+_NO_TARGET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAUTHENTICATED)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -196,6 +205,34 @@ def run_suite(options: Options, cases: Sequence[Case], known_failing: Sequence[s
     return results, info
 
 
+def preflight(options: Options) -> str | None:
+    """Why no case can run: the target does not answer GetCapabilities within the RPC deadline
+    (waiting for it to be ready, as the cases do, so an engine still starting is waited for), or
+    refuses the token. None when it answers, or fails otherwise (the cases then report that).
+    A mistyped --target was 134 failed cases, each a DEADLINE_EXCEEDED."""
+    target = Target(options)
+    request = pb.GetCapabilitiesRequest()
+    try:
+        target.stub.GetCapabilities(request, timeout=options.rpc_timeout, wait_for_ready=True)
+        return None
+    except grpc.RpcError as err:
+        code, detail = err.code(), err.details()
+        if code not in _NO_TARGET:
+            return None
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            try:  # without waiting: the transport's own error (connection refused, no route ...)
+                target.stub.GetCapabilities(request, timeout=min(2.0, options.rpc_timeout))
+                return None
+            except grpc.RpcError as again:
+                code, detail = again.code(), again.details()
+        if code is grpc.StatusCode.UNAUTHENTICATED:
+            return f"the target {options.target} refused the credentials (--token): {detail}"
+        return (f"cannot reach the target {options.target}: no answer to GetCapabilities within "
+                f"{options.rpc_timeout:g}s ({code.name}: {one_line(detail or '', 200)})")
+    finally:
+        target.close()
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     try:
@@ -236,6 +273,16 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         token=args.token, tenant_a_token=args.tenant_a_token, tenant_a_prefix=args.tenant_a_prefix,
         tenant_b_token=args.tenant_b_token, tenant_b_prefix=args.tenant_b_prefix, **kw,
     )
+    started = time.monotonic()
+    unreachable = preflight(options)
+    if unreachable:
+        print(f"kvhint-conformance: {unreachable}; no case was run", file=sys.stderr)
+        if args.junit_xml:  # a CI job's report still shows every selected case failed, and why
+            results = [CaseResult(c, Status.FAILED, f"not run: {unreachable}") for c in cases]
+            info = RunInfo(options.target, options.openai_url or "", "", "", "", time.monotonic() - started,
+                           options.nonce, options.profile)
+            Path(args.junit_xml).write_bytes(junit_xml(results, info))
+        return EXIT_UNREACHABLE
     results, info = run_suite(options, cases, known, out=out, verbose=args.verbose)
     print(summary(results, info), file=out, flush=True)
     if args.junit_xml:
