@@ -19,8 +19,15 @@ Semantics (etcd-style):
     `subscriber_buffer` events. Past that
     it is marked overflowed: it reads nothing more from the ring, and once the
     client drains what gRPC already buffered, the stream ends with a Resync
-    (SUBSCRIBER_OVERFLOW). A subscriber that is reading only risks COMPACTED,
-    when the replay window passes it. Per subscriber the server keeps a cursor
+    (SUBSCRIBER_OVERFLOW). A subscriber that is reading is not cut off for
+    lagging, but a live one (past its resume point or SnapshotEnd) that the
+    replay window passes first (events published faster than it takes them,
+    whether it stopped reading or not) has lost events: it ends with
+    SUBSCRIBER_OVERFLOW too, where the first lost event would have been sent.
+    COMPACTED means a requested position the window has passed: a
+    START_RESUME sequence older than the window (when requested, or by the
+    stream's first read of the ring), or events a snapshot had yet to send
+    between its pieces. Per subscriber the server keeps a cursor
     and what gRPC buffers; the engine thread never waits for a subscriber.
   * Open streams are bounded (snapshots included): KVHINT_MAX_WATCH_STREAMS in
     all and, with tenancy, KVHINT_MAX_WATCH_STREAMS_PER_TENANT per tenant
@@ -327,6 +334,10 @@ class WatchHub:
         self._subs.add(sub)
         loop = asyncio.get_running_loop()
         last_sent = loop.time()
+        # Until the first read of the ring, a resumed cursor is the requested position: if the
+        # window passed it since the check above (the engine thread publishes meanwhile), the
+        # request was for compacted events. Later, the subscriber fell behind live events.
+        requested = start == pb.WatchEventsRequest.START_RESUME
         try:
             while True:
                 if self._closing:
@@ -338,9 +349,17 @@ class WatchHub:
                     )
                     return
                 events = bus.read_after(sub.cursor, READ_BATCH)
-                if events is None:
+                if events is None and requested:
                     yield self._resync(pb.Resync.CAUSE_COMPACTED, f"events after {sub.cursor} are no longer kept")
                     return
+                if events is None:  # the window passed a live cursor before the stall rule cut it off
+                    yield self._resync(
+                        pb.Resync.CAUSE_SUBSCRIBER_OVERFLOW,
+                        f"subscriber fell more than {bus.replay_window} events (the replay window) behind: "
+                        f"events after {sub.cursor} are no longer kept",
+                    )
+                    return
+                requested = False
                 if events:
                     for ev in events if scope is None else scope.visible(events):
                         if flt.matches(ev):

@@ -329,13 +329,14 @@ WINDOW = 8
 
 @pytest.mark.parametrize("start", ["now", "snapshot"])
 @pytest.mark.parametrize("burst", [WINDOW, WINDOW + 1], ids=["burst-fills-the-window", "burst-passes-the-cursor"])
-def test_a_watcher_the_replay_window_passes_gets_one_compacted_resync_never_a_gap(make_harness, monkeypatch, start, burst):
+def test_a_watcher_the_replay_window_passes_gets_one_resync_never_a_gap(make_harness, monkeypatch, start, burst):
     """A subscriber that has read up to sequence c while `burst` events are published before it
     reads again: with burst == window every event after c is still kept and arrives, in order;
-    one more and event c + 1 is gone: the stream ends with one Resync(COMPACTED) whose
-    oldest_sequence is past c + 1 (never a silent gap), and a resume from oldest_sequence - 1
-    gets the rest. Live (START_NOW, the server's loop held while the burst is published) and
-    inside a snapshot (the burst published between its pieces)."""
+    one more and event c + 1 is gone: the stream ends with one Resync whose oldest_sequence is
+    past c + 1 (never a silent gap), and a resume from oldest_sequence - 1 gets the rest. Live
+    (START_NOW, the server's loop held while the burst is published) the subscriber fell behind:
+    SUBSCRIBER_OVERFLOW; inside a snapshot (the burst published between its pieces) the events
+    after the snapshot's position are gone: COMPACTED."""
     harness = make_harness(event_replay_window=WINDOW)
     store_many(harness, 0, 3)  # sequences 1..3
     if start == "now":
@@ -378,7 +379,7 @@ def test_a_watcher_the_replay_window_passes_gets_one_compacted_resync_never_a_ga
     if start == "snapshot":
         assert kinds(rest) == ["resync"], "no chunk and no SnapshotEnd after events were lost"
     resync = _single_resync_of(rest)
-    assert resync.cause == pb.Resync.CAUSE_COMPACTED
+    assert resync.cause == (pb.Resync.CAUSE_SUBSCRIBER_OVERFLOW if start == "now" else pb.Resync.CAUSE_COMPACTED)
     assert resync.oldest_sequence == last - WINDOW + 1 > 5 + 1, "the resync says events after 5 are gone"
     resumed = watch(harness, start=pb.WatchEventsRequest.START_RESUME, resume_epoch=harness.bus.epoch,
                     resume_after_sequence=resync.oldest_sequence - 1)
