@@ -1,12 +1,16 @@
 """`kvhint apply ACTION <selector> [bounds]` and `kvhint apply --envelope FILE`.
 
 Exit 0 when every hint was ACCEPTED, 1 when any was CLIPPED / DEFERRED / REJECTED / MISSING.
+With `--wait SECONDS`, a DEFERRED hint's operation (Demote, Prefetch, Share) is waited for, and
+counts as ACCEPTED when it SUCCEEDED: exit 0 when every hint was ACCEPTED or its operation
+succeeded, 1 when one failed or was still unfinished when the wait ran out.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +45,11 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "apply",
         parents=[common],
         help="apply one hint (or a KvHintsEnvelope)",
-        description="Apply one hint. Exit 0 if ACCEPTED, 1 otherwise (CLIPPED, DEFERRED, REJECTED, MISSING).",
+        description="Apply one hint. Exit 0 if ACCEPTED, 1 otherwise (CLIPPED, DEFERRED, REJECTED, MISSING); "
+        "with --wait, a DEFERRED hint whose operation SUCCEEDED counts as ACCEPTED.",
         epilog="examples:\n  kvhint apply pin --session agent-7 --ttl 30\n"
         "  kvhint apply retain --session agent-7 --include-children --priority 5 --ttl 60\n"
-        "  kvhint apply demote --continuation c1 --range 0:4 --target-tier host\n"
+        "  kvhint apply demote --continuation c1 --range 0:4 --target-tier host --wait 30\n"
         "  kvhint apply --envelope hints.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -58,6 +63,11 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     bounds.add_argument("--destination", metavar="PEER", help="share: peer host:port or shared tier name (required)")
     bounds.add_argument("--max-blocks", type=int, default=0, metavar="N", help="touch at most N blocks (0: no cap)")
     bounds.add_argument("--hint-id", metavar="ID", help="idempotency key (default: a generated uuid4)")
+    parser.add_argument(
+        "--wait", type=float, default=None, metavar="SECONDS",
+        help="wait up to SECONDS for DEFERRED hints' operations (Demote, Prefetch, Share) to finish; "
+        "exit 0 only if each SUCCEEDED",
+    )
     parser.add_argument(
         "--envelope", metavar="FILE", help="apply a KvHintsEnvelope JSON file ('-' for stdin) instead of one hint"
     )
@@ -132,12 +142,59 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
         raise UsageError(f"choose an action ({', '.join(ACTIONS)}) or --envelope FILE")
     else:
         hints = [_hint_from_args(args)]
+    if args.wait is not None and not args.wait > 0:
+        raise UsageError("--wait must be a number of seconds > 0")
     result = ctx.client().apply(*hints)
+    operations = _wait_operations(ctx, result, args.wait) if args.wait is not None else None
     if ctx.json:
-        ctx.emit_json(apply_result_json(result))
+        out = apply_result_json(result)
+        if operations is not None:
+            out["operations"] = [message_to_dict(op) for op in operations.values()]
+        ctx.emit_json(out)
     else:
         ctx.print(apply_result_table(result))
-    return EXIT_OK if result.all_accepted else EXIT_NEGATIVE
+        if operations:
+            ctx.print(operations_table(operations, args.wait))
+    if operations is None:
+        return EXIT_OK if result.all_accepted else EXIT_NEGATIVE
+    ok = all(r.outcome == kvhint_pb2.OUTCOME_ACCEPTED
+             or (r.outcome == kvhint_pb2.OUTCOME_DEFERRED and _succeeded(operations.get(r.operation_id)))
+             for r in result.results)
+    return EXIT_OK if ok else EXIT_NEGATIVE
+
+
+_FINAL = (kvhint_pb2.Operation.STATE_SUCCEEDED, kvhint_pb2.Operation.STATE_FAILED)
+POLL_S = 0.2
+
+
+def _succeeded(operation: kvhint_pb2.Operation | None) -> bool:
+    return operation is not None and operation.state == kvhint_pb2.Operation.STATE_SUCCEEDED
+
+
+def _wait_operations(ctx: CliContext, result: ApplyResult, wait: float) -> dict[str, kvhint_pb2.Operation]:
+    """The DEFERRED hints' operations as last read (GetOperation), each polled until it finished
+    or the one `wait` shared by all ran out."""
+    deadline = time.monotonic() + wait
+    out: dict[str, kvhint_pb2.Operation] = {}
+    for r in result.results:
+        if r.outcome != kvhint_pb2.OUTCOME_DEFERRED or not r.operation_id:
+            continue
+        while True:
+            op = out[r.operation_id] = ctx.client().get_operation(r.operation_id)
+            left = deadline - time.monotonic()
+            if op.state in _FINAL or left <= 0:
+                break
+            time.sleep(min(POLL_S, left))
+    return out
+
+
+def operations_table(operations: dict[str, kvhint_pb2.Operation], wait: float) -> str:
+    rows = []
+    for op_id, op in operations.items():
+        state = kvhint_pb2.Operation.State.Name(op.state).removeprefix("STATE_")
+        detail = op.message if op.state in _FINAL else f"not finished after --wait {wait:g}s"
+        rows.append((op_id, state, reason_name(op.reason), detail))
+    return table(("OPERATION", "STATE", "REASON", "DETAIL"), rows)
 
 
 def apply_result_json(result: ApplyResult) -> dict[str, Any]:

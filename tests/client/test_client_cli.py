@@ -88,6 +88,39 @@ def test_apply_not_accepted_exit_1(fake: RunningServer) -> None:
     assert "REJECTED" in run.stdout and "UNSUPPORTED" in run.stdout and "no lower tier" in run.stdout
 
 
+def _deferred(fake: RunningServer, *states: int) -> None:
+    fake.servicer.outcome_for = lambda hint: kvhint_pb2.HintResult(
+        hint_id=hint.hint_id, outcome=kvhint_pb2.OUTCOME_DEFERRED, operation_id="op-1")
+    fake.servicer.operations["op-1"] = list(states)
+
+
+def test_a_deferred_demote_is_exit_1_without_wait_and_0_once_its_operation_succeeded(fake: RunningServer) -> None:
+    """DEFERRED is a Demote's normal answer: `kvhint apply demote && ...` always took the failure
+    branch, and the CLI had no way to see the operation end. --wait polls it."""
+    S = kvhint_pb2.Operation
+    _deferred(fake, S.STATE_PENDING, S.STATE_RUNNING, S.STATE_SUCCEEDED)
+    assert kvhint("apply", "demote", "--session", "s", address=fake.address).returncode == 1
+    run = kvhint("apply", "demote", "--session", "s", "--wait", "10", address=fake.address)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "DEFERRED" in run.stdout and "op-1" in run.stdout and "SUCCEEDED" in run.stdout
+    _deferred(fake, S.STATE_RUNNING, S.STATE_SUCCEEDED)
+    run = kvhint("apply", "demote", "--session", "s", "--wait", "10", "--json", address=fake.address)
+    out = json.loads(run.stdout)
+    assert run.returncode == 0 and [op["state"] for op in out["operations"]] == ["STATE_SUCCEEDED"]
+
+
+def test_a_deferred_operation_that_fails_or_outlasts_the_wait_is_exit_1(fake: RunningServer) -> None:
+    S = kvhint_pb2.Operation
+    _deferred(fake, S.STATE_RUNNING, S.STATE_FAILED)
+    run = kvhint("apply", "demote", "--session", "s", "--wait", "10", address=fake.address)
+    assert run.returncode == 1 and "FAILED" in run.stdout
+    _deferred(fake, S.STATE_RUNNING)
+    run = kvhint("apply", "demote", "--session", "s", "--wait", "0.5", address=fake.address)
+    assert run.returncode == 1 and "RUNNING" in run.stdout and "not finished after --wait 0.5s" in run.stdout
+    for bad in ("0", "-1", "nan"):
+        assert kvhint("apply", "demote", "--session", "s", "--wait", bad, address=fake.address).returncode == 2
+
+
 def test_apply_envelope_from_stdin(fake: RunningServer) -> None:
     envelope = {"protocol_version": "0.1", "message_id": "m", "actions": [
         {"action_id": "a", "action_type": "kv.share", "action_version": "1.0",
