@@ -533,6 +533,55 @@ MUTANTS = (
         "",
         "ResidencyIndex.sessions(engine) answers for an engine that is not live",
     ),
+    Mutant(
+        "parent-watch-trusts-sentinel",
+        "engine_integration/parent_watch.py",
+        r"            if self\._ppid is None or os\.getppid\(\) != self\._ppid:\n                return True\n",
+        "            return True\n",
+        "a sentinel the living parent closed is taken for its end: EngineCore is stopped under a live API server",
+    ),
+    Mutant(
+        "parent-watch-blind",
+        "engine_integration/parent_watch.py",
+        r"                gone = self\._gone\(\)\n",
+        "                gone = self._stopped.wait(self._poll_s)\n",
+        "an EngineCore whose API server was killed lives on, its sidecar SERVING",
+    ),
+    Mutant(
+        "heartbeat-unbounded",
+        "kvhint_server/config.py",
+        r"    \"heartbeat_interval_s\": \(MIN_HEARTBEAT_S, MAX_HEARTBEAT_S, True\),\n",
+        "",
+        "KVHINT_HEARTBEAT_INTERVAL_S=1e-6 is accepted and floods every stream with heartbeats",
+    ),
+    Mutant(
+        "overflow-blamed-on-window",
+        "kvhint_server/watch.py",
+        r"                if events is None and requested:\n",
+        "                if events is None:\n",
+        "a live subscriber the replay window passes gets COMPACTED instead of SUBSCRIBER_OVERFLOW",
+    ),
+    Mutant(
+        "conformance-no-preflight",
+        "conformance/runner.py",
+        r"    unreachable = preflight\(options\)\n",
+        "    unreachable = None\n",
+        "a mistyped --target is every case failed with DEADLINE_EXCEEDED and exit 1",
+    ),
+    Mutant(
+        "wait-ignores-failed-operation",
+        "kvhint_client/cli/apply_cmd.py",
+        r"\(r\.outcome == kvhint_pb2\.OUTCOME_DEFERRED and _succeeded\(operations\.get\(r\.operation_id\)\)\)",
+        "r.outcome == kvhint_pb2.OUTCOME_DEFERRED",
+        "kvhint apply --wait exits 0 for a DEFERRED hint whose operation FAILED or never finished",
+    ),
+    Mutant(
+        "scenario-prompts-before-sidecar",
+        "scripts/resume_scenario.py",
+        r"    check_sidecar\(buf, grpc, token\)\n",
+        "",
+        "resume_scenario.py sends prompts before finding out the sidecar does not answer",
+    ),
 )
 
 
