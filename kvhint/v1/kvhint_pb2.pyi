@@ -111,7 +111,10 @@ class _OutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Outcome.Value
     or failure arrives as an OperationCompleted event and via GetOperation.
     """
     OUTCOME_REJECTED: _Outcome.ValueType  # 4
-    """Not applied. HintResult.reason says why."""
+    """Not applied. HintResult.reason says why. A hint rejected for its own
+    form (INVALID_HINT, UNSUPPORTED) is rejected before its selector is
+    resolved: it is never MISSING.
+    """
     OUTCOME_MISSING: _Outcome.ValueType  # 5
     """The selector resolved to nothing resident. Nothing was applied."""
 
@@ -138,7 +141,10 @@ OUTCOME_DEFERRED: Outcome.ValueType  # 3
 or failure arrives as an OperationCompleted event and via GetOperation.
 """
 OUTCOME_REJECTED: Outcome.ValueType  # 4
-"""Not applied. HintResult.reason says why."""
+"""Not applied. HintResult.reason says why. A hint rejected for its own
+form (INVALID_HINT, UNSUPPORTED) is rejected before its selector is
+resolved: it is never MISSING.
+"""
 OUTCOME_MISSING: Outcome.ValueType  # 5
 """The selector resolved to nothing resident. Nothing was applied."""
 Global___Outcome: _TypeAlias = Outcome  # noqa: Y015
@@ -1112,7 +1118,9 @@ class ActionSupport(_message.Message):
     supported: _builtins.bool
     """False: every hint with this action is REJECTED/UNSUPPORTED."""
     supports_range: _builtins.bool
-    """Whether BlockRange is honoured for this action."""
+    """Whether BlockRange is honoured for this action. False: a hint of this
+    action with a range is REJECTED/UNSUPPORTED.
+    """
     notes: _builtins.str
     """Engine-specific notes (for example how Prefetch stages copies)."""
     supports_expected_reuse: _builtins.bool
@@ -2478,7 +2486,12 @@ Global___PinBroken: _TypeAlias = PinBroken  # noqa: Y015
 
 @_typing.final
 class HintApplied(_message.Message):
-    """HintApplied: the outcome of one hint, as returned to its caller."""
+    """HintApplied: the outcome of one hint, as returned to its caller. Every hint
+    an ApplyHints call answers is published as one HintApplied, whatever its
+    outcome (REJECTED and MISSING included), in the order of the response's
+    results; a result returned from the idempotency cache (HintResult.replayed)
+    is not published again.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

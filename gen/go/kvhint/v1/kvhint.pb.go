@@ -130,7 +130,9 @@ const (
 	// Queued asynchronous work. HintResult.operation_id names it; completion
 	// or failure arrives as an OperationCompleted event and via GetOperation.
 	Outcome_OUTCOME_DEFERRED Outcome = 3
-	// Not applied. HintResult.reason says why.
+	// Not applied. HintResult.reason says why. A hint rejected for its own
+	// form (INVALID_HINT, UNSUPPORTED) is rejected before its selector is
+	// resolved: it is never MISSING.
 	Outcome_OUTCOME_REJECTED Outcome = 4
 	// The selector resolved to nothing resident. Nothing was applied.
 	Outcome_OUTCOME_MISSING Outcome = 5
@@ -2244,7 +2246,8 @@ type ActionSupport struct {
 	Supported bool `protobuf:"varint,2,opt,name=supported,proto3" json:"supported,omitempty"`
 	// Selector targets this action accepts (when supported).
 	Selectors []SelectorKind `protobuf:"varint,3,rep,packed,name=selectors,proto3,enum=kvhint.v1.SelectorKind" json:"selectors,omitempty"`
-	// Whether BlockRange is honoured for this action.
+	// Whether BlockRange is honoured for this action. False: a hint of this
+	// action with a range is REJECTED/UNSUPPORTED.
 	SupportsRange bool `protobuf:"varint,4,opt,name=supports_range,json=supportsRange,proto3" json:"supports_range,omitempty"`
 	// Engine-specific notes (for example how Prefetch stages copies).
 	Notes string `protobuf:"bytes,5,opt,name=notes,proto3" json:"notes,omitempty"`
@@ -4738,7 +4741,11 @@ func (x *PinBroken) GetShortfallBlocks() uint32 {
 	return 0
 }
 
-// HintApplied: the outcome of one hint, as returned to its caller.
+// HintApplied: the outcome of one hint, as returned to its caller. Every hint
+// an ApplyHints call answers is published as one HintApplied, whatever its
+// outcome (REJECTED and MISSING included), in the order of the response's
+// results; a result returned from the idempotency cache (HintResult.replayed)
+// is not published again.
 type HintApplied struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
