@@ -5,8 +5,8 @@ example KVHINT_MAX_TTL_S=600; the address is KVHINT_GRPC_ADDRESS), so the
 in-engine sidecar is configurable without touching vLLM's own flags.
 
 Contract: a ServerConfig that exists is valid. Construction checks every
-field (numbers finite and in range, TLS certificate and key together and
-readable, a parseable address, a header-safe token) and raises ConfigError
+field (numbers finite and in range, TLS certificate and key together, readable
+and loadable as gRPC loads them, a parseable address, a header-safe token) and raises ConfigError
 naming the environment variable of the offending field, whether the value
 came from the environment or from code. `check_environment()` is the one
 entry point the launcher and the scheduler call before vLLM loads anything.
@@ -23,6 +23,9 @@ import ipaddress
 import logging
 import math
 import os
+import re
+import ssl
+import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -327,21 +330,131 @@ def _check_address(address: str, env: str, unix: bool = True) -> None:
         raise ConfigError(f"{env}={address!r}: expected HOST:PORT with a port in 0..65535")
 
 
-def _check_tls(cert: str, key: str, env: str = "") -> None:
-    cert_env, key_env = (env, env) if env else (env_name("tls_cert_file"), env_name("tls_key_file"))
+def _check_tls(cert: str, key: str) -> None:
+    """KVHINT_TLS_CERT_FILE and KVHINT_TLS_KEY_FILE: both or neither; each a readable PEM file;
+    together credentials gRPC can listen with, checked now with the stdlib `ssl` module rather
+    than when gRPC binds the port after the model has loaded. As gRPC reads them: the first
+    certificate of the file must parse (further chain certificates gRPC stops reading at the first
+    that does not, so they are not checked), the key must parse with no passphrase (gRPC gives an
+    empty one) and be that certificate's. Messages name the variables and paths, never key material."""
+    cert_env, key_env = env_name("tls_cert_file"), env_name("tls_key_file")
     if bool(cert) != bool(key):
         given, missing = (cert_env, key_env) if cert else (key_env, cert_env)
         raise ConfigError(f"{given} is set but {missing} is not: TLS needs both (refusing to serve plaintext)")
-    for env, path in ((cert_env, cert), (key_env, key)):
-        if not path:
-            continue
+    if not cert:
+        return
+    leaf = _first_certificate(_read_pem(cert_env, cert))
+    _read_pem(key_env, key)
+    if leaf is None or not _certificate_parses(leaf):
+        raise ConfigError(f"{cert_env}={cert!r}: not a readable certificate (its first PEM CERTIFICATE block does not parse)")
+    problem = _key_problem(cert, key)
+    if problem == "retry with the leaf":  # OpenSSL, unlike gRPC, refuses a chain certificate that does not parse
         try:
-            with open(path, "rb") as f:
-                head = f.read(1 << 16)
-        except OSError as exc:
-            raise ConfigError(f"{env}={path!r}: cannot read: {exc.strerror or exc}") from None
-        if b"-----BEGIN" not in head:
-            raise ConfigError(f"{env}={path!r}: not a PEM file")
+            with tempfile.NamedTemporaryFile("w", suffix=".pem") as tmp:
+                tmp.write(leaf)
+                tmp.flush()
+                problem = _key_problem(tmp.name, key)
+        except OSError:  # no temporary file here: what cannot be checked is not refused
+            problem = None
+    if problem == "mismatch":
+        raise ConfigError(f"{key_env}={key!r} is not the private key of the certificate in {cert_env}={cert!r} "
+                          "(the key does not match the certificate)")
+    if problem == "encrypted":
+        raise ConfigError(f"{key_env}={key!r}: the private key is encrypted (passphrase-protected) and gRPC reads "
+                          "it with no passphrase: give an unencrypted PEM key")
+    if problem is not None:
+        raise ConfigError(f"{key_env}={key!r}: not a readable private key (a PEM private key that parses)")
+
+
+def _key_problem(cert: str, key: str) -> str | None:
+    """None when `ssl` loads the pair (the key with an empty passphrase, as gRPC does); else
+    "mismatch", "encrypted", "retry with the leaf" (an error the certificate file may have caused
+    after its first certificate) or "key"."""
+    asked: list[bool] = []
+
+    def passphrase() -> bytes:  # without a callback OpenSSL prompts for it on the terminal
+        asked.append(True)
+        return b""
+
+    try:
+        _tls_context(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=passphrase)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            return "mismatch"
+        if asked:
+            return "encrypted"
+        return "retry with the leaf" if _certificate_count(cert) > 1 else "key"
+    except OSError:  # the file went away since it was read: the sidecar reports it when it starts
+        return None
+    return None
+
+
+def _check_client_ca(path: str) -> None:
+    """KVHINT_TLS_CLIENT_CA_FILE: a readable PEM file whose first certificate parses (gRPC loads
+    the CA certificates up to the first that does not, and needs at least one)."""
+    env = env_name("tls_client_ca_file")
+    first = _first_certificate(_read_pem(env, path))
+    if first is None or not _certificate_parses(first):
+        raise ConfigError(f"{env}={path!r}: not a readable CA bundle (its first PEM CERTIFICATE block does not parse)")
+
+
+_CERTIFICATE_BLOCK = re.compile(
+    rb"-----BEGIN (TRUSTED |X509 )?CERTIFICATE-----\r?\n.*?-----END \1?CERTIFICATE-----", re.DOTALL
+)
+
+
+def _first_certificate(text: bytes) -> str | None:
+    """The first PEM certificate block of `text` (the one gRPC's PEM_read_bio_X509_AUX reads)."""
+    match = _CERTIFICATE_BLOCK.search(text)
+    return match.group(0).decode("ascii", "replace") + "\n" if match else None
+
+
+def _certificate_count(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            return len(_CERTIFICATE_BLOCK.findall(f.read(_PEM_LIMIT)))
+    except OSError:
+        return 0
+
+
+def _certificate_parses(block: str) -> bool:
+    """Whether `ssl` parses a PEM certificate block (a TRUSTED CERTIFICATE's trust data it does not
+    read: such a block is taken as parsing)."""
+    if block.startswith("-----BEGIN TRUSTED"):
+        return True
+    try:
+        _tls_context(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=block)
+    except (ssl.SSLError, ValueError):
+        return False
+    return True
+
+
+def _tls_context(protocol: int) -> ssl.SSLContext:
+    """An `ssl` context that refuses no key or signature for being weak: OpenSSL's default security
+    level refuses, say, a 1024-bit RSA certificate that gRPC (BoringSSL) serves, and this check must
+    not refuse what gRPC would serve."""
+    context = ssl.SSLContext(protocol)
+    try:
+        context.set_ciphers("ALL:@SECLEVEL=0")
+    except ssl.SSLError:  # an OpenSSL without security levels refuses none anyway
+        pass
+    return context
+
+
+_PEM_LIMIT = 1 << 20
+
+
+def _read_pem(env: str, path: str) -> bytes:
+    """The file's first MiB; ConfigError naming `env` when it cannot be read or that holds no PEM
+    block (so `ssl` is never handed something like /dev/zero)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(_PEM_LIMIT)
+    except OSError as exc:
+        raise ConfigError(f"{env}={path!r}: cannot read: {exc.strerror or exc}") from None
+    if b"-----BEGIN" not in text:
+        raise ConfigError(f"{env}={path!r}: not a PEM file")
+    return text
 
 
 def _check_tenancy(config: ServerConfig) -> None:
@@ -349,7 +462,7 @@ def _check_tenancy(config: ServerConfig) -> None:
     if config.tls_client_ca_file:
         if not config.tls:
             raise ConfigError(f"{env_name('tls_client_ca_file')} is set but TLS is not ({env_name('tls_cert_file')})")
-        _check_tls(config.tls_client_ca_file, config.tls_client_ca_file, env=env_name("tls_client_ca_file"))
+        _check_client_ca(config.tls_client_ca_file)
     tenants = None
     if config.tenants_file:
         from .tenancy import load_tenants

@@ -33,6 +33,30 @@ from .tenancy import TenantAuth
 log = logging.getLogger("kvhint.server")
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _REFLECTION_PREFIX = "/grpc.reflection."
+#: The gRPC server's listener options. No SO_REUSEPORT: a second process on the same port fails to
+#: bind instead of sharing (and stealing) its connections. gRPC sets SO_REUSEADDR on TCP listeners
+#: itself. engine_integration.launcher's port check binds its probe sockets the same way.
+GRPC_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.so_reuseport", 0),)
+
+
+def _bind_failure(config: ServerConfig, detail: str) -> str:
+    """What a failed add_*_port means and what to check. grpcio says only "Failed to bind to
+    address" whatever went wrong, and with TLS that includes credentials it cannot use."""
+    address, env = config.address, env_name("address")
+    if address.startswith(("unix:", "unix-abstract:")):
+        where = "that the socket's directory exists and is writable and that no other process serves that socket"
+    else:
+        where = ("that no other process listens on that port (a running engine, say; with data parallelism "
+                 "rank r listens on the port + r) and that the host is an address of this machine")
+    message = f"cannot listen on {address!r} ({env}): {detail.rstrip('.')}. Check {where}"
+    if config.tls:
+        files = f"{env_name('tls_cert_file')}, {env_name('tls_key_file')}"
+        if config.tls_client_ca_file:
+            files += f" and {env_name('tls_client_ca_file')}"
+        message += (f". TLS is configured, and gRPC reports TLS credentials it cannot use as this same bind "
+                    f"failure: check {files} too (a PEM certificate, its own unencrypted private key"
+                    + (", a PEM CA bundle" if config.tls_client_ca_file else "") + ")")
+    return message
 
 
 class _BearerAuth(grpc.aio.ServerInterceptor):
@@ -199,7 +223,7 @@ class KvHintServer:
             interceptors.append(TenantAuth(self.config.tenants))
         elif self.config.auth_token:
             interceptors.append(_BearerAuth(self.config.auth_token))
-        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(interceptors=interceptors, options=list(GRPC_SERVER_OPTIONS))
         self.servicer.bind_loop(asyncio.get_running_loop())
         server.add_generic_rpc_handlers((generic_handler(self.servicer),))
         health_servicer = health.aio.HealthServicer()
@@ -223,11 +247,15 @@ class KvHintServer:
                     creds = grpc.ssl_server_credentials([pair], root_certificates=ca.read(), require_client_auth=True)
             else:
                 creds = grpc.ssl_server_credentials([pair])
-            port = server.add_secure_port(self.config.address, creds)
-        else:
-            port = server.add_insecure_port(self.config.address)
+        try:
+            if self.config.tls:
+                port = server.add_secure_port(self.config.address, creds)
+            else:
+                port = server.add_insecure_port(self.config.address)
+        except RuntimeError as exc:  # grpcio: "Failed to bind to address ..."
+            raise OSError(_bind_failure(self.config, str(exc))) from exc
         if not port:
-            raise OSError(f"cannot bind {self.config.address}")
+            raise OSError(_bind_failure(self.config, "gRPC bound no port"))
         await server.start()
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

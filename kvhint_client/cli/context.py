@@ -6,7 +6,7 @@ Exit codes (stable, for scripts):
   1  the call worked but the answer is negative: some hint not ACCEPTED (apply), not SERVING
      (health), a watch that ended with Resync
   2  usage error: bad flags or values (also INVALID_ARGUMENT from the server)
-  3  unavailable: connection refused / unreachable, or deadline exceeded
+  3  unavailable: connection refused / unreachable, a failed TLS handshake, or deadline exceeded
   4  any other error status from the server (NOT_FOUND, PERMISSION_DENIED, INTERNAL, ...)
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, TextIO
@@ -111,6 +112,11 @@ class CliContext:
     def timeout(self) -> float:
         return float(getattr(self.args, "timeout", DEFAULT_TIMEOUT))
 
+    @property
+    def tls(self) -> bool:
+        """Whether the connection uses TLS (--tls, or any of the options that imply it)."""
+        return any(getattr(self.args, a, None) for a in ("tls", "ca_cert", "cert", "key", "server_name"))
+
     def config(self) -> ConnectionConfig:
         args = self.args
         try:
@@ -129,7 +135,11 @@ class CliContext:
         for flag, path in (("--ca-cert", ca), ("--cert", cert), ("--key", key)):
             if path and not os.path.isfile(path):
                 raise UsageError(f"{flag} {path}: no such file")
-        if getattr(args, "tls", False) or ca or cert or key or name:
+        if bool(cert) != bool(key):  # TlsConfig's message names its Python arguments
+            given, missing = ("--cert", "--key") if cert else ("--key", "--cert")
+            raise UsageError(f"{given} needs {missing}: mutual TLS takes the client certificate (--cert) and its "
+                             "private key (--key) together")
+        if self.tls:
             try:
                 tls = TlsConfig(root_certificates=ca, certificate_chain=cert, private_key=key, server_name_override=name)
             except ValueError as error:
@@ -177,10 +187,7 @@ def describe_error(error: KvHintError, ctx: CliContext) -> tuple[str, int]:
     address = error.address or ctx.address
     method = error.method or "the call"
     if error.code == grpc.StatusCode.UNAVAILABLE:
-        detail = error.details or "unavailable"
-        if "connection refused" in detail.lower():
-            detail = "connection refused"
-        return f"cannot reach the KvHint server at {address}: {detail}", EXIT_UNAVAILABLE
+        return _unavailable(error.details or "unavailable", address, ctx.tls), EXIT_UNAVAILABLE
     if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return (
             f"deadline exceeded: no answer from {address} to {method} within {ctx.timeout:g}s"
@@ -196,3 +203,37 @@ def describe_error(error: KvHintError, ctx: CliContext) -> tuple[str, int]:
     if error.code == grpc.StatusCode.INVALID_ARGUMENT:
         return f"invalid argument: {error.details}{suffix}", EXIT_USAGE
     return f"{method} failed: {error.code.name}: {error.details}{suffix}", EXIT_RPC_ERROR
+
+
+# gRPC's words for a failed TLS handshake, in the detail of an UNAVAILABLE status.
+_HANDSHAKE = re.compile(r"handshake|ssl|certificate|tsi_|hostname verification", re.IGNORECASE)
+_TLS_CHECKS = ("check --ca-cert (the CA that signed the server's certificate), --server-name (a name in that "
+               "certificate, when the address's host is not) and, where the server requires client certificates, "
+               "--cert/--key (a certificate its CA signed, and its key)")
+
+
+def _unavailable(detail: str, address: str, tls: bool) -> str:
+    """The message of an UNAVAILABLE status. gRPC's detail is the error of the last address it tried
+    ("localhost" is ::1 and 127.0.0.1: a refused ::1 can hide 127.0.0.1's failed TLS handshake), so
+    with TLS a refused or closed connection may be a handshake failure too, and the message says
+    so; a detail that names the handshake's failure is reported as one."""
+    last = detail.split("last error: ", 1)[-1]
+    if _HANDSHAKE.search(last):
+        if "WRONG_VERSION_NUMBER" in last:
+            why = ": the server may not serve TLS"
+        elif "CERTIFICATE_VERIFY_FAILED" in last:
+            why = ": the server's certificate is not signed by a CA in --ca-cert"
+        elif "hostname verification" in last.lower():
+            why = ": the server's certificate is not for the name dialled (--server-name sets the name checked)"
+        else:
+            why = ""
+        return f"cannot reach the KvHint server at {address}: the TLS handshake failed{why} (gRPC: {last}); {_TLS_CHECKS}"
+    if "connection refused" in detail.lower():
+        detail = "connection refused"
+    message = f"cannot reach the KvHint server at {address}: {detail}"
+    if tls:
+        return (f"{message}. With TLS a failed handshake (a wrong --ca-cert, a certificate for another name, a "
+                f"missing or untrusted client certificate) can show the same way: if the server is up, {_TLS_CHECKS}")
+    if "socket closed" in last.lower():
+        return f"{message} (a server that serves TLS closes a plaintext connection like this: try --tls or --ca-cert)"
+    return message

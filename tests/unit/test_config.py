@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from kvhint_unit_support import FakeEngine, local_engine_info
+from tls_pki import openssl
 
 from kvhint.v1 import kvhint_pb2 as pb
 from kvhint.v1 import kvhint_pb2_grpc
@@ -88,8 +90,15 @@ def test_the_reported_cases():
 
 @pytest.fixture
 def pem(tmp_path: Path) -> Path:
+    """A certificate and its private key in one PEM file: usable as both KVHINT_TLS_CERT_FILE and
+    KVHINT_TLS_KEY_FILE (the configuration loads them as a TLS server would, so a PEM-shaped
+    stand-in no longer passes; tests/unit/test_tls_material.py)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl CLI to make a certificate")
+    openssl(tmp_path, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", "x.key", "-out", "x.crt", "-days", "2", "-subj", "/CN=localhost")
     path = tmp_path / "x.pem"
-    path.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    path.write_bytes((tmp_path / "x.crt").read_bytes() + (tmp_path / "x.key").read_bytes())
     return path
 
 
