@@ -123,3 +123,42 @@ def describe(result: pb.HintResult) -> str:
 
 def device_blocks(result: pb.HintResult) -> int:
     return sum(c.blocks for c in result.affected_blocks if c.tier == pb.TIER_DEVICE)
+
+
+def tier_counts_text(counts: object, limit: int = 6) -> str:
+    """A TierBlockCount list as `[DEVICE:3, HOST:1]` (a long one cut after `limit` entries), for
+    failure messages."""
+    names = []
+    for c in counts:  # type: ignore[attr-defined]
+        tier = pb.Tier.Name(c.tier).removeprefix("TIER_") if c.tier in pb.Tier.values() else str(c.tier)
+        names.append(f"{tier}:{c.blocks}")
+    if len(names) > limit:
+        names = names[: limit - 1] + [f"... {len(names)} entries"]
+    return "[" + ", ".join(names) + "]"
+
+
+def result_form_problems(result: pb.HintResult) -> list[str]:
+    """What in `result` breaks the form every HintResult keeps, whatever the hint:
+
+    * affected_blocks (TierBlockCount): at most one entry per tier, in Tier order, never
+      TIER_UNSPECIFIED, tiers with no blocks left out (`blocks` is always > 0);
+    * reason: REASON_UNSPECIFIED for ACCEPTED and DEFERRED (HintResult.reason).
+
+    Empty when the result keeps it."""
+    problems: list[str] = []
+    tiers = [c.tier for c in result.affected_blocks]
+    affected: list[str] = []
+    if any(c.blocks == 0 for c in result.affected_blocks):
+        affected.append("an entry with 0 blocks (TierBlockCount.blocks is always > 0: a tier with no blocks is left out)")
+    if pb.TIER_UNSPECIFIED in tiers:
+        affected.append("an entry for TIER_UNSPECIFIED")
+    if len(set(tiers)) != len(tiers):
+        affected.append("several entries for one tier (at most one entry per tier)")
+    elif tiers != sorted(tiers):
+        affected.append("its entries out of Tier order")
+    if affected:
+        problems.append(f"affected_blocks {tier_counts_text(result.affected_blocks)} has " + " and ".join(affected))
+    if result.outcome in (pb.OUTCOME_ACCEPTED, pb.OUTCOME_DEFERRED) and result.reason != pb.REASON_UNSPECIFIED:
+        problems.append(f"{outcome_name(result.outcome)} with reason {reason_name(result.reason)} (HintResult.reason is "
+                        "REASON_UNSPECIFIED for ACCEPTED and DEFERRED)")
+    return problems

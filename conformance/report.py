@@ -77,9 +77,12 @@ def junit_xml(results: Sequence[CaseResult], info: RunInfo) -> bytes:
     suite = ET.SubElement(suites, "testsuite", name=SUITE, tests=str(len(results)),
                           failures=str(c[Status.FAILED] + c[Status.STALE]), errors="0",
                           skipped=str(c[Status.SKIPPED] + c[Status.KNOWN_FAILING]), time=f"{total_time:.3f}")
+    # The run's identity, so a CI artifact says what passed: the claimed profile (a core pass is not a
+    # tiers pass), the target and the engine it reported.
     props = ET.SubElement(suite, "properties")
-    for key, value in (("release", RELEASE), ("target", info.target), ("openai_url", info.openai_url),
-                       ("engine", info.engine), ("epoch", info.epoch), ("plan", info.plan), ("nonce", info.nonce)):
+    for key, value in (("release", RELEASE), ("profile", info.profile), ("target", info.target),
+                       ("openai_url", info.openai_url), ("engine", info.engine), ("epoch", info.epoch),
+                       ("plan", info.plan), ("nonce", info.nonce)):
         ET.SubElement(props, "property", name=key, value=value or "")
     for r in results:
         suite_name, area, name = r.case.id.split("/")

@@ -10,6 +10,7 @@ Capability vocabulary (`Case.requires`), derived from GetCapabilitiesResponse:
     <action>                 ActionSupport.supported (retain, pin, release, evict, demote, prefetch, share)
     <action>:<selector>      the action accepts that selector (session, continuation, block-hashes)
     <action>:range           ActionSupport.supports_range
+    selector:<selector>      some supported action accepts that selector kind (the target resolves it)
     tier:<name>              a configured tier (device, host, disk, remote)
     share-destination        at least one Share destination is configured
 
@@ -304,6 +305,7 @@ def advertised(caps: pb.GetCapabilitiesResponse) -> set[str]:
         for kind in support.selectors:
             if kind in H.SELECTOR_NAME:
                 out.add(f"{name}:{H.SELECTOR_NAME[kind]}")
+                out.add(f"selector:{H.SELECTOR_NAME[kind]}")
         if support.supports_range:
             out.add(f"{name}:range")
     for tier in caps.tiers:
@@ -508,6 +510,16 @@ class Target:
         self.channel.close()
 
 
+def check_result_form(result: pb.HintResult, what: str) -> None:
+    """Fail the case when `result` breaks the form every HintResult keeps (hints.result_form_problems:
+    affected_blocks one entry per tier, in Tier order, each > 0; no reason on ACCEPTED or DEFERRED).
+    The cases whose subject is a result's outcome (outcomes/*, clipping/*, evict/skips-blocks-in-use)
+    check it on the results they examine; the others leave it to them, so one malformed field does
+    not fail every case that applies a hint."""
+    problems = H.result_form_problems(result)
+    check(not problems, f"{what}: {H.describe(result)}: {'; '.join(problems)}")
+
+
 def rpc_error_text(err: grpc.RpcError) -> str:
     e = KvHintError.from_rpc_error(err)
     return str(e)
@@ -631,14 +643,28 @@ class CaseContext:
     def device_hashes(self, selector: pb.Selector) -> list[bytes]:
         return [b.block_hash for b in self.residency(selector) if pb.TIER_DEVICE in b.tiers]
 
-    def latest_sequence(self) -> int:
+    def latest_sequence(self, after: int | None = None) -> int:
         """The current event sequence, read through a no-op ApplyHints (a Release of an unknown
-        session, which publishes one HintApplied event)."""
+        session, answered MISSING, which publishes one HintApplied event: the proto's HintApplied,
+        every hint an ApplyHints call answers is published, whatever its outcome).
+
+        With `after` (an earlier reading in this epoch), the case fails unless the sequence moved
+        past it, saying that the target published no HintApplied for the probe it answered; a
+        case that needs the probe's event (one that comes after something it watched) passes it."""
         probe = H.release(f"kvc-{self.target.options.nonce}-seqprobe-{time.monotonic_ns()}")
         try:
             response = self.stub.ApplyHints(pb.ApplyHintsRequest(hints=[probe]), timeout=self.timeout)
         except grpc.RpcError as err:
             raise CaseFailed(f"ApplyHints failed: {rpc_error_text(err)}") from err
+        if after is not None:
+            answer = H.describe(response.results[0]) if response.results else "no result"
+            check(
+                response.applied_at_sequence > after,
+                f"the target published no HintApplied for a hint it answered ({answer}, a Release of an unknown "
+                f"session): applied_at_sequence stayed at {response.applied_at_sequence} (was {after}). The proto's "
+                "HintApplied: every hint an ApplyHints call answers is published as one HintApplied event, whatever "
+                "its outcome (REJECTED and MISSING included)",
+            )
         return response.applied_at_sequence
 
     def watch(self, request: pb.WatchEventsRequest | None = None, **kw: Any) -> Collector:

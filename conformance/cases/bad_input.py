@@ -15,6 +15,7 @@ from kvhint_client.errors import KvHintError
 from .. import hints as H
 from ..model import CaseFailed, CaseSkipped, Registry, check
 from ..target import CaseContext
+from ..watch import kind
 
 APPLY = "/kvhint.v1.KvHintService/ApplyHints"
 DOMAIN = "kvhint.v1"
@@ -26,15 +27,42 @@ def expect_invalid_argument(call: Callable[[], object], what: str, reason: str |
     try:
         call()
     except grpc.RpcError as err:
-        e = KvHintError.from_rpc_error(err)
-        check(e.code == grpc.StatusCode.INVALID_ARGUMENT, f"{what}: failed with {e.code.name}, expected INVALID_ARGUMENT")
-        check(e.reason is not None, f"{what}: INVALID_ARGUMENT without a google.rpc.ErrorInfo detail")
-        check(e.domain == DOMAIN, f"{what}: ErrorInfo.domain={e.domain!r}, expected {DOMAIN!r}")
-        check(e.reason in pb.Reason.keys(), f"{what}: ErrorInfo.reason={e.reason!r} is not a kvhint.v1 Reason name")
-        if reason is not None:
-            check(e.reason == reason, f"{what}: ErrorInfo.reason={e.reason}, expected {reason}")
-        return e
+        return check_invalid_argument(err, what, reason)
     raise CaseFailed(f"{what}: the RPC succeeded, expected INVALID_ARGUMENT")
+
+
+def check_invalid_argument(err: grpc.RpcError, what: str, reason: str | None = None) -> KvHintError:
+    """`err` is INVALID_ARGUMENT with an ErrorInfo in domain kvhint.v1 whose reason is a kvhint.v1
+    Reason name (`reason` when given)."""
+    e = KvHintError.from_rpc_error(err)
+    check(e.code == grpc.StatusCode.INVALID_ARGUMENT, f"{what}: failed with {e.code.name}, expected INVALID_ARGUMENT")
+    check(e.reason is not None, f"{what}: INVALID_ARGUMENT without a google.rpc.ErrorInfo detail")
+    check(e.domain == DOMAIN, f"{what}: ErrorInfo.domain={e.domain!r}, expected {DOMAIN!r}")
+    check(e.reason in pb.Reason.keys(), f"{what}: ErrorInfo.reason={e.reason!r} is not a kvhint.v1 Reason name")
+    if reason is not None:
+        check(e.reason == reason, f"{what}: ErrorInfo.reason={e.reason}, expected {reason}")
+    return e
+
+
+def unadvertised_features(hint: pb.Hint, have: set[str]) -> list[str]:
+    """The capabilities (conformance.target vocabulary) that `hint` uses and the target does not
+    advertise: its action, the action with its selector kind, the action with a range. Such a hint
+    may be REJECTED/UNSUPPORTED (the proto: what is not advertised is UNSUPPORTED) even when its
+    form is also invalid; the order of those two checks is the engine's."""
+    action = hint.WhichOneof("action")
+    if action is None:
+        return []
+    if action not in have:
+        return [action]
+    out: list[str] = []
+    if hint.HasField("selector"):
+        target = hint.selector.WhichOneof("target")
+        kind = {"session": "session", "continuation": "continuation", "block_hashes": "block-hashes"}.get(target or "")
+        if kind is not None and f"{action}:{kind}" not in have:
+            out.append(f"{action}:{kind}")
+        if hint.selector.HasField("range") and f"{action}:range" not in have:
+            out.append(f"{action}:range")
+    return out
 
 
 def none_applied(ctx: CaseContext, hint_id: str) -> None:
@@ -135,10 +163,46 @@ def register(reg: Registry) -> None:
         raise CaseFailed("GetOperation of an unknown id succeeded")
 
     @reg.case(
+        "bad-input", "malformed-operation-id-invalid-argument",
+        "GetOperation with an empty operation_id, or one longer than limits.max_id_length, MUST fail with "
+        "INVALID_ARGUMENT and an ErrorInfo (not NOT_FOUND: the id is malformed, not unknown).",
+    )
+    def malformed_operation_id(ctx: CaseContext) -> None:
+        limit = ctx.caps.limits.max_id_length or 256
+        for what, operation_id in (("an empty operation_id", ""),
+                                   (f"an operation_id of {limit + 1} bytes (limits.max_id_length {limit})", "o" * (limit + 1))):
+            expect_invalid_argument(
+                lambda operation_id=operation_id: ctx.stub.GetOperation(pb.GetOperationRequest(operation_id=operation_id),
+                                                                        timeout=ctx.timeout),
+                f"GetOperation with {what}",
+            )
+
+    @reg.case(
+        "bad-input", "resume-without-epoch-invalid-argument",
+        "WatchEvents with START_RESUME and an empty resume_epoch, or one longer than limits.max_id_length, MUST fail "
+        "with INVALID_ARGUMENT and an ErrorInfo (not answer a Resync: resume_epoch is required).",
+    )
+    def resume_without_epoch(ctx: CaseContext) -> None:
+        limit = ctx.caps.limits.max_id_length or 256
+        for label, epoch in (("an empty resume_epoch", ""),
+                             (f"a resume_epoch of {limit + 1} bytes (limits.max_id_length {limit})", "e" * (limit + 1))):
+            what = f"WatchEvents START_RESUME with {label}"
+            watch = ctx.watch(pb.WatchEventsRequest(start=pb.WatchEventsRequest.START_RESUME, resume_epoch=epoch,
+                                                    resume_after_sequence=1))
+            if not watch.wait_ended(10):
+                got = [kind(m) for m in watch.stop()[:5]]
+                raise CaseFailed(f"{what}: the stream did not end within 10s (got {got}), expected INVALID_ARGUMENT")
+            if watch.error is None:
+                raise CaseFailed(f"{what}: the stream ended without an error after {[kind(m) for m in watch.messages[:5]]}, "
+                                 "expected INVALID_ARGUMENT")
+            check_invalid_argument(watch.error, what)
+
+    @reg.case(
         "bad-input", "invalid-hints-rejected-per-hint",
         "A hint that is invalid on its own (no action, no selector, missing or non-positive TTL, empty or over-long "
         "ids, a bad range, an empty or over-long block hash) MUST get REJECTED with REASON_INVALID_HINT and a message, "
-        "without failing the RPC or the other hints of the batch.",
+        "without failing the RPC or the other hints of the batch; one whose action, selector kind or range the target "
+        "does not advertise MAY get REJECTED with REASON_UNSUPPORTED instead.",
         requires=("release:session",),
     )
     def per_hint(ctx: CaseContext) -> None:
@@ -171,14 +235,18 @@ def register(reg: Registry) -> None:
         batch = [h for _, h in bad[: len(bad) // 2]] + [good] + [h for _, h in bad[len(bad) // 2 :]]
         labels = [w for w, _ in bad[: len(bad) // 2]] + ["valid"] + [w for w, _ in bad[len(bad) // 2 :]]
         results = ctx.apply(*batch)
+        have = ctx.target.capabilities
         for label, hint, result in zip(labels, batch, results):
             if label == "valid":
                 check(result.outcome == pb.OUTCOME_MISSING, f"the valid hint amid invalid ones: {H.describe(result)}, expected MISSING")
                 check(result.hint_id == hint.hint_id, "the valid hint's id was not echoed")
                 continue
+            unadvertised = unadvertised_features(hint, have)
+            reasons = (pb.REASON_INVALID_HINT, pb.REASON_UNSUPPORTED) if unadvertised else (pb.REASON_INVALID_HINT,)
             check(
-                result.outcome == pb.OUTCOME_REJECTED and result.reason == pb.REASON_INVALID_HINT,
-                f"{label}: {H.describe(result)}, expected REJECTED/INVALID_HINT",
+                result.outcome == pb.OUTCOME_REJECTED and result.reason in reasons,
+                f"{label}: {H.describe(result)}, expected REJECTED/INVALID_HINT"
+                + (f" or REJECTED/UNSUPPORTED (the target does not advertise {', '.join(unadvertised)})" if unadvertised else ""),
             )
             check(result.message, f"{label}: REJECTED without a message")
 
@@ -193,6 +261,7 @@ def register(reg: Registry) -> None:
         call = ctx.target.channel.unary_unary(APPLY, request_serializer=None, response_deserializer=pb.ApplyHintsResponse.FromString)
         rng = random.Random(f"{ctx.target.options.nonce}/fuzz")
         failures = 0
+        codes: dict[str, int] = {}
         for i in range(200):
             raw = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
             try:
@@ -200,9 +269,11 @@ def register(reg: Registry) -> None:
             except grpc.RpcError as err:
                 if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
                     failures += 1
+                    codes[err.code().name] = codes.get(err.code().name, 0) + 1
                     if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                         raise CaseFailed(f"random request bytes #{i} made the target {err.code().name}") from err
-        check(failures == 0, f"{failures} of 200 random ApplyHints payloads failed with a code other than INVALID_ARGUMENT")
+        shown = ", ".join(f"{code} ({n})" for code, n in sorted(codes.items(), key=lambda kv: -kv[1]))
+        check(failures == 0, f"{failures} of 200 random ApplyHints payloads failed with {shown}, expected INVALID_ARGUMENT")
         result = ctx.apply_one(H.release(ctx.sid("after")))
         check(result.outcome == pb.OUTCOME_MISSING, f"a release after bad input: {H.describe(result)}")
         prompt = ctx.small_prompt("after")

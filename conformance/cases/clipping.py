@@ -8,7 +8,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 
 from .. import hints as H
 from ..model import CaseSkipped, Registry, check
-from ..target import CaseContext
+from ..target import CaseContext, check_result_form
 from .outcomes import resident_selection
 
 
@@ -37,6 +37,7 @@ def register(reg: Registry) -> None:
         cap = _seconds(ctx.caps.limits.max_ttl)
         result = ctx.apply_one(H.hint(sel, "pin", ttl=cap))
         check(result.outcome == pb.OUTCOME_ACCEPTED, f"pin with ttl == max_ttl ({cap:g}s): {H.describe(result)}, expected ACCEPTED")
+        check_result_form(result, f"pin with ttl == max_ttl ({cap:g}s)")
 
     @reg.case(
         "clipping", "pin-budget",
@@ -73,6 +74,7 @@ def register(reg: Registry) -> None:
         clipped = None
         for i, name in enumerate(names):
             result = ctx.apply_one(H.pin(name, ttl=60))
+            check_result_form(result, f"pin #{i + 1} of {per} blocks")
             granted = H.device_blocks(result)
             fits = budget - pinned
             if per <= fits:
@@ -227,6 +229,7 @@ def _ttl_cap(reg: Registry, action: str) -> None:
             result.outcome == pb.OUTCOME_CLIPPED and result.reason == pb.REASON_TTL_CAPPED,
             f"{action} with ttl {asked:g}s over max_ttl {cap:g}s: {H.describe(result)}, expected CLIPPED/TTL_CAPPED",
         )
+        check_result_form(result, f"{action} with ttl {asked:g}s over max_ttl {cap:g}s")
         check(abs(_seconds(result.effective_ttl) - cap) < 1e-3, f"effective_ttl={_seconds(result.effective_ttl):g}s, expected {cap:g}s")
         clips = [c for c in result.clips if c.reason == pb.REASON_TTL_CAPPED]
         check(clips, "CLIPPED/TTL_CAPPED without a TTL_CAPPED Clip")
@@ -274,6 +277,7 @@ def _max_blocks(reg: Registry, action: str) -> None:
             result.outcome == pb.OUTCOME_CLIPPED and result.reason == pb.REASON_MAX_BLOCKS,
             f"{action} of {n} blocks with max_blocks=1: {H.describe(result)}, expected CLIPPED/MAX_BLOCKS",
         )
+        check_result_form(result, f"{action} of {n} blocks with max_blocks=1")
         clips = [c for c in result.clips if c.reason == pb.REASON_MAX_BLOCKS]
         check(clips and clips[0].requested_blocks == n and clips[0].granted_blocks == 1,
               f"MAX_BLOCKS clip: {[(c.requested_blocks, c.granted_blocks) for c in clips]}, expected requested={n} granted=1")

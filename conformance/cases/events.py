@@ -109,7 +109,9 @@ def register(reg: Registry) -> None:
         # resuming after it would miss events): those received before the probe are below `target`,
         # those received since are below the sequence of the next probe.
         received = {name: list(watch.messages) for name, watch in (("unfiltered", plain), ("filtered", hidden))}
-        following = ctx.latest_sequence()
+        # The bound below is the probe's own HintApplied: a target that publishes none for the probes
+        # fails here, saying so, rather than with heartbeats "ahead" of an event that never was.
+        following = ctx.latest_sequence(after=target)
         for name, messages in received.items():
             ahead = []
             for i, m in enumerate(messages):
@@ -216,11 +218,15 @@ def register(reg: Registry) -> None:
             hints = [H.release(ctx.sid(f"w{rpcs}-{i}")) for i in range(batch)]
             response = ctx.apply_response(*hints)
             rpcs += 1
-            # Every applied hint MUST publish a HintApplied event (hint-applied-matches-result), so a
-            # target whose sequence stands still fails here rather than escaping the window check.
+            # Every hint an ApplyHints call answers MUST publish a HintApplied event, MISSING ones
+            # included (the proto's HintApplied), so a target whose sequence stands still fails here
+            # rather than escaping the window check.
             check(rpcs <= 3 or response.applied_at_sequence - start >= rpcs,
-                  f"{rpcs} ApplyHints batches of {batch} MISSING releases advanced the event sequence by "
-                  f"{response.applied_at_sequence - start}: applied hints publish no HintApplied events")
+                  f"{rpcs} ApplyHints batches of {batch} Releases of unknown sessions (answered "
+                  f"{H.describe(response.results[0])}) advanced the event sequence by {response.applied_at_sequence - start}: "
+                  "the target published no HintApplied for the hints it answered. The proto's HintApplied: every "
+                  "hint an ApplyHints call answers is published as one HintApplied event, whatever its outcome "
+                  "(REJECTED and MISSING included)")
             check(rpcs <= 2 * needed + 8, f"{rpcs} batches did not pass the replay window of {window} events")
             sequence = response.applied_at_sequence
         msg = _only_resync(ctx, START(start=START.START_RESUME, resume_epoch=caps.epoch, resume_after_sequence=start),

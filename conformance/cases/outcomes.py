@@ -4,6 +4,10 @@ Local actions (Retain, Pin, Release, Evict): ACCEPTED on a resident selection, M
 nothing resident. Tier actions (Demote, Prefetch, Share): DEFERRED with an operation the
 target can report, an ACCEPTED no-op (Prefetch of device-resident blocks), MISSING, and
 REJECTED/UNKNOWN_DESTINATION (Share). UNSUPPORTED for the rest lives in capabilities.py.
+
+Every result these cases examine must also keep the HintResult form (target.check_result_form):
+affected_blocks holds at most one entry per tier, in Tier order, each with blocks > 0, and the
+reason is REASON_UNSPECIFIED for ACCEPTED and DEFERRED.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 
 from .. import hints as H
 from ..model import CaseFailed, Registry, check
-from ..target import CaseContext, poll, rpc_error_text
+from ..target import CaseContext, check_result_form, poll, rpc_error_text
 
 LOCAL = ("retain", "pin", "release", "evict")
 SMALL_BLOCKS = 3
@@ -77,6 +81,7 @@ def register(reg: Registry) -> None:
         bogus = "kvhint-conformance-unknown-peer:1"
         check(bogus not in ctx.caps.share_destinations, "the bogus destination is configured")
         result = ctx.apply_one(H.hint(H.session_selector(ctx.sid("x")), "share", destination=bogus))
+        check_result_form(result, "SHARE to an unknown destination")
         check(
             result.outcome == pb.OUTCOME_REJECTED and result.reason == pb.REASON_UNKNOWN_DESTINATION,
             f"SHARE to an unknown destination: {H.describe(result)}, expected REJECTED/UNKNOWN_DESTINATION",
@@ -94,6 +99,8 @@ def register(reg: Registry) -> None:
         results = ctx.apply(*batch)
         check([r.hint_id for r in results] == [h.hint_id for h in batch], f"hint ids {[r.hint_id for r in results]} are not echoed in request order")
         check(all(r.outcome != pb.OUTCOME_UNSPECIFIED for r in results), "a result has OUTCOME_UNSPECIFIED")
+        for i, r in enumerate(results):
+            check_result_form(r, f"result {i}")
         check(results[2].outcome == pb.OUTCOME_REJECTED, f"the hint without an action got {H.describe(results[2])}")
 
 
@@ -103,7 +110,8 @@ def _accepted(reg: Registry, action: str, kind: str) -> None:
         f"{_a(action)} {action.upper()} hint with a {kind} selector that resolves to resident device blocks MUST get ACCEPTED"
         + (" and report the blocks it applied to in affected_blocks" if action != "release" else "")
         + (" and the granted TTL in effective_ttl" if action in ("retain", "pin") else "")
-        + ".",
+        + ", with REASON_UNSPECIFIED and affected_blocks holding at most one entry per tier, in Tier order, each with "
+        "blocks > 0.",
         requires=(f"{action}:{kind}",),
         needs=("traffic",),
     )
@@ -111,6 +119,7 @@ def _accepted(reg: Registry, action: str, kind: str) -> None:
         sel, blocks, _prompt, _session = resident_selection(ctx, kind)
         result = ctx.apply_one(H.hint(sel, action, ttl=30, priority=3))
         check(result.outcome == pb.OUTCOME_ACCEPTED, f"{action} of {blocks} resident blocks by {kind}: {H.describe(result)}, expected ACCEPTED")
+        check_result_form(result, f"{action} of {blocks} resident blocks by {kind}")
         if action != "release":
             got = H.device_blocks(result)
             check(got == blocks, f"{action} by {kind}: affected_blocks reports {got} device blocks, expected {blocks}")
@@ -131,6 +140,7 @@ def _missing(reg: Registry, action: str, kind: str) -> None:
             result.outcome == pb.OUTCOME_MISSING and result.reason == pb.REASON_NOT_RESIDENT,
             f"{action} of a {kind} selector that names nothing resident: {H.describe(result)}, expected MISSING/NOT_RESIDENT",
         )
+        check_result_form(result, f"{action} of a {kind} selector that names nothing resident")
 
 
 def _get_operation(ctx: CaseContext, operation_id: str) -> pb.Operation:
@@ -154,6 +164,7 @@ def wait_operation(ctx: CaseContext, operation_id: str, timeout: float = 60.0) -
 
 def _deferred_checks(ctx: CaseContext, action: str, result: pb.HintResult, wait: bool) -> None:
     check(result.outcome == pb.OUTCOME_DEFERRED, f"{action}: {H.describe(result)}, expected DEFERRED")
+    check_result_form(result, action)
     check(result.operation_id, f"{action}: DEFERRED without an operation_id")
     op = _get_operation(ctx, result.operation_id)
     check(op.operation_id == result.operation_id, f"GetOperation returned operation {op.operation_id!r}")
@@ -170,8 +181,8 @@ def _deferred_checks(ctx: CaseContext, action: str, result: pb.HintResult, wait:
 def _demote(reg: Registry, kind: str) -> None:
     @reg.case(
         "outcomes", f"demote-{kind}-deferred",
-        f"A DEMOTE hint with a {kind} selector over resident device blocks MUST get DEFERRED with an operation_id "
-        "that GetOperation reports, and the operation MUST reach SUCCEEDED.",
+        f"A DEMOTE hint with a {kind} selector over resident device blocks MUST get DEFERRED (REASON_UNSPECIFIED) with "
+        "an operation_id that GetOperation reports, and the operation MUST reach SUCCEEDED.",
         requires=(f"demote:{kind}",),
         needs=("traffic",),
     )
@@ -187,6 +198,7 @@ def _demote(reg: Registry, kind: str) -> None:
     def missing(ctx: CaseContext) -> None:
         result = ctx.apply_one(H.hint(absent_selection(ctx, kind), "demote"))
         check(result.outcome == pb.OUTCOME_MISSING, f"demote of nothing resident: {H.describe(result)}, expected MISSING")
+        check_result_form(result, "demote of nothing resident")
 
 
 def _prefetch(reg: Registry, kind: str) -> None:
@@ -200,6 +212,7 @@ def _prefetch(reg: Registry, kind: str) -> None:
         sel, _blocks, _p, _s = resident_selection(ctx, kind)
         result = ctx.apply_one(H.hint(sel, "prefetch"))
         check(result.outcome == pb.OUTCOME_ACCEPTED, f"prefetch of device-resident blocks: {H.describe(result)}, expected ACCEPTED")
+        check_result_form(result, "prefetch of device-resident blocks")
 
     @reg.case(
         "outcomes", f"prefetch-{kind}-missing",
@@ -209,13 +222,14 @@ def _prefetch(reg: Registry, kind: str) -> None:
     def missing(ctx: CaseContext) -> None:
         result = ctx.apply_one(H.hint(absent_selection(ctx, kind), "prefetch"))
         check(result.outcome == pb.OUTCOME_MISSING, f"prefetch of nothing resident: {H.describe(result)}, expected MISSING")
+        check_result_form(result, "prefetch of nothing resident")
 
 
 def _share(reg: Registry, kind: str) -> None:
     @reg.case(
         "outcomes", f"share-{kind}-deferred",
-        f"A SHARE hint with a {kind} selector over resident blocks to a configured destination MUST get DEFERRED with "
-        "an operation_id that GetOperation reports.",
+        f"A SHARE hint with a {kind} selector over resident blocks to a configured destination MUST get DEFERRED "
+        "(REASON_UNSPECIFIED) with an operation_id that GetOperation reports.",
         requires=(f"share:{kind}", "share-destination"),
         needs=("traffic",),
     )
@@ -233,3 +247,4 @@ def _share(reg: Registry, kind: str) -> None:
     def missing(ctx: CaseContext) -> None:
         result = ctx.apply_one(H.hint(absent_selection(ctx, kind), "share", destination=ctx.caps.share_destinations[0]))
         check(result.outcome == pb.OUTCOME_MISSING, f"share of nothing resident: {H.describe(result)}, expected MISSING")
+        check_result_form(result, "share of nothing resident")

@@ -62,6 +62,7 @@ def register(reg: Registry) -> None:
     @reg.case(
         "queries", "list-sessions-reports-session",
         "ListSessions MUST list a session with resident blocks, with its device block count and its continuation ids.",
+        requires=("selector:continuation",),
         needs=("traffic",),
     )
     def sessions(ctx: CaseContext) -> None:

@@ -11,7 +11,7 @@ from kvhint.v1 import kvhint_pb2 as pb
 
 from .. import hints as H
 from ..model import CaseFailed, Registry, check
-from ..target import CaseContext
+from ..target import CaseContext, check_result_form
 from .outcomes import resident_selection
 from .retention import hit
 
@@ -168,6 +168,7 @@ def register(reg: Registry) -> None:
         reference = (tuple(first.token_ids), first.text)
         previous = ctx.sid("reference")
         attempts: list[str] = []
+        found = False  # an Evict found the request's blocks (ACCEPTED with device blocks)
         deadline = time.monotonic() + 60
         for attempt in range(12):
             if attempt >= 3 and time.monotonic() > deadline:
@@ -183,16 +184,28 @@ def register(reg: Registry) -> None:
                     pending.append(ctx.stub.ApplyHints.future(pb.ApplyHintsRequest(hints=[H.evict(session)]), timeout=ctx.timeout))
                     time.sleep(0.005)
                 output = running.result()
-            results = []
-            for future in pending:
+            answers: list[tuple[int, int, pb.HintResult]] = []  # (applied_at_sequence, send order, result)
+            for n, future in enumerate(pending):
                 try:
-                    results.append(future.result().results[0])
+                    response = future.result()
                 except grpc.RpcError as err:
                     raise CaseFailed(f"ApplyHints failed: {err.code().name}: {err.details()}") from err
+                check_result_form(response.results[0], f"Evict #{n} of the running request's session")
+                answers.append((response.applied_at_sequence, n, response.results[0]))
+            evicted_in_use = accepted_while_running(answers)
+            if evicted_in_use is not None:
+                accepted, later = evicted_in_use
+                raise CaseFailed(
+                    f"evict of a running request's blocks: {H.describe(accepted)}: ACCEPTED while a request used the blocks; "
+                    f"expected CLIPPED with BLOCKS_IN_USE (an Evict the target applied after it found the session's blocks "
+                    f"again, {H.describe(later)}: the request was still running and storing blocks)"
+                )
+            results = [r for _, _, r in answers]
             seen = [H.outcome_name(r.outcome) for r in results]
+            found |= any(r.outcome == pb.OUTCOME_ACCEPTED and H.device_blocks(r) for r in results)
             clipped = next((r for r in results if r.outcome == pb.OUTCOME_CLIPPED), None)
             if clipped is None:
-                # No evict was applied while the request ran (a loaded machine stalls the client): again.
+                # No evict found the blocks in use (a loaded machine stalls the client): again.
                 attempts.append("/".join(dict.fromkeys(seen)))
                 continue
             check(clipped.reason == pb.REASON_BLOCKS_IN_USE,
@@ -203,5 +216,37 @@ def register(reg: Registry) -> None:
             check((tuple(output.token_ids), output.text) == reference,
                   "the running request produced different tokens than the same request undisturbed")
             return
+        if found:
+            raise CaseFailed(
+                f"no EVICT was answered CLIPPED/BLOCKS_IN_USE while a {max_tokens}-token request ran, in {len(attempts)} "
+                f"attempts (outcomes seen: {attempts}): every Evict that found the request's blocks was ACCEPTED. That is "
+                "the answer once the request has ended; if the target answered it while the request used the blocks, "
+                "that is the violation (expected CLIPPED with BLOCKS_IN_USE), which the suite cannot tell here because no "
+                "later Evict found new blocks of the request. If the target does keep blocks in use, the client may be "
+                "starved of CPU (its Evicts reached the target only after the request ended)"
+            )
         raise CaseFailed(f"no EVICT was applied while a {max_tokens}-token request ran, in {len(attempts)} attempts "
                          f"(outcomes seen: {attempts}); the client may be starved of CPU")
+
+
+def accepted_while_running(answers: list[tuple[int, int, pb.HintResult]]) -> tuple[pb.HintResult, pb.HintResult] | None:
+    """(an ACCEPTED Evict, a later one) proving that the ACCEPTED one evicted blocks a running request
+    used, or None. `answers` are the Evicts of the running request's session as (applied_at_sequence,
+    send order, result).
+
+    In the order the target applied them (applied_at_sequence: each Evict publishes a HintApplied, so
+    the sequences differ; send order breaks ties), an ACCEPTED Evict that removed device blocks and
+    is followed by one that again finds device blocks of the session (CLIPPED, or ACCEPTED with
+    device blocks). The session is this request's alone, so blocks were stored after the ACCEPTED
+    one: the request was still running, and every session block the ACCEPTED one removed was in use
+    by it (a running request holds all of its blocks). Once the request has ended an ACCEPTED Evict
+    removes all of the session's device blocks and nothing stores more, and before the request
+    allocates an Evict finds nothing (MISSING), so a correct target never shows this order."""
+    evicted: pb.HintResult | None = None
+    for _sequence, _order, result in sorted(answers, key=lambda a: (a[0], a[1])):
+        found = result.outcome == pb.OUTCOME_CLIPPED or (result.outcome == pb.OUTCOME_ACCEPTED and H.device_blocks(result) > 0)
+        if evicted is not None and found:
+            return evicted, result
+        if result.outcome == pb.OUTCOME_ACCEPTED and H.device_blocks(result) > 0:
+            evicted = result
+    return None

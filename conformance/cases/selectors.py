@@ -14,6 +14,7 @@ def register(reg: Registry) -> None:
         "selectors", "continuation-resolves-prefix-chain",
         "A continuation selector MUST resolve to the prefix chain ending where that continuation's request ended: "
         "an earlier turn's continuation MUST select exactly the leading blocks of a later turn's chain.",
+        requires=("selector:continuation",),
         needs=("traffic",),
     )
     def continuation(ctx: CaseContext) -> None:
@@ -86,7 +87,7 @@ def register(reg: Registry) -> None:
     @reg.case(
         "selectors", "range-unadvertised-unsupported",
         "A hint with a BlockRange for an action whose ActionSupport.supports_range is false MUST get REJECTED with "
-        "REASON_UNSUPPORTED.",
+        "REASON_UNSUPPORTED, before its selector is resolved: never MISSING.",
     )
     def range_unsupported(ctx: CaseContext) -> None:
         have = ctx.target.capabilities
@@ -97,4 +98,7 @@ def register(reg: Registry) -> None:
         batch = [H.hint(H.session_selector(ctx.sid("r"), range=H.block_range(0, 1)), a, ttl=5, destination=destination) for a in targets]
         for action, result in zip(targets, ctx.apply(*batch)):
             check(result.outcome == pb.OUTCOME_REJECTED and result.reason == pb.REASON_UNSUPPORTED,
-                  f"{action} with a range (supports_range=false): {H.describe(result)}, expected REJECTED/UNSUPPORTED")
+                  f"{action} with a range (supports_range=false): {H.describe(result)}, expected REJECTED/UNSUPPORTED"
+                  + (": a hint rejected for its form (INVALID_HINT, UNSUPPORTED) is rejected before its selector is "
+                     "resolved, so it is never MISSING, whether or not the session exists"
+                     if result.outcome == pb.OUTCOME_MISSING else ""))

@@ -102,6 +102,13 @@ class FaultProxy:
         response = pb.QueryResidencyResponse.FromString(raw)
         return sum(t.blocks for t in response.totals if t.tier == pb.TIER_DEVICE)
 
+    # -- requests --------------------------------------------------------------------------
+
+    def rewrite_request(self, method: str, raw: bytes) -> bytes:
+        """The request bytes forwarded for `method` (unary and server-streaming calls). No fault
+        rewrites requests; a subclass that breaks request validation does (tests/conformance)."""
+        return raw
+
     # -- ApplyHints ------------------------------------------------------------------------
 
     def apply_hints(self, raw: bytes, timeout: float | None) -> bytes:
@@ -227,6 +234,7 @@ class _Handler(grpc.GenericRpcHandler):
 
     def _unary(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
         timeout = _remaining(context)
+        request = self.proxy.rewrite_request(method, request)
         try:
             if method == APPLY:
                 return self.proxy.apply_hints(request, timeout)
@@ -236,6 +244,7 @@ class _Handler(grpc.GenericRpcHandler):
             raise  # unreachable: abort raised
 
     def _stream(self, method: str, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        request = self.proxy.rewrite_request(method, request)
         call = self.proxy.upstream.unary_stream(method)(request, timeout=_remaining(context))
         context.add_callback(call.cancel)
         state: dict[str, Any] = {}

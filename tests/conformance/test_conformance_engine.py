@@ -50,7 +50,8 @@ CAUGHT_BY: dict[str, list[str]] = {
     "no-error-info": [S + f"bad-input/{n}" for n in (
         "empty-batch-invalid-argument", "too-many-hints-invalid-argument", "too-many-block-hashes-invalid-argument",
         "undecodable-request-invalid-argument",
-        "query-without-selector-invalid-argument", "unknown-operation-not-found")],
+        "query-without-selector-invalid-argument", "unknown-operation-not-found",
+        "malformed-operation-id-invalid-argument", "resume-without-epoch-invalid-argument")],
     "repeat-sequence": [S + "events/sequence-strictly-increasing", S + "events/resume-inside-window"],
     "no-resync": [S + f"events/resume-{n}-resync" for n in ("outside-window", "foreign-epoch", "future-sequence")],
     "strip-removed-coordinates": [S + "events/removed-carries-session-coordinates", S + "events/evict-hint-removal-cause"],

@@ -18,8 +18,8 @@ from conformance.runner import apply_known_failing, main, read_known_failing, se
 
 GOLDEN = Path(__file__).resolve().parents[2] / "conformance" / "golden_case_ids.txt"
 CAPABILITY = re.compile(
-    r"^(?:(?:%s)(?::(?:%s|range))?|tier:(?:device|host|disk|remote)|share-destination)$"
-    % ("|".join(H.ACTIONS), "|".join(H.SELECTORS))
+    r"^(?:(?:%s)(?::(?:%s|range))?|selector:(?:%s)|tier:(?:device|host|disk|remote)|share-destination)$"
+    % ("|".join(H.ACTIONS), "|".join(H.SELECTORS), "|".join(H.SELECTORS))
 )
 
 
