@@ -27,6 +27,14 @@ def dp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
     return rank, max(size, rank + 1)
 
 
+def rank_address(address: str, rank: int) -> str:
+    """`address` for data-parallel rank `rank`: HOST:(PORT + rank), port 0 kept; `unix:PATH.rank`."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return f"{address}.{rank}"
+    host, _, port = address.rpartition(":")
+    return f"{host}:{int(port) + rank}" if host and port.isdigit() and int(port) else address
+
+
 def free_base_port(ranks: int) -> int:
     """A loopback port p with p .. p + ranks - 1 all free: the sidecar ports of a DP group
     whose KVHINT_GRPC_ADDRESS is p (rank r listens on p + r)."""

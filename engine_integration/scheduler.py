@@ -34,7 +34,7 @@ from kvhint_server.server import KvHintServer
 
 from .adapter import VllmAdapter
 from .coords import forget_request_coords
-from .dp import dp_rank_and_size
+from .dp import dp_rank_and_size, rank_address
 from .envelope_hints import apply_request_envelope
 from .hooks import hooked_construction, install
 from .parent_watch import watch_parent
@@ -82,18 +82,10 @@ def _config_for(vllm_config: Any) -> ServerConfig:
     rank, _ = dp_rank_and_size(vllm_config)
     if not rank:
         return config
-    shifted = {"address": _rank_address(config.address, rank)}
+    shifted = {"address": rank_address(config.address, rank)}
     if config.metrics_address:
-        shifted["metrics_address"] = "" if multiprocess_mode() else _rank_address(config.metrics_address, rank)
+        shifted["metrics_address"] = "" if multiprocess_mode() else rank_address(config.metrics_address, rank)
     return ServerConfig.from_env(**shifted)
-
-
-def _rank_address(address: str, rank: int) -> str:
-    """`address` for data-parallel rank `rank`: HOST:(PORT + rank), port 0 kept; `unix:PATH.rank`."""
-    if address.startswith(("unix:", "unix-abstract:")):
-        return f"{address}.{rank}"
-    host, _, port = address.rpartition(":")
-    return f"{host}:{int(port) + rank}" if host and port.isdigit() and int(port) else address
 
 
 class KvHintScheduler(Scheduler):

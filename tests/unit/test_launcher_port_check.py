@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine_integration import launcher
-from engine_integration.launcher import check_listen_addresses, local_dp_ranks
+from engine_integration import launcher, listen_check
+from engine_integration.listen_check import check_listen_addresses, local_dp_ranks
 from kvhint_server.config import ConfigError, ServerConfig
 from kvhint_server.server import GRPC_SERVER_OPTIONS
 
@@ -145,23 +145,23 @@ def test_the_probe_refuses_exactly_what_grpc_refuses(kind: str, host: str) -> No
     port = free_port()
     address = f"{host}:{port}"
     with occupant(kind, port):
-        refusal = launcher._grpc_refusal(address)
-        assert launcher._grpc_refusal(address) == refusal, "the probe leaves the port as it found it"
+        refusal = listen_check._grpc_refusal(address)
+        assert listen_check._grpc_refusal(address) == refusal, "the probe leaves the port as it found it"
         assert (refusal is None) == grpc_can_listen(address), f"{kind}, {address}: the probe says {refusal!r}"
 
 
 def test_an_address_gRPC_cannot_bind_is_named_plainly() -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        assert "already in use" in launcher._grpc_refusal(f"127.0.0.1:{port}")
-        assert "already in use" in launcher._http_refusal(f"127.0.0.1:{port}")
-    assert "not an address of this machine" in launcher._grpc_refusal("192.0.2.1:5000")  # TEST-NET-1
+        assert "already in use" in listen_check._grpc_refusal(f"127.0.0.1:{port}")
+        assert "already in use" in listen_check._http_refusal(f"127.0.0.1:{port}")
+    assert "not an address of this machine" in listen_check._grpc_refusal("192.0.2.1:5000")  # TEST-NET-1
     try:
         socket.getaddrinfo("no-such-host.invalid", 5000)
     except socket.gaierror as exc:
         if exc.errno == socket.EAI_NONAME:  # not a resolver that cannot be reached (EAI_AGAIN: not refused)
-            assert "does not resolve" in launcher._grpc_refusal("no-such-host.invalid:5000")
-    assert launcher._grpc_refusal("127.0.0.1:0") is None and launcher._grpc_refusal("unix:/nonexistent/x.sock") is None
+            assert "does not resolve" in listen_check._grpc_refusal("no-such-host.invalid:5000")
+    assert listen_check._grpc_refusal("127.0.0.1:0") is None and listen_check._grpc_refusal("unix:/nonexistent/x.sock") is None
 
 
 # ---------------------------------------------------------------- every rank's port, and /metrics
