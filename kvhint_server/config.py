@@ -347,15 +347,15 @@ def _check_tls(cert: str, key: str) -> None:
     _read_pem(key_env, key)
     if leaf is None or not _certificate_parses(leaf):
         raise ConfigError(f"{cert_env}={cert!r}: not a readable certificate (its first PEM CERTIFICATE block does not parse)")
-    problem = _key_problem(cert, key)
-    if problem == "retry with the leaf":  # OpenSSL, unlike gRPC, refuses a chain certificate that does not parse
-        try:
-            with tempfile.NamedTemporaryFile("w", suffix=".pem") as tmp:
-                tmp.write(leaf)
-                tmp.flush()
-                problem = _key_problem(tmp.name, key)
-        except OSError:  # no temporary file here: what cannot be checked is not refused
-            problem = None
+    # The first certificate alone, as gRPC uses it: OpenSSL, unlike gRPC, refuses a chain whose
+    # later certificate does not parse.
+    try:
+        with tempfile.NamedTemporaryFile("w", suffix=".pem") as tmp:
+            tmp.write(leaf)
+            tmp.flush()
+            problem = _key_problem(tmp.name, key)
+    except OSError:  # no temporary file here: what cannot be checked is not refused
+        problem = None
     if problem == "mismatch":
         raise ConfigError(f"{key_env}={key!r} is not the private key of the certificate in {cert_env}={cert!r} "
                           "(the key does not match the certificate)")
@@ -368,8 +368,7 @@ def _check_tls(cert: str, key: str) -> None:
 
 def _key_problem(cert: str, key: str) -> str | None:
     """None when `ssl` loads the pair (the key with an empty passphrase, as gRPC does); else
-    "mismatch", "encrypted", "retry with the leaf" (an error the certificate file may have caused
-    after its first certificate) or "key"."""
+    "mismatch", "encrypted" or "key"."""
     asked: list[bool] = []
 
     def passphrase() -> bytes:  # without a callback OpenSSL prompts for it on the terminal
@@ -381,10 +380,8 @@ def _key_problem(cert: str, key: str) -> str | None:
     except ssl.SSLError as exc:
         if exc.reason == "KEY_VALUES_MISMATCH":
             return "mismatch"
-        if asked:
-            return "encrypted"
-        return "retry with the leaf" if _certificate_count(cert) > 1 else "key"
-    except OSError:  # the file went away since it was read: the sidecar reports it when it starts
+        return "encrypted" if asked else "key"
+    except OSError:  # the key file went away since it was read: the sidecar reports it when it starts
         return None
     return None
 
@@ -407,14 +404,6 @@ def _first_certificate(text: bytes) -> str | None:
     """The first PEM certificate block of `text` (the one gRPC's PEM_read_bio_X509_AUX reads)."""
     match = _CERTIFICATE_BLOCK.search(text)
     return match.group(0).decode("ascii", "replace") + "\n" if match else None
-
-
-def _certificate_count(path: str) -> int:
-    try:
-        with open(path, "rb") as f:
-            return len(_CERTIFICATE_BLOCK.findall(f.read(_PEM_LIMIT)))
-    except OSError:
-        return 0
 
 
 def _certificate_parses(block: str) -> bool:
