@@ -21,6 +21,7 @@ now fails, saying why. No engine.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -90,6 +91,17 @@ def failure(address: str, case: str, *extra: str) -> str:
     return lines(text, "FAILED")[S + case]
 
 
+def caught(harness: Harness, case: str, proxy: type[FaultProxy], *, traffic: bool = False) -> str:
+    """`case` passes against `harness`'s servicer and fails through `proxy` in front of it (with
+    the fake OpenAI endpoint when it needs `traffic`): the failure's reason."""
+    target = f"127.0.0.1:{harness.port}"
+    with contextlib.ExitStack() as stack:
+        extra = ("--openai-url", stack.enter_context(openai_over(harness.engine))) if traffic else ()
+        passes(target, case, *extra)
+        with proxy(target) as broken:
+            return failure(broken.address, case, *extra)
+
+
 # -- HintResult form ----------------------------------------------------------------------------
 
 
@@ -119,19 +131,13 @@ class ReasonOnAccepted(FaultProxy):
 ])
 def test_a_malformed_accepted_result_fails_the_outcome_case(server: Harness, proxy: type[FaultProxy], said: str) -> None:
     case = "outcomes/pin-session-accepted"
-    with openai_over(server.engine) as url:
-        passes(f"127.0.0.1:{server.port}", case, "--openai-url", url)
-        with proxy(f"127.0.0.1:{server.port}") as broken:
-            reason = failure(broken.address, case, "--openai-url", url)
+    reason = caught(server, case, proxy, traffic=True)
     assert said in reason, reason
 
 
 def test_a_split_affected_count_fails_the_clipping_case(server: Harness) -> None:
     case = "clipping/pin-max-blocks"
-    with openai_over(server.engine) as url:
-        passes(f"127.0.0.1:{server.port}", case, "--openai-url", url)
-        with SplitAffected(f"127.0.0.1:{server.port}") as broken:
-            reason = failure(broken.address, case, "--openai-url", url)
+    reason = caught(server, case, SplitAffected, traffic=True)
     assert "affected_blocks [DEVICE:1, HOST:0] has an entry with 0 blocks" in reason, reason
 
 
@@ -190,17 +196,13 @@ class LaxRequestIds(FaultProxy):
 
 def test_a_malformed_operation_id_must_be_invalid_argument(server: Harness) -> None:
     case = "bad-input/malformed-operation-id-invalid-argument"
-    passes(f"127.0.0.1:{server.port}", case)
-    with LaxRequestIds(f"127.0.0.1:{server.port}") as broken:
-        reason = failure(broken.address, case)
+    reason = caught(server, case, LaxRequestIds)
     assert reason == "GetOperation with an empty operation_id: failed with NOT_FOUND, expected INVALID_ARGUMENT", reason
 
 
 def test_a_resume_without_epoch_must_be_invalid_argument(server: Harness) -> None:
     case = "bad-input/resume-without-epoch-invalid-argument"
-    passes(f"127.0.0.1:{server.port}", case)
-    with LaxRequestIds(f"127.0.0.1:{server.port}") as broken:
-        reason = failure(broken.address, case)
+    reason = caught(server, case, LaxRequestIds)
     assert reason == ("WatchEvents START_RESUME with an empty resume_epoch: the stream ended without an error after "
                       "['resync'], expected INVALID_ARGUMENT"), reason
 
@@ -275,9 +277,7 @@ class RangedAsMissing(FaultProxy):
 
 def test_a_ranged_hint_answered_missing_cites_the_rule(session_only: Harness) -> None:
     case = "selectors/range-unadvertised-unsupported"
-    passes(f"127.0.0.1:{session_only.port}", case)
-    with RangedAsMissing(f"127.0.0.1:{session_only.port}") as broken:
-        reason = failure(broken.address, case)
+    reason = caught(session_only, case, RangedAsMissing)
     assert "expected REJECTED/UNSUPPORTED: a hint rejected for its form (INVALID_HINT, UNSUPPORTED) is rejected before " \
            "its selector is resolved, so it is never MISSING" in reason, reason
 
@@ -330,10 +330,7 @@ class StubGenerated(FaultProxy):
 
 def test_payloads_answered_internal_name_the_code(server: Harness) -> None:
     case = "bad-input/engine-serves-after-bad-input"
-    with openai_over(server.engine) as url:
-        passes(f"127.0.0.1:{server.port}", case, "--openai-url", url)
-        with StubGenerated(f"127.0.0.1:{server.port}") as broken:
-            reason = failure(broken.address, case, "--openai-url", url)
+    reason = caught(server, case, StubGenerated, traffic=True)
     assert re.fullmatch(r"\d+ of 200 random ApplyHints payloads failed with INTERNAL \(\d+\), expected INVALID_ARGUMENT",
                         reason), reason
 
